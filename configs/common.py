@@ -1,0 +1,67 @@
+"""Fields shared by every config: one comment line each; override any with --config.x=..."""
+import ml_collections
+
+
+def get_config():
+  """The base config: every field the loop reads, with neutral defaults."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # One seed for init, data order, augmentation and dropout.
+
+  # Model.
+  c.model_name = 'ViT-B_16'  # A name from vit_jax.models.VARIANTS.
+  c.model = ml_collections.ConfigDict()  # Variant overrides, e.g. dropout_rate, representation_size.
+  c.dtype = 'float32'  # Compute dtype ('float32' or 'bfloat16'); parameters stay float32.
+  c.remat = False  # Rematerialise encoder blocks / ResNet units to save memory.
+  c.num_classes = -1  # Head size; -1 takes it from the dataset.
+  c.head_bias_init = 0.0  # Head bias init (-10 for sigmoid pre-training on ImageNet-21k/JFT).
+
+  # Data.
+  c.dataset = 'fashion_mnist_local'  # TFDS name, 'folder:<dir>' or 'fashion_mnist_local'.
+  c.data_dir = ''  # TFDS data_dir (may be gs://) or the folder of the local IDX files.
+  c.train_split = 'train'  # Split used for training.
+  c.eval_split = 'test'  # Split evaluated completely at every evaluation.
+  c.num_train_examples = -1  # Training-set size, for epochs -> steps; -1 asks the dataset.
+  c.vtab_task = ''  # VTAB-1k task ('clevr_count', ...) whose label input_pipeline derives; '' reads 'label'.
+  c.image_size = 224  # Training and evaluation resolution.
+  c.pp = ml_collections.ConfigDict()
+  c.pp.train_crop = 'inception'  # 'inception' (random area crop) or 'resize' (whole image).
+  c.pp.inception_min_area = 0.05  # Smallest crop area fraction of the Inception crop.
+  c.pp.flip = True  # Random horizontal flip at training.
+  c.pp.eval_crop = 'resize'  # 'resize' (whole image) or 'central' (resize then central crop).
+  c.pp.central_crop_fraction = 0.875  # Fraction of the side kept by the central crop.
+  c.shuffle_buffer = 50_000  # Examples in the training shuffle buffer (per host).
+  c.prefetch = 2  # Batches prefetched to the devices.
+
+  # Optimisation.
+  c.batch_size = 4096  # Global training batch, over all hosts and devices.
+  c.eval_batch_size = 512  # Global evaluation batch (the last one is padded and masked).
+  c.accum_steps = 1  # Gradient accumulation: micro-batches per step.
+  c.optimizer = 'adam'  # 'adam' (Table 3) or 'sgd' (Table 4, momentum).
+  c.adam_b1 = 0.9  # Adam beta1.
+  c.adam_b2 = 0.999  # Adam beta2.
+  c.momentum = 0.9  # SGD momentum.
+  c.base_lr = 1e-3  # Peak learning rate, reached at the end of the warm-up.
+  c.lr_decay = 'linear'  # 'linear' or 'cosine' decay after the warm-up.
+  c.end_lr = 0.0  # Learning rate at the last step of linear decay.
+  c.warmup_steps = 10_000  # Linear warm-up from 0 to base_lr.
+  c.total_steps = -1  # Training steps; -1 derives them from num_epochs.
+  c.num_epochs = -1.0  # Epochs over the training set when total_steps is -1.
+  c.weight_decay = 0.0  # Decoupled decay on kernels, scaled by the learning rate (as AdamW).
+  c.grad_clip_norm = 1.0  # Global-norm gradient clipping; 0 turns it off.
+  c.loss = 'softmax_xent'  # 'softmax_xent' or 'sigmoid_xent' (multi-label pre-training).
+
+  # Fine-tuning from a published checkpoint.
+  c.pretrained_path = ''  # A published-format .npz; empty trains from scratch.
+  c.pretrained_keep_prelogits = False  # Keep the pre-logits layer of the checkpoint.
+  c.lr_grid = ()  # Learning rates a sweep expands (Table 4); base_lr is the default.
+
+  # Devices.
+  c.mesh_data = -1  # Devices on the data axis; -1 uses all.
+  c.fsdp = False  # Shard parameters and optimizer state over the data axis.
+
+  # Loop.
+  c.log_every_steps = 50  # Progress line and training metrics.
+  c.eval_every_steps = 1000  # Evaluation on eval_split; 0 only at the end.
+  c.checkpoint_every_steps = 1000  # Orbax checkpoint period.
+  c.keep_checkpoints = 3  # Checkpoints kept on disk.
+  return c
