@@ -1,0 +1,233 @@
+"""Tests for vit_jax.models: the variant table, parameter counts, forward passes, options."""
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vit_jax import models
+
+# Exact parameter counts at 224 px and 1000 classes, from jax.eval_shape. Independent
+# cross-checks: timm's published counts for the same architectures agree for ViT-Ti/S/B/L/H
+# (5.72M/22.05M/86.57M/304.33M/632.05M), R26+ViT-S/32 (36.43M), R50+ViT-L/32 (328.99M) and
+# BiT R50x1/R50x3/R101x1/R101x3/R152x2/R152x4 (25.55M/217.32M/44.54M/387.93M/236.34M/936.53M).
+PARAM_COUNTS = {
+    'ViT-Ti_8': 5_719_720,
+    'ViT-Ti_14': 5_694_376,
+    'ViT-Ti_16': 5_717_416,
+    'ViT-Ti_32': 6_131_560,
+    'ViT-S_8': 22_055_272,
+    'ViT-S_14': 22_004_584,
+    'ViT-S_16': 22_050_664,
+    'ViT-S_32': 22_878_952,
+    'ViT-B_8': 86_576_872,
+    'ViT-B_14': 86_475_496,
+    'ViT-B_16': 86_567_656,
+    'ViT-B_32': 88_224_232,
+    'ViT-L_8': 304_338_920,
+    'ViT-L_14': 304_203_752,
+    'ViT-L_16': 304_326_632,
+    'ViT-L_32': 306_535_400,
+    'ViT-H_8': 632_214_760,
+    'ViT-H_14': 632_045_800,
+    'ViT-H_16': 632_199_400,
+    'ViT-H_32': 634_960_360,
+    'R50+ViT-B_16': 98_659_112,
+    'R50+ViT-B_32': 110_945_832,
+    'R50+ViT-L_16': 316_483_624,
+    'R50+ViT-L_32': 328_994_856,
+    'R26+ViT-B_32': 101_383_976,
+    'R26+ViT-S_32': 36_431_912,
+    'R+ViT-Ti_16': 6_337_704,
+    'BiT-S-R50x1': 25_549_352,
+    'BiT-S-R50x3': 217_319_080,
+    'BiT-S-R101x1': 44_541_480,
+    'BiT-S-R101x3': 387_934_888,
+    'BiT-S-R152x2': 236_335_208,
+    'BiT-S-R152x4': 936_533_224,
+    'BiT-M-R50x1': 25_549_352,
+    'BiT-M-R50x3': 217_319_080,
+    'BiT-M-R101x1': 44_541_480,
+    'BiT-M-R101x3': 387_934_888,
+    'BiT-M-R152x2': 236_335_208,
+    'BiT-M-R152x4': 936_533_224,
+    'R50x1': 25_549_352,
+    'R50x2': 97_988_712,
+    'R101x1': 44_541_480,
+    'R152x1': 60_185_128,
+    'R152x2': 236_335_208,
+    'R200x3': 568_633_000,
+}
+
+
+def _num_params(model, image_size=224):
+  shapes = jax.eval_shape(
+      lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, image_size, image_size, 3)),
+                         train=False))
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes['params']))
+
+
+def test_every_variant_has_a_pinned_count():
+  assert set(PARAM_COUNTS) == set(models.VARIANTS)
+
+
+@pytest.mark.parametrize('name', sorted(PARAM_COUNTS))
+def test_param_count(name):
+  assert _num_params(models.get_model(name, num_classes=1000)) == PARAM_COUNTS[name]
+
+
+@pytest.mark.parametrize('name,paper', [('ViT-B_16', 86e6), ('ViT-L_16', 307e6), ('ViT-H_14', 632e6)])
+def test_table1_param_counts_within_1_percent(name, paper):
+  n = _num_params(models.get_model(name, num_classes=1000))
+  assert abs(n / paper - 1) < 0.01, (name, n)
+
+
+def test_required_names_exist():
+  required = ['ViT-Ti_16', 'ViT-S_16', 'ViT-S_32', 'ViT-B_8', 'ViT-B_16', 'ViT-B_32', 'ViT-L_16',
+              'ViT-L_32', 'ViT-H_14', 'R50+ViT-B_16', 'R50+ViT-L_32', 'R26+ViT-B_32',
+              'R26+ViT-S_32', 'R+ViT-Ti_16', 'R50x1', 'R50x2', 'R101x1', 'R152x1', 'R152x2',
+              'R200x3'] + [f'BiT-{d}-R{r}' for d in 'SM'
+                           for r in ('50x1', '50x3', '101x1', '101x3', '152x2', '152x4')]
+  assert not set(required) - set(models.VARIANTS)
+
+
+def _images(n=2, size=32, seed=0):
+  return jax.random.uniform(jax.random.PRNGKey(seed), (n, size, size, 3), minval=-1, maxval=1)
+
+
+# Small members of each family, with overrides that keep them fast on CPU.
+FAMILIES = {
+    'vit': ('ViT-Ti_16', dict(num_layers=2, patch_size=8), 32),
+    'vit_gap_prelogits': ('ViT-S_32', dict(num_layers=1, patch_size=8, classifier='gap',
+                                           representation_size=24), 32),
+    'hybrid': ('R26+ViT-S_32', dict(num_layers=1, resnet_layers=(1, 1)), 32),
+    'hybrid_root_only': ('R+ViT-Ti_16', dict(num_layers=1), 64),
+    'bit': ('BiT-M-R50x1', dict(resnet_layers=(1, 1, 1)), 32),
+}
+
+
+@pytest.mark.parametrize('family', sorted(FAMILIES))
+def test_forward_every_family(family):
+  name, overrides, size = FAMILIES[family]
+  model = models.get_model(name, num_classes=7, **overrides)
+  x = _images(size=size)
+  params = model.init(jax.random.PRNGKey(0), x, train=False)['params']
+  # Heads start at zero; give them values so the logits depend on the input.
+  params = flax.core.unfreeze(params)
+  params['head']['kernel'] = jax.random.normal(jax.random.PRNGKey(1), params['head']['kernel'].shape)
+  logits = model.apply({'params': params}, x, train=False)
+  assert logits.shape == (2, 7) and logits.dtype == jnp.float32
+  assert bool(jnp.all(jnp.isfinite(logits)))
+  assert not np.allclose(logits[0], logits[1])  # different images, different logits
+  features = models.get_model(name, num_classes=0, **overrides).apply(
+      {'params': {k: v for k, v in params.items() if k != 'head'}}, x, train=False)
+  np.testing.assert_allclose(features @ params['head']['kernel'] + params['head']['bias'],
+                             logits, rtol=1e-4, atol=1e-4)
+
+
+def test_heads_and_class_token_start_at_zero():
+  model = models.get_model('ViT-Ti_16', num_classes=5, num_layers=1, head_bias_init=-10.0)
+  params = model.init(jax.random.PRNGKey(0), _images(), train=False)['params']
+  assert not np.any(params['head']['kernel']) and not np.any(params['cls'])
+  np.testing.assert_array_equal(params['head']['bias'], -10.0)
+  assert abs(float(jnp.std(params['Transformer']['posembed_input']['pos_embedding'])) - 0.02) < 0.004
+
+
+def test_gap_classifier_has_no_class_token():
+  model = models.get_model('ViT-Ti_16', num_classes=3, num_layers=1, classifier='gap')
+  params = model.init(jax.random.PRNGKey(0), _images(), train=False)['params']
+  assert 'cls' not in params
+  assert params['Transformer']['posembed_input']['pos_embedding'].shape == (1, 4, 192)
+
+
+def test_dropout_only_when_training():
+  x = _images()
+  drop = models.get_model('ViT-Ti_16', num_classes=4, num_layers=2, dropout_rate=0.2,
+                          attention_dropout_rate=0.2)
+  plain = models.get_model('ViT-Ti_16', num_classes=4, num_layers=2)
+  params = drop.init(jax.random.PRNGKey(0), x, train=False)['params']
+  params['head']['kernel'] = jax.random.normal(jax.random.PRNGKey(1), params['head']['kernel'].shape)
+  evaluated = drop.apply({'params': params}, x, train=False)
+  np.testing.assert_array_equal(evaluated, plain.apply({'params': params}, x, train=False))
+  rngs = lambda s: {'dropout': jax.random.PRNGKey(s)}
+  trained = drop.apply({'params': params}, x, train=True, rngs=rngs(1))
+  assert not np.allclose(trained, evaluated, atol=1e-3)
+  np.testing.assert_array_equal(trained, drop.apply({'params': params}, x, train=True, rngs=rngs(1)))
+  assert not np.allclose(trained, drop.apply({'params': params}, x, train=True, rngs=rngs(2)))
+
+
+@pytest.mark.parametrize('family', ['vit', 'hybrid', 'bit'])
+def test_bfloat16_compute_keeps_float32_params(family):
+  name, overrides, size = FAMILIES[family]
+  x = _images(size=size)
+  m32 = models.get_model(name, num_classes=3, **overrides)
+  m16 = models.get_model(name, num_classes=3, dtype='bfloat16', **overrides)
+  params = m16.init(jax.random.PRNGKey(0), x, train=False)['params']
+  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+  params['head']['kernel'] = jax.random.normal(jax.random.PRNGKey(1), params['head']['kernel'].shape)
+  y32 = m32.apply({'params': params}, x, train=False)
+  y16 = m16.apply({'params': params}, x, train=False)
+  assert y16.dtype == jnp.float32
+  scale = float(jnp.abs(y32).max())
+  assert float(jnp.abs(y16 - y32).max()) < 0.05 * scale
+  assert float(jnp.abs(y16 - y32).max()) > 0  # bf16 really ran
+
+
+# Smaller still: the gradient of each is compiled twice.
+REMAT_CASES = {
+    'vit': ('ViT-Ti_16', dict(num_layers=2, patch_size=8, dropout_rate=0.1), 32),
+    'hybrid': ('R26+ViT-S_32', dict(num_layers=1, resnet_layers=(1,), hidden_size=64,
+                                    mlp_dim=64, num_heads=2), 32),
+    'bit': ('BiT-M-R50x1', dict(resnet_layers=(1, 1)), 32),
+}
+
+
+@pytest.mark.parametrize('family', sorted(REMAT_CASES))
+def test_remat_gives_same_values_and_gradients(family):
+  name, overrides, size = REMAT_CASES[family]
+  x = _images(size=size)
+  plain = models.get_model(name, num_classes=3, **overrides)
+  remat = plain.clone(remat=True)
+  params = plain.init(jax.random.PRNGKey(0), x, train=False)['params']
+  params['head']['kernel'] = jax.random.normal(jax.random.PRNGKey(1), params['head']['kernel'].shape)
+  assert jax.tree.structure(params) == jax.tree.structure(
+      remat.init(jax.random.PRNGKey(0), x, train=False)['params'])
+
+  def loss(p, m):
+    y = m.apply({'params': p}, x, train=True, rngs={'dropout': jax.random.PRNGKey(3)})
+    return jnp.sum(y**2)
+
+  g1 = jax.grad(loss)(params, plain)
+  g2 = jax.grad(loss)(params, remat)
+  # Recomputation may reassociate float sums: compare relative to the gradients' scale.
+  scale = max(float(jnp.abs(a).max()) for a in jax.tree.leaves(g1))
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_unknown_name_lists_known_names():
+  with pytest.raises(ValueError, match=r"Unknown model 'ViT-X_16'.*ViT-B_16"):
+    models.get_model('ViT-X_16', num_classes=10)
+
+
+def test_unknown_field_lists_fields():
+  with pytest.raises(ValueError, match=r'Unknown field\(s\) dropout_rate.*resnet_width'):
+    models.get_model('R50x1', num_classes=10, dropout_rate=0.1)
+  with pytest.raises(ValueError, match='classifier'):
+    models.get_model('ViT-B_16', num_classes=10, classifier='mean')
+  with pytest.raises(ValueError, match='dtype'):
+    models.get_model('ViT-B_16', num_classes=10, dtype='float8')
+
+
+def test_image_size_not_divisible_names_the_fix():
+  model = models.get_model('ViT-Ti_16', num_classes=10, num_layers=1)
+  with pytest.raises(ValueError, match='divisible by 16'):
+    model.init(jax.random.PRNGKey(0), jnp.zeros((1, 40, 40, 3)), train=False)
+
+
+def test_hybrid_grid_is_one_sixteenth_of_the_image():
+  model = models.get_model('R50+ViT-B_16', num_classes=10)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 384, 384, 3)),
+                                             train=False))
+  assert shapes['params']['Transformer']['posembed_input']['pos_embedding'].shape == (1, 577, 768)
+  assert shapes['params']['embedding']['kernel'].shape == (1, 1, 1024, 768)

@@ -1,0 +1,96 @@
+"""The one table of model variants: name -> architecture fields.
+
+Names are the stems of the published checkpoint files (ViT-B_16.npz, R50+ViT-B_16.npz,
+BiT-M-R50x1.npz) and the paper's ResNet baselines (R50x1 ... R200x3, Table 6).
+Training settings (dropout rates, head bias) are not architecture: they default to 0
+here and come from the configs.
+"""
+
+# ViT sizes (Table 1, plus Ti and S): hidden_size, mlp_dim, num_heads, num_layers.
+_VIT_SIZES = {
+    'Ti': dict(hidden_size=192, mlp_dim=768, num_heads=3, num_layers=12),
+    'S': dict(hidden_size=384, mlp_dim=1536, num_heads=6, num_layers=12),
+    'B': dict(hidden_size=768, mlp_dim=3072, num_heads=12, num_layers=12),
+    'L': dict(hidden_size=1024, mlp_dim=4096, num_heads=16, num_layers=24),
+    'H': dict(hidden_size=1280, mlp_dim=5120, num_heads=16, num_layers=32),
+}
+_VIT_PATCHES = (8, 14, 16, 32)
+
+# Every ViT-family field, with its default. `resnet_layers` None means no ResNet stem;
+# a tuple (possibly empty: root only) makes a hybrid.
+VIT_DEFAULTS = dict(
+    family='vit',
+    patch_size=16,
+    classifier='token',  # 'token' (class token) or 'gap' (global average pooling).
+    representation_size=None,  # Pre-logits Dense+tanh of this size; None: none.
+    dropout_rate=0.0,
+    attention_dropout_rate=0.0,
+    resnet_layers=None,
+    resnet_width=1,
+    **_VIT_SIZES['B'],
+)
+
+BIT_DEFAULTS = dict(
+    family='bit',
+    resnet_layers=(3, 4, 6, 3),
+    resnet_width=1,
+)
+
+_BIT_DEPTHS = {
+    26: (2, 2, 2, 2), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3),
+    200: (3, 24, 36, 3),
+}
+
+
+def _vit(size, patch, **fields):
+  return {**VIT_DEFAULTS, **_VIT_SIZES[size], 'patch_size': patch, **fields}
+
+
+def _bit(depth, width):
+  return {**BIT_DEFAULTS, 'resnet_layers': _BIT_DEPTHS[depth], 'resnet_width': width}
+
+
+VARIANTS = {
+    # Plain ViTs: every size with every patch size.
+    **{f'ViT-{s}_{p}': _vit(s, p) for s in _VIT_SIZES for p in _VIT_PATCHES},
+    # Hybrids: ResNet stem (GN + weight-standardised convs), then ViT on its feature map.
+    # The name's patch size is the effective one: stem stride x patch_size.
+    # /16: stage 4 removed and its units moved to stage 3 (3, 4, 9); /32: the full R50
+    # (paper Section 4.1, options (ii) and (i)); 1x1 patches on the feature map.
+    'R50+ViT-B_16': _vit('B', 1, resnet_layers=(3, 4, 9)),
+    'R50+ViT-B_32': _vit('B', 1, resnet_layers=(3, 4, 6, 3)),
+    'R50+ViT-L_16': _vit('L', 1, resnet_layers=(3, 4, 9)),
+    'R50+ViT-L_32': _vit('L', 1, resnet_layers=(3, 4, 6, 3)),
+    'R26+ViT-B_32': _vit('B', 1, resnet_layers=(2, 2, 2, 2)),
+    'R26+ViT-S_32': _vit('S', 1, resnet_layers=(2, 2, 2, 2)),
+    # Root block only (conv, GN, ReLU, max-pool: stride 4) and 8x8 patches, as published.
+    'R+ViT-Ti_16': _vit('Ti', 8, resnet_layers=()),
+    # BiT ResNet v2 (pre-activation), the published BiT-S/BiT-M files.
+    **{f'BiT-{d}-R{depth}x{w}': _bit(depth, w)
+       for d in ('S', 'M')
+       for depth, w in ((50, 1), (50, 3), (101, 1), (101, 3), (152, 2), (152, 4))},
+    # The paper's ResNet baselines (Table 6): the same BiT family.
+    **{f'R{depth}x{w}': _bit(depth, w)
+       for depth, w in ((50, 1), (50, 2), (101, 1), (152, 1), (152, 2), (200, 3))},
+}
+
+
+def get_variant(name, **overrides):
+  """The fields of variant `name` with `overrides` applied; one-line errors otherwise."""
+  if name not in VARIANTS:
+    raise ValueError(
+        f'Unknown model {name!r}; known: {", ".join(sorted(VARIANTS))}')
+  fields = dict(VARIANTS[name])
+  unknown = sorted(set(overrides) - set(fields) - {'family'})
+  if unknown:
+    allowed = sorted(set(fields) - {'family'})
+    raise ValueError(
+        f'Unknown field(s) {", ".join(unknown)} for {name} ({fields["family"]} family); '
+        f'fields: {", ".join(allowed)}')
+  fields.update(overrides)
+  if fields['family'] == 'vit' and fields['classifier'] not in ('token', 'gap'):
+    raise ValueError(
+        f'classifier {fields["classifier"]!r} is not supported: use "token" or "gap"')
+  if fields.get('resnet_layers') is not None:
+    fields['resnet_layers'] = tuple(fields['resnet_layers'])
+  return fields

@@ -1,0 +1,170 @@
+"""Vision Transformer (Dosovitskiy et al., 2020), optionally on a ResNet stem (hybrid).
+
+Submodule names are those of the published .npz files, so a checkpoint's flat keys
+joined by '/' are this module's parameter paths:
+  embedding, cls, Transformer/posembed_input/pos_embedding,
+  Transformer/encoderblock_{i}/{LayerNorm_0, MultiHeadDotProductAttention_1, LayerNorm_2,
+  MlpBlock_3/Dense_{0,1}}, Transformer/encoder_norm, pre_logits, head.
+Inputs are float NHWC in [-1, 1]; the model does no normalisation of its own.
+"""
+from typing import Any, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from vit_jax.models import resnet
+
+
+class AddPositionEmbs(nn.Module):
+  """Learned 1D position embeddings, normal(0.02) as in BERT."""
+
+  @nn.compact
+  def __call__(self, x):
+    pe = self.param('pos_embedding', nn.initializers.normal(stddev=0.02),
+                    (1, x.shape[1], x.shape[2]), jnp.float32)
+    return x + pe.astype(x.dtype)
+
+
+class MlpBlock(nn.Module):
+  """Dense -> GELU (tanh approximation) -> dropout -> Dense -> dropout."""
+  mlp_dim: int
+  dropout_rate: float = 0.0
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, *, deterministic):
+    dense = lambda f, name: nn.Dense(
+        f, dtype=self.dtype, kernel_init=nn.initializers.xavier_uniform(),
+        bias_init=nn.initializers.normal(stddev=1e-6), name=name)
+    y = nn.gelu(dense(self.mlp_dim, 'Dense_0')(x), approximate=True)
+    y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+    y = dense(x.shape[-1], 'Dense_1')(y)
+    return nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+
+
+class MultiHeadDotProductAttention(nn.Module):
+  """Self-attention with the published parameter layout.
+
+  query/key/value kernels are (D, heads, head_dim), out is (heads, head_dim, D).
+  Logits are scaled by 1/sqrt(head_dim) and the softmax is taken in float32. The
+  attention weights are sown into 'intermediates' for inspection (free otherwise).
+  """
+  num_heads: int
+  dropout_rate: float = 0.0
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, *, deterministic):
+    d = x.shape[-1]
+    if d % self.num_heads:
+      raise ValueError(f'hidden_size {d} is not divisible by num_heads {self.num_heads}')
+    head_dim = d // self.num_heads
+    proj = lambda name: nn.DenseGeneral(
+        (self.num_heads, head_dim), dtype=self.dtype,
+        kernel_init=nn.initializers.xavier_uniform(), name=name)
+    q, k, v = proj('query')(x), proj('key')(x), proj('value')(x)
+    q = q / jnp.sqrt(head_dim).astype(q.dtype)
+    logits = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
+    weights = jax.nn.softmax(logits, axis=-1)
+    self.sow('intermediates', 'attention_weights', weights)
+    if self.dropout_rate > 0.0:
+      weights = nn.Dropout(self.dropout_rate, broadcast_dims=())(
+          weights, deterministic=deterministic)
+    y = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(v.dtype), v)
+    return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype,
+                           kernel_init=nn.initializers.xavier_uniform(), name='out')(y)
+
+
+class EncoderBlock(nn.Module):
+  """Pre-LN Transformer block: x + MSA(LN(x)), then x + MLP(LN(x))."""
+  mlp_dim: int
+  num_heads: int
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, deterministic):
+    y = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, name='LayerNorm_0')(x)
+    y = MultiHeadDotProductAttention(
+        self.num_heads, self.attention_dropout_rate, self.dtype,
+        name='MultiHeadDotProductAttention_1')(y, deterministic=deterministic)
+    x = x + nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+    y = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, name='LayerNorm_2')(x)
+    y = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, name='MlpBlock_3')(
+        y, deterministic=deterministic)
+    return x + y
+
+
+class Encoder(nn.Module):
+  """Position embeddings, `num_layers` blocks, final LayerNorm."""
+  num_layers: int
+  mlp_dim: int
+  num_heads: int
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  dtype: Any = jnp.float32
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, x, *, train):
+    x = AddPositionEmbs(name='posembed_input')(x)
+    x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
+    # `deterministic` is positional so remat can treat it as static.
+    block_cls = nn.remat(EncoderBlock, static_argnums=(2,)) if self.remat else EncoderBlock
+    for i in range(self.num_layers):
+      x = block_cls(self.mlp_dim, self.num_heads, self.dropout_rate,
+                    self.attention_dropout_rate, self.dtype, name=f'encoderblock_{i}')(
+                        x, not train)
+    return nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, name='encoder_norm')(x)
+
+
+class VisionTransformer(nn.Module):
+  """ViT or hybrid classifier; `num_classes=0` returns the pre-logit features."""
+  num_classes: int
+  patch_size: int
+  hidden_size: int
+  mlp_dim: int
+  num_heads: int
+  num_layers: int
+  classifier: str = 'token'
+  representation_size: Optional[int] = None
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  resnet_layers: Optional[Sequence[int]] = None
+  resnet_width: float = 1
+  head_bias_init: float = 0.0
+  dtype: Any = jnp.float32
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, images, *, train=False):
+    x = images.astype(self.dtype)
+    if self.resnet_layers is not None:
+      x = resnet.resnet_stem(x, self.resnet_layers, self.resnet_width, self.dtype, self.remat)
+    h, w = x.shape[1:3]
+    if h % self.patch_size or w % self.patch_size:
+      raise ValueError(
+          f'Feature map {h}x{w} is not divisible by patch size {self.patch_size}: '
+          f'use an image size divisible by {images.shape[1] // h * self.patch_size}')
+    p = self.patch_size
+    x = nn.Conv(self.hidden_size, (p, p), strides=(p, p), padding='VALID',
+                dtype=self.dtype, name='embedding')(x)
+    n, h, w, c = x.shape
+    x = jnp.reshape(x, (n, h * w, c))
+    if self.classifier == 'token':
+      cls = self.param('cls', nn.initializers.zeros, (1, 1, c), jnp.float32)
+      x = jnp.concatenate([jnp.broadcast_to(cls.astype(x.dtype), (n, 1, c)), x], axis=1)
+    x = Encoder(self.num_layers, self.mlp_dim, self.num_heads, self.dropout_rate,
+                self.attention_dropout_rate, self.dtype, self.remat, name='Transformer')(
+                    x, train=train)
+    x = x[:, 0] if self.classifier == 'token' else jnp.mean(x, axis=1)
+    if self.representation_size is not None:
+      x = jnp.tanh(nn.Dense(self.representation_size, dtype=self.dtype, name='pre_logits')(x))
+    self.sow('intermediates', 'pre_logits', x)  # few-shot features
+    if not self.num_classes:
+      return x
+    x = nn.Dense(self.num_classes, dtype=self.dtype, kernel_init=nn.initializers.zeros,
+                 bias_init=nn.initializers.constant(self.head_bias_init), name='head')(x)
+    return x.astype(jnp.float32)
