@@ -1,0 +1,214 @@
+"""Tests for vit_jax.checkpoint against fake checkpoints in the published layouts.
+
+The fake files are built from the model's own jax.eval_shape tree (ViT, hybrid) or from
+BiT's TF naming written out here, filled with random numbers: nothing is downloaded.
+"""
+import logging
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.ndimage
+
+from tests import numpy_reference as ref
+from vit_jax import checkpoint
+from vit_jax import models
+
+
+def _random_like(shape, rng, name):
+  if name.endswith(('scale', 'gamma')):
+    return (1.0 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
+  return (0.2 * rng.standard_normal(shape)).astype(np.float32)
+
+
+def _write_vit_file(path, model, image_size, seed=0, hybrid=False):
+  """A ViT/hybrid .npz in the published layout; returns its flat dict (float64)."""
+  shapes = jax.eval_shape(lambda: model.init(
+      jax.random.PRNGKey(0), jnp.zeros((1, image_size, image_size, 3)), train=False))['params']
+  rng = np.random.default_rng(seed)
+  flat = {k: _random_like(v.shape, rng, k)
+          for k, v in flax.traverse_util.flatten_dict(shapes, sep='/').items()}
+  if hybrid:  # the published hybrid files store GroupNorm parameters as (1, 1, 1, C)
+    flat = {k: (v.reshape(1, 1, 1, -1) if '/gn' in f'/{k}' else v) for k, v in flat.items()}
+  np.savez(path, **flat)
+  return flat
+
+
+def _write_bit_file(path, layers, width, num_classes, seed=0):
+  """A BiT-M style .npz (TF names, 1-D GroupNorm params, 1x1 conv head)."""
+  rng = np.random.default_rng(seed)
+  w = 64 * width
+  flat = {'resnet/root_block/standardized_conv2d/kernel': (7, 7, 3, w)}
+  cin = w
+  for i, units in enumerate(layers):
+    mid = w * 2**i
+    for j in range(units):
+      u = f'resnet/block{i + 1}/unit{j + 1:02d}/'
+      flat.update({
+          u + 'a/group_norm/gamma': (cin,), u + 'a/group_norm/beta': (cin,),
+          u + 'a/standardized_conv2d/kernel': (1, 1, cin, mid),
+          u + 'b/group_norm/gamma': (mid,), u + 'b/group_norm/beta': (mid,),
+          u + 'b/standardized_conv2d/kernel': (3, 3, mid, mid),
+          u + 'c/group_norm/gamma': (mid,), u + 'c/group_norm/beta': (mid,),
+          u + 'c/standardized_conv2d/kernel': (1, 1, mid, 4 * mid),
+      })
+      if j == 0:
+        flat[u + 'a/proj/standardized_conv2d/kernel'] = (1, 1, cin, 4 * mid)
+      cin = 4 * mid
+  flat.update({'resnet/group_norm/gamma': (cin,), 'resnet/group_norm/beta': (cin,),
+               'resnet/head/conv2d/kernel': (1, 1, cin, num_classes),
+               'resnet/head/conv2d/bias': (num_classes,)})
+  flat = {k: _random_like(s, rng, k) for k, s in flat.items()}
+  np.savez(path, **flat)
+  return flat
+
+
+def _images(size, n=2, seed=1):
+  return np.random.default_rng(seed).uniform(-1, 1, (n, size, size, 3)).astype(np.float32)
+
+
+VIT_CASES = {
+    'token': (dict(num_layers=2, patch_size=8, hidden_size=32, mlp_dim=64, num_heads=4), 'token'),
+    'gap_prelogits': (dict(num_layers=1, patch_size=8, hidden_size=32, mlp_dim=48, num_heads=2,
+                           classifier='gap', representation_size=16), 'gap'),
+}
+
+
+@pytest.mark.parametrize('case', sorted(VIT_CASES))
+def test_vit_file_gives_reference_logits(tmp_path, case):
+  overrides, classifier = VIT_CASES[case]
+  model = models.get_model('ViT-Ti_16', num_classes=5, **overrides)
+  flat = _write_vit_file(tmp_path / 'vit.npz', model, 32)
+  params = checkpoint.load_npz(str(tmp_path / 'vit.npz'))
+  x = _images(32)
+  got = model.apply({'params': params}, x, train=False)
+  want = ref.vit_forward(flat, x, patch=8, heads=overrides['num_heads'], classifier=classifier)
+  np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+def test_hybrid_file_gives_reference_logits(tmp_path):
+  # 36 px: odd maps (18 -> 9 -> 5) exercise TF SAME's asymmetric padding.
+  overrides = dict(num_layers=1, resnet_layers=(1, 1), hidden_size=32, mlp_dim=32, num_heads=2)
+  model = models.get_model('R26+ViT-S_32', num_classes=4, **overrides)
+  flat = _write_vit_file(tmp_path / 'hybrid.npz', model, 36, hybrid=True)
+  assert flat['gn_root/scale'].shape == (1, 1, 1, 64)
+  params = checkpoint.load_npz(str(tmp_path / 'hybrid.npz'))
+  assert params['gn_root']['scale'].shape == (64,)
+  x = _images(36)
+  got = model.apply({'params': params}, x, train=False)
+  want = ref.vit_forward(flat, x, patch=1, heads=2, resnet_layers=(1, 1))
+  np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+def test_bit_file_gives_reference_logits(tmp_path):
+  layers = (1, 2)
+  flat = _write_bit_file(tmp_path / 'bit.npz', layers, 1, 6)
+  model = models.get_model('BiT-M-R50x1', num_classes=6, resnet_layers=layers)
+  params = checkpoint.load_npz(str(tmp_path / 'bit.npz'))
+  x = _images(36)
+  got = model.apply({'params': params}, x, train=False)
+  want = ref.bit_forward(flat, x, layers)
+  np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize('kind', ['vit', 'hybrid', 'bit'])
+def test_round_trip_writes_the_published_layout(tmp_path, kind):
+  src = tmp_path / 'src.npz'
+  if kind == 'bit':
+    flat = _write_bit_file(src, (1, 1), 1, 3)
+  else:
+    name, overrides = (('ViT-Ti_16', dict(num_layers=1, patch_size=8)) if kind == 'vit' else
+                       ('R26+ViT-S_32', dict(num_layers=1, resnet_layers=(1,))))
+    flat = _write_vit_file(src, models.get_model(name, num_classes=3, **overrides), 32,
+                           hybrid=kind == 'hybrid')
+  checkpoint.save_npz(str(tmp_path / 'out.npz'), checkpoint.load_npz(str(src)))
+  with np.load(tmp_path / 'out.npz', allow_pickle=False) as out:
+    assert sorted(out.files) == sorted(flat)
+    for k in flat:
+      assert out[k].shape == flat[k].shape, k
+      np.testing.assert_array_equal(out[k], flat[k])
+
+
+def test_pickled_file_is_refused(tmp_path):
+  path = tmp_path / 'evil.npz'
+  np.savez(path, head=np.array([{'a': 1}], dtype=object))
+  with pytest.raises(ValueError, match='pickled'):
+    checkpoint.load_npz(str(path))
+
+
+def test_not_an_npz_is_a_clear_error(tmp_path):
+  path = tmp_path / 'broken.npz'
+  path.write_bytes(b'not a zip file')
+  with pytest.raises(ValueError, match='not a readable .npz'):
+    checkpoint.load_npz(str(path))
+
+
+TINY = dict(num_layers=1, hidden_size=32, mlp_dim=32, num_heads=2)
+
+
+def test_load_pretrained_replaces_head_and_drops_prelogits(tmp_path, caplog):
+  upstream = models.get_model('ViT-Ti_16', num_classes=21, representation_size=32, **TINY)
+  flat = _write_vit_file(tmp_path / 'up.npz', upstream, 32)
+  model = models.get_model('ViT-Ti_16', num_classes=7, **TINY)
+  with caplog.at_level(logging.INFO):
+    params = checkpoint.load_pretrained(str(tmp_path / 'up.npz'), model, 7, 32,
+                                        head_bias_init=-3.0)
+  assert 'pre_logits' not in params
+  assert params['head']['kernel'].shape == (32, 7) and not np.any(params['head']['kernel'])
+  np.testing.assert_array_equal(params['head']['bias'], -3.0)
+  np.testing.assert_array_equal(params['embedding']['kernel'], flat['embedding/kernel'])
+  line = [r.getMessage() for r in caplog.records if 'load_pretrained' in r.getMessage()]
+  assert line and 'head 21 -> 7 classes' in line[0] and 'pre_logits dropped' in line[0]
+  assert model.apply({'params': params}, _images(32), train=False).shape == (2, 7)
+
+
+def test_load_pretrained_keeps_prelogits_when_the_model_has_them(tmp_path):
+  upstream = models.get_model('ViT-Ti_16', num_classes=21, representation_size=32, **TINY)
+  flat = _write_vit_file(tmp_path / 'up.npz', upstream, 32)
+  model = upstream.clone(num_classes=3)
+  params = checkpoint.load_pretrained(str(tmp_path / 'up.npz'), model, 3, 32)
+  np.testing.assert_array_equal(params['pre_logits']['kernel'], flat['pre_logits/kernel'])
+
+
+@pytest.mark.parametrize('classifier', ['token', 'gap'])
+def test_position_embeddings_interpolated_224_to_384(tmp_path, classifier):
+  upstream = models.get_model('ViT-Ti_16', num_classes=10, classifier=classifier, **TINY)
+  flat = _write_vit_file(tmp_path / 'up.npz', upstream, 224)
+  old = flat['Transformer/posembed_input/pos_embedding']
+  params = checkpoint.load_pretrained(str(tmp_path / 'up.npz'), upstream, 10, 384)
+  new = np.asarray(params['Transformer']['posembed_input']['pos_embedding'])
+  n_cls = 1 if classifier == 'token' else 0
+  assert old.shape == (1, 196 + n_cls, 32) and new.shape == (1, 576 + n_cls, 32)
+  if n_cls:
+    np.testing.assert_array_equal(new[0, 0], old[0, 0])
+  want = scipy.ndimage.zoom(old[0, n_cls:].reshape(14, 14, 32), (24 / 14, 24 / 14, 1), order=1)
+  np.testing.assert_allclose(new[0, n_cls:].reshape(24, 24, 32), want, rtol=1e-6, atol=1e-6)
+  # Corners of the grid keep their values (zoom with order 1 aligns corners).
+  np.testing.assert_allclose(new[0, n_cls], old[0, n_cls], rtol=1e-6)
+  assert upstream.apply({'params': params}, _images(384, n=1), train=False).shape == (1, 10)
+
+
+def test_shape_mismatch_names_key_shapes_and_cause(tmp_path):
+  upstream = models.get_model('ViT-Ti_16', num_classes=10, **TINY)
+  _write_vit_file(tmp_path / 'up.npz', upstream, 32)
+  other = models.get_model('ViT-Ti_32', num_classes=10, **TINY)
+  with pytest.raises(ValueError, match=r'embedding/kernel: checkpoint \(16, 16, 3, 32\) vs '
+                                       r'model \(32, 32, 3, 32\): patch size'):
+    checkpoint.load_pretrained(str(tmp_path / 'up.npz'), other, 10, 64)
+
+
+def test_architecture_mismatch_names_the_key(tmp_path):
+  upstream = models.get_model('ViT-Ti_16', num_classes=10, **TINY)
+  _write_vit_file(tmp_path / 'up.npz', upstream, 32)
+  gap = models.get_model('ViT-Ti_16', num_classes=10, classifier='gap', **TINY)
+  with pytest.raises(ValueError, match='Checkpoint key cls'):
+    checkpoint.load_pretrained(str(tmp_path / 'up.npz'), gap, 10, 32)
+
+
+def test_bit_load_pretrained_replaces_conv_head(tmp_path):
+  _write_bit_file(tmp_path / 'bit.npz', (1, 1), 1, 21)
+  model = models.get_model('BiT-M-R50x1', num_classes=5, resnet_layers=(1, 1))
+  params = checkpoint.load_pretrained(str(tmp_path / 'bit.npz'), model, 5, 32)
+  assert params['head']['kernel'].shape == (512, 5) and not np.any(params['head']['kernel'])

@@ -1,0 +1,247 @@
+"""Published checkpoints in and out: .npz files as released, and fine-tuning surgery.
+
+ViT and hybrid files: flat keys are this package's parameter paths joined by '/', except
+that hybrid GroupNorm parameters are stored as (1, 1, 1, C). BiT files (BiT-S/BiT-M) use
+TF names ('resnet/block1/unit01/a/group_norm/gamma'); the mapping lives here and only
+here. Files are read with allow_pickle=False: an object array is refused.
+"""
+import io
+import os
+import re
+import tempfile
+import zipfile
+
+from absl import logging
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.ndimage
+
+# BiT unit sub-layers: TF name prefix -> (our norm, our conv).
+_BIT_LAYERS = {'a': ('gn1', 'conv1'), 'b': ('gn2', 'conv2'), 'c': ('gn3', 'conv3')}
+_BIT_NORM_PARAMS = {'gamma': 'scale', 'beta': 'bias'}
+_GN_NAME = re.compile(r'(^|/)gn(_root|_proj|\d)/(scale|bias)$')
+
+
+def _open(path, mode):
+  """Local files with open(); gs:// and other remote paths through TensorFlow's gfile."""
+  if '://' in str(path):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top  (only for remote paths)
+    return tf.io.gfile.GFile(str(path), mode)
+  return open(path, mode)
+
+
+def _read_npz(path):
+  try:
+    f = _open(path, 'rb')
+  except (OSError, IOError) as e:
+    raise ValueError(f'Cannot open checkpoint {path} ({e}): check the path and download') from None
+  with f:
+    data = io.BytesIO(f.read())
+  if not zipfile.is_zipfile(data):
+    raise ValueError(f'{path} is not a readable .npz (zip) file: check the path and download')
+  try:
+    with np.load(data, allow_pickle=False) as npz:
+      return {k: npz[k] for k in npz.files}
+  except ValueError as e:
+    if 'allow_pickle' in str(e) or 'Object arrays' in str(e):
+      raise ValueError(
+          f'{path} holds pickled (object) arrays, which are never loaded: re-export it '
+          'with numeric arrays only (e.g. checkpoint.save_npz)') from None
+    raise ValueError(f'{path} is not a readable .npz file ({e}): check the path and download') from None
+
+
+def _is_bit(flat):
+  return any(k.startswith('resnet/') for k in flat)
+
+
+def _bit_key_to_ours(key):
+  """'resnet/block1/unit01/a/group_norm/gamma' -> 'block1/unit01/gn1/scale'."""
+  parts = key.split('/')[1:]  # drop 'resnet'
+  if parts[:2] == ['root_block', 'standardized_conv2d']:
+    return 'conv_root/' + parts[2]
+  if parts[0] == 'group_norm':
+    return 'norm/' + _BIT_NORM_PARAMS[parts[1]]
+  if parts[:2] == ['head', 'conv2d']:
+    return 'head/' + parts[2]
+  block, unit, layer, *rest = parts
+  norm, conv = _BIT_LAYERS[layer]
+  if rest[0] == 'proj':
+    return f'{block}/{unit}/conv_proj/kernel'
+  if rest[0] == 'group_norm':
+    return f'{block}/{unit}/{norm}/{_BIT_NORM_PARAMS[rest[1]]}'
+  return f'{block}/{unit}/{conv}/kernel'
+
+
+def _bit_key_to_file(key):
+  """Inverse of _bit_key_to_ours."""
+  parts = key.split('/')
+  if parts[0] == 'conv_root':
+    return 'resnet/root_block/standardized_conv2d/kernel'
+  if parts[0] == 'norm':
+    return 'resnet/group_norm/' + {'scale': 'gamma', 'bias': 'beta'}[parts[1]]
+  if parts[0] == 'head':
+    return 'resnet/head/conv2d/' + parts[1]
+  block, unit, layer, name = parts
+  if layer == 'conv_proj':
+    return f'resnet/{block}/{unit}/a/proj/standardized_conv2d/kernel'
+  tf_layer = {v: k for k, pair in _BIT_LAYERS.items() for v in pair}[layer]
+  if layer.startswith('gn'):
+    return f'resnet/{block}/{unit}/{tf_layer}/group_norm/' + {'scale': 'gamma', 'bias': 'beta'}[name]
+  return f'resnet/{block}/{unit}/{tf_layer}/standardized_conv2d/kernel'
+
+
+def load_npz(path):
+  """Reads a published-format .npz (ViT, hybrid or BiT) into the tree `apply` takes."""
+  flat = _read_npz(path)
+  if not flat:
+    raise ValueError(f'{path} holds no arrays: check the file')
+  out = {}
+  if _is_bit(flat):
+    for key, value in flat.items():
+      ours = _bit_key_to_ours(key)
+      if ours.endswith(('scale', 'bias')) and not ours.startswith('head'):
+        value = value.reshape(-1)
+      elif ours == 'head/kernel':
+        value = value.reshape(value.shape[-2:])  # 1x1 conv -> Dense
+      out[ours] = value
+  else:
+    for key, value in flat.items():
+      if _GN_NAME.search(key):
+        value = value.reshape(-1)  # hybrid GroupNorm params are stored as (1, 1, 1, C)
+      out[key] = value
+  return flax.traverse_util.unflatten_dict(out, sep='/')
+
+
+def save_npz(path, params):
+  """Writes `params` in the published layout (readable by timm and other loaders).
+
+  The write goes to a temporary file renamed into place: a crash never leaves a
+  truncated file where a good one was.
+  """
+  flat = flax.traverse_util.flatten_dict(jax.device_get(params), sep='/')
+  is_vit = 'embedding/kernel' in flat
+  out = {}
+  for key, value in flat.items():
+    value = np.asarray(value)
+    if is_vit:
+      if _GN_NAME.search(key):
+        value = value.reshape(1, 1, 1, -1)
+      out[key] = value
+    else:
+      if key == 'head/kernel':
+        value = value.reshape(1, 1, *value.shape)
+      out[_bit_key_to_file(key)] = value
+  if '://' in str(path):  # object stores replace whole objects: no partial file to fear
+    buf = io.BytesIO()
+    np.savez(buf, **out)
+    with _open(path, 'wb') as f:
+      f.write(buf.getvalue())
+    return
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=directory, suffix='.npz.tmp')
+  try:
+    with os.fdopen(fd, 'wb') as f:
+      np.savez(f, **out)
+    os.replace(tmp, path)
+  except BaseException:
+    os.unlink(tmp)
+    raise
+
+
+def interpolate_posemb(posemb, num_tokens, has_class_token):
+  """Resizes (1, N, D) position embeddings to `num_tokens` by 2D bilinear interpolation.
+
+  The class token's embedding is kept; the sqrt(N) x sqrt(N) grid is zoomed as
+  scipy.ndimage.zoom(order=1) does, which is how the published fine-tuning code does it.
+  """
+  posemb = np.asarray(posemb)
+  extra = 1 if has_class_token else 0
+  tok, grid = posemb[:, :extra], posemb[0, extra:]
+  gs_old, gs_new = int(np.sqrt(len(grid))), int(np.sqrt(num_tokens - extra))
+  if gs_old**2 != len(grid) or gs_new**2 != num_tokens - extra:
+    raise ValueError(
+        f'pos_embedding: {len(grid)} -> {num_tokens - extra} grid tokens are not square '
+        'grids: use square images')
+  grid = grid.reshape(gs_old, gs_old, -1)
+  grid = scipy.ndimage.zoom(grid, (gs_new / gs_old, gs_new / gs_old, 1), order=1)
+  return np.concatenate([tok, grid.reshape(1, gs_new * gs_new, -1)], axis=1)
+
+
+def _target_shapes(model, image_size):
+  images = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
+  variables = jax.eval_shape(
+      lambda x: model.init(jax.random.PRNGKey(0), x, train=False), images)
+  return flax.traverse_util.flatten_dict(variables['params'], sep='/')
+
+
+def load_pretrained(path_or_params, model, num_classes, image_size, *, reset_head=True,
+                    head_bias_init=0.0):
+  """Adapts a pre-trained checkpoint to `model` for fine-tuning; returns the params.
+
+  - a pre-logits layer the model does not have is dropped (build the model with
+    `representation_size` to keep it);
+  - the head is replaced by zeros for `num_classes` (bias `head_bias_init`) when
+    `reset_head` or when its size differs;
+  - position embeddings are interpolated to the grid of `image_size`, class token kept.
+  Logs one line saying what changed. Any other mismatch raises naming the key, both
+  shapes and the likely cause.
+  """
+  params = load_npz(path_or_params) if isinstance(path_or_params, (str, os.PathLike)) else path_or_params
+  flat = {k: np.asarray(v) for k, v in
+          flax.traverse_util.flatten_dict(jax.device_get(params), sep='/').items()}
+  model = model.clone(num_classes=num_classes)
+  target = _target_shapes(model, image_size)
+  changes = []
+  out = {}
+
+  dropped = sorted(k for k in flat if k not in target)
+  unexpected = [k for k in dropped if not k.startswith(('pre_logits/', 'head/'))]
+  if unexpected:
+    raise ValueError(
+        f'Checkpoint key {unexpected[0]} (and {len(unexpected) - 1} more) has no place in the '
+        'model: the checkpoint is of another architecture; pick the model name matching the file')
+  changes += [f'{name} dropped' for name in ('pre_logits', 'head')
+              if any(k.startswith(name + '/') for k in dropped)]
+  missing = [k for k in target if k not in flat and not k.startswith('head/')]
+  if missing:
+    raise ValueError(
+        f'Model parameter {missing[0]} (and {len(missing) - 1} more) is not in the checkpoint: '
+        'the checkpoint is of another architecture (e.g. classifier token vs gap, '
+        'representation_size); pick the model matching the file')
+
+  for key, spec in target.items():
+    if key.startswith('head/'):
+      old = flat.get(key)
+      if reset_head or old is None or old.shape != spec.shape:
+        out[key] = (np.zeros(spec.shape, np.float32) if key.endswith('kernel')
+                    else np.full(spec.shape, head_bias_init, np.float32))
+        continue
+      out[key] = old
+      continue
+    value = flat[key]
+    if key.endswith('pos_embedding') and value.shape != spec.shape:
+      if value.shape[-1] != spec.shape[-1]:
+        raise ValueError(f'{key}: checkpoint {value.shape} vs model {spec.shape}: hidden sizes '
+                         'differ; pick the model variant matching the file')
+      has_cls = 'cls' in target
+      value = interpolate_posemb(value, spec.shape[1], has_cls)
+      g0 = int(np.sqrt(flat[key].shape[1] - has_cls))
+      g1 = int(np.sqrt(spec.shape[1] - has_cls))
+      changes.append(f'pos_embedding {g0}x{g0} -> {g1}x{g1} grid')
+    elif value.shape != spec.shape:
+      cause = ('patch size or hidden size differs' if key.startswith('embedding')
+               else 'a different model variant')
+      raise ValueError(f'{key}: checkpoint {value.shape} vs model {spec.shape}: {cause}; '
+                       'pick the model matching the file')
+    out[key] = value.astype(spec.dtype)
+
+  old_head = flat.get('head/kernel')
+  new_head = target.get('head/kernel')
+  if new_head is not None and (reset_head or old_head is None or old_head.shape != new_head.shape):
+    old_k = old_head.shape[-1] if old_head is not None else 'no'
+    changes.insert(0, f'head {old_k} -> {num_classes} classes (zeros, bias {head_bias_init:g})')
+  logging.info('load_pretrained: %s', '; '.join(changes) or 'nothing changed')
+  return flax.traverse_util.unflatten_dict(out, sep='/')
