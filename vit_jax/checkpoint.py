@@ -16,6 +16,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import scipy.ndimage
 
 # BiT unit sub-layers: TF name prefix -> (our norm, our conv).
@@ -245,3 +246,30 @@ def load_pretrained(path_or_params, model, num_classes, image_size, *, reset_hea
     changes.insert(0, f'head {old_k} -> {num_classes} classes (zeros, bias {head_bias_init:g})')
   logging.info('load_pretrained: %s', '; '.join(changes) or 'nothing changed')
   return flax.traverse_util.unflatten_dict(out, sep='/')
+
+
+# Training state: orbax, asynchronous, written collectively by all hosts.
+
+
+def train_state_manager(directory, keep):
+  """An orbax manager for `directory` that keeps the last `keep` steps.
+
+  Saves are asynchronous (the loop goes on while files are written) and atomic: a
+  step directory appears under its final name only once complete, so a run killed
+  mid-save resumes from the previous complete step.
+  """
+  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+  return ocp.CheckpointManager(directory, options=options)
+
+
+def save_train_state(manager, step, state, force=False):
+  return manager.save(step, args=ocp.args.StandardSave(state), force=force)
+
+
+def restore_train_state(manager, abstract_state):
+  """The latest complete state laid out as `abstract_state` (ShapeDtypeStructs with
+  shardings, so it restores onto any mesh), or None when there is none."""
+  step = manager.latest_step()
+  if step is None:
+    return None
+  return manager.restore(step, args=ocp.args.StandardRestore(abstract_state))

@@ -1,0 +1,199 @@
+"""Tests for vit_jax.train (and main): mesh equivalences, accumulation, resume, CLI.
+
+8 simulated CPU devices (tests/conftest.py), a tiny ViT, Fashion-MNIST-like IDX files
+written by the test.
+"""
+import glob
+import logging
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs import quickstart
+from tests import data_fixtures
+from vit_jax import checkpoint
+from vit_jax import models
+from vit_jax import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope='module')
+def idx_dir(tmp_path_factory):
+  return data_fixtures.write_idx(str(tmp_path_factory.mktemp('idx')), num_train=96, num_test=40)
+
+
+def _config(idx_dir, **overrides):
+  c = quickstart.get_config()
+  c.data_dir = idx_dir
+  # Big enough that FSDP really splits the MLP kernels (64 x 256 >= 2**14 elements).
+  c.model.update(patch_size=7, hidden_size=64, mlp_dim=256, num_heads=2, num_layers=1)
+  c.batch_size = 16
+  c.eval_batch_size = 16
+  c.total_steps = 3
+  c.warmup_steps = 1
+  c.log_every_steps = 1
+  c.checkpoint_every_steps = 1000
+  c.shuffle_buffer = 96
+  c.prefetch = 1
+  for k, v in overrides.items():
+    if k.startswith('model.'):
+      c.model[k[6:]] = v
+    else:
+      c[k] = v
+  return c
+
+
+def _run(idx_dir, tmp_path, name, **overrides):
+  return train.train_and_evaluate(_config(idx_dir, **overrides), str(tmp_path / name))
+
+
+def _assert_trees_close(a, b, atol):
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def test_data_mesh_of_8_equals_one_device(idx_dir, tmp_path):
+  assert jax.device_count() == 8
+  one = _run(idx_dir, tmp_path, 'one', mesh_data=1)
+  eight = _run(idx_dir, tmp_path, 'eight')
+  assert eight['params']['embedding']['kernel'].sharding.mesh.size == 8
+  assert abs(one['loss'] - eight['loss']) < 1e-5
+  _assert_trees_close(one['params'], eight['params'], 1e-5)
+  # Training moved the parameters: the comparison is not between two initialisations.
+  init = train.train_and_evaluate(_config(idx_dir, mesh_data=1), str(tmp_path / 'init'),
+                                  stop_after_steps=0)
+  moved = jax.tree.map(lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max()),
+                       init['params'], one['params'])
+  assert max(jax.tree.leaves(moved)) > 1e-4
+
+
+def test_fsdp_equals_data_parallel(idx_dir, tmp_path):
+  dp = _run(idx_dir, tmp_path, 'dp')
+  fsdp = _run(idx_dir, tmp_path, 'fsdp', fsdp=True)
+  kernel = fsdp['params']['Transformer']['encoderblock_0']['MlpBlock_3']['Dense_0']['kernel']
+  assert 'data' in tuple(kernel.sharding.spec)  # really split over the devices
+  assert abs(dp['loss'] - fsdp['loss']) < 1e-5
+  _assert_trees_close(dp['params'], fsdp['params'], 1e-5)
+
+
+def test_gradient_accumulation_equals_full_batch(idx_dir, tmp_path):
+  full = _run(idx_dir, tmp_path, 'full', batch_size=32)
+  accum = _run(idx_dir, tmp_path, 'accum', batch_size=32, accum_steps=4)
+  assert abs(full['loss'] - accum['loss']) < 1e-5
+  _assert_trees_close(full['params'], accum['params'], 1e-5)
+
+
+def test_training_changes_parameters_and_lowers_loss(idx_dir, tmp_path):
+  config = _config(idx_dir, total_steps=12, base_lr=3e-3)
+  first = train.train_and_evaluate(config.copy_and_resolve_references(), str(tmp_path / 'a'),
+                                   stop_after_steps=1)
+  last = train.train_and_evaluate(config, str(tmp_path / 'a'))
+  moved = jax.tree.map(lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max()),
+                       first['params'], last['params'])
+  assert max(jax.tree.leaves(moved)) > 1e-3
+  assert last['loss'] < first['loss']
+
+
+def test_resume_continues_at_step_7_and_equals_uninterrupted(idx_dir, tmp_path, caplog):
+  # Dropout on: the resumed run must also reproduce the dropout masks of steps 7..12.
+  config = _config(idx_dir, total_steps=12, **{'model.dropout_rate': 0.1})
+  straight = train.train_and_evaluate(config, str(tmp_path / 'straight'))
+  workdir = str(tmp_path / 'resumed')
+  stopped = train.train_and_evaluate(config, workdir, stop_after_steps=6)
+  assert stopped['step'] == 6
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['6']
+  with caplog.at_level(logging.INFO):
+    resumed = train.train_and_evaluate(config, workdir)
+  assert any('Resuming from the checkpoint of step 6' in r.getMessage() for r in caplog.records)
+  assert any('step 7/12' in r.getMessage() for r in caplog.records)
+  assert resumed['step'] == 12
+  assert resumed['loss'] == straight['loss']
+  _assert_trees_close(straight['params'], resumed['params'], 0.0)
+
+
+def test_bfloat16_and_remat_follow_float32(idx_dir, tmp_path):
+  base = _run(idx_dir, tmp_path, 'f32')
+  remat = _run(idx_dir, tmp_path, 'remat', remat=True)
+  bf16 = _run(idx_dir, tmp_path, 'bf16', dtype='bfloat16')
+  _assert_trees_close(base['params'], remat['params'], 1e-5)
+  assert abs(base['loss'] - remat['loss']) < 1e-5
+  assert abs(base['loss'] - bf16['loss']) < 0.05 * abs(base['loss'])
+  assert base['loss'] != bf16['loss']  # the bf16 path really ran
+  assert all(x.dtype == np.float32 for x in jax.tree.leaves(bf16['params']))
+
+
+def test_sigmoid_loss_with_negative_head_bias(idx_dir, tmp_path):
+  out = _run(idx_dir, tmp_path, 'sigmoid', loss='sigmoid_xent', head_bias_init=-10.0, total_steps=2)
+  # At init every sigmoid is ~e-10 off: the loss is ~ one positive class's -log(sigmoid(-10)).
+  assert 5.0 < out['loss'] < 12.0
+  np.testing.assert_allclose(
+      train.per_example_loss(np.array([[0.0, 0.0]]), np.array([1]), 'sigmoid_xent'),
+      [2 * np.log(2.0)], rtol=1e-6)
+  np.testing.assert_allclose(
+      train.per_example_loss(np.array([[0.0, np.log(3.0)]]), np.array([1]), 'softmax_xent'),
+      [-np.log(0.75)], rtol=1e-6)
+
+
+def test_fine_tuning_starts_from_the_checkpoint(idx_dir, tmp_path):
+  upstream = _run(idx_dir, tmp_path, 'upstream', image_size=28)
+  path = str(tmp_path / 'upstream' / 'final.npz')
+  assert os.path.exists(path)
+  config = _config(idx_dir, pretrained_path=path, image_size=56, num_classes=10)
+  start = train.train_and_evaluate(config, str(tmp_path / 'ft'), stop_after_steps=0)
+  params = start['params']
+  np.testing.assert_array_equal(params['embedding']['kernel'],
+                                upstream['params']['embedding']['kernel'])
+  assert params['Transformer']['posembed_input']['pos_embedding'].shape == (1, 65, 64)
+  assert not np.any(np.asarray(params['head']['kernel']))
+
+
+@pytest.mark.parametrize('overrides,message', [
+    (dict(image_size=30), 'image_size 30 is not divisible by patch size 7'),
+    (dict(batch_size=12), 'must be a multiple of the 8 devices'),
+    (dict(dtype='float16'), "dtype 'float16' is unknown"),
+    (dict(warmup_steps=5), 'warmup_steps 5 >= total_steps 3'),
+])
+def test_bad_config_fails_at_start_up(idx_dir, tmp_path, overrides, message):
+  with pytest.raises(ValueError, match=message):
+    _run(idx_dir, tmp_path, 'bad', **overrides)
+  assert not glob.glob(str(tmp_path / 'bad' / 'checkpoints' / '*'))
+
+
+def _main(args, env_extra=None):
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2', **(env_extra or {}))
+  return subprocess.run([sys.executable, '-m', 'vit_jax.main', *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_quickstart_command_end_to_end_shortened(idx_dir, tmp_path):
+  workdir = str(tmp_path / 'quick')
+  proc = _main(['--config=configs/quickstart.py', f'--workdir={workdir}',
+                f'--config.data_dir={idx_dir}', '--config.total_steps=20',
+                '--config.warmup_steps=5', '--config.batch_size=32',
+                '--config.eval_every_steps=10', '--config.checkpoint_every_steps=10'])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'Final test top-1 accuracy' in proc.stderr
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['10', '20']
+  assert glob.glob(os.path.join(workdir, 'events.out.tfevents.*'))
+  log = open(os.path.join(workdir, 'train.INFO')).read()
+  assert 'step 20/20' in log and 'img/s/core' in log and 'ETA' in log
+  assert 'orbax' not in log  # library chatter is filtered out of the readable log
+  params = checkpoint.load_npz(os.path.join(workdir, 'final.npz'))
+  model = models.get_model('ViT-Ti_16', num_classes=10, patch_size=4, hidden_size=64,
+                           mlp_dim=128, num_heads=4, num_layers=4)
+  assert model.apply({'params': params}, np.zeros((1, 28, 28, 3), np.float32)).shape == (1, 10)
+
+
+def test_cli_bad_override_is_one_line(idx_dir, tmp_path):
+  proc = _main(['--config=configs/quickstart.py', f'--workdir={tmp_path / "w"}',
+                f'--config.data_dir={idx_dir}', '--config.image_size=30'])
+  assert proc.returncode != 0
+  last_line = proc.stderr.strip().splitlines()[-1]
+  assert last_line.startswith('vit_jax: image_size 30 is not divisible by patch size 4'), last_line
+  assert 'Traceback' not in proc.stderr
