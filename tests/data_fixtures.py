@@ -1,0 +1,85 @@
+"""Small synthetic data sets written on the fly for tests (no network)."""
+import gzip
+import os
+
+import numpy as np
+from PIL import Image
+
+
+def id_image(index: int, size: int = 28) -> np.ndarray:
+  """uint8 [size, size] whose first two pixels encode `index` (< 65536)."""
+  rng = np.random.default_rng(index)
+  image = rng.integers(0, 256, (size, size), dtype=np.uint8)
+  image[0, 0], image[0, 1] = index % 256, index // 256
+  return image
+
+
+def image_id(image: np.ndarray) -> int:
+  """Inverse of id_image for an image scaled to [-1, 1] (any channel count)."""
+  pixels = np.rint((np.asarray(image)[0, :2, 0] + 1.0) * 127.5).astype(int)
+  return int(pixels[0] + 256 * pixels[1])
+
+
+def write_idx(directory: str, num_train: int = 40, num_test: int = 13,
+              num_classes: int = 10, start: int = 0) -> str:
+  """Fashion-MNIST-like IDX .gz files; example i is id_image(i), label i % C.
+
+  Train examples are numbered from `start`, test ones after the train ones.
+  """
+  os.makedirs(directory, exist_ok=True)
+  first = start
+  for prefix, n in (('train', num_train), ('t10k', num_test)):
+    ids = np.arange(first, first + n)
+    first += n
+    images = np.stack([id_image(int(i)) for i in ids]) if n else np.zeros(
+        (0, 28, 28), np.uint8)
+    labels = (ids % num_classes).astype(np.uint8)
+    header = np.array([2051, n, 28, 28], '>i4').tobytes()
+    with gzip.open(os.path.join(directory, f'{prefix}-images-idx3-ubyte.gz'),
+                   'wb') as f:
+      f.write(header + images.tobytes())
+    with gzip.open(os.path.join(directory, f'{prefix}-labels-idx1-ubyte.gz'),
+                   'wb') as f:
+      f.write(np.array([2049, n], '>i4').tobytes() + labels.tobytes())
+  return directory
+
+
+def write_folder(root: str, split: str, per_class: dict[str, list[int]],
+                 fmt: str = 'PNG', gray_every: int = 3, size: int = 28) -> dict:
+  """<root>/<split>/<class>/<id>.<ext> images; returns {id: class name}.
+
+  PNG images keep id_image(id) exactly (lossless); every `gray_every`-th image
+  is saved single-channel, the others as RGB with identical channels.
+  """
+  written = {}
+  ext = {'PNG': 'png', 'JPEG': 'jpg'}[fmt]
+  for name, ids in per_class.items():
+    folder = os.path.join(root, split, name)
+    os.makedirs(folder, exist_ok=True)
+    for i in ids:
+      gray = id_image(i, size)
+      pil = Image.fromarray(gray) if i % gray_every == 0 else Image.fromarray(
+          np.stack([gray] * 3, -1))
+      pil.save(os.path.join(folder, f'{i:05d}.{ext}'), fmt)
+      written[i] = name
+  return written
+
+
+def write_corrupt(path: str) -> None:
+  """A file with an image extension that no decoder accepts."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, 'wb') as f:
+    f.write(b'\x89PNG\r\n\x1a\n' + b'not really a png' * 8)
+
+
+def write_jpegs(root: str, num: int, num_classes: int = 4,
+                height: int = 375, width: int = 500, seed: int = 0) -> None:
+  """ImageNet-sized random-ish JPEGs under <root>/train/<class>/ (benchmarks)."""
+  rng = np.random.default_rng(seed)
+  base = rng.integers(0, 256, (height // 8, width // 8, 3), dtype=np.uint8)
+  for i in range(num):
+    folder = os.path.join(root, 'train', f'c{i % num_classes}')
+    os.makedirs(folder, exist_ok=True)
+    # Smooth content compresses like a photo; shift it so files differ.
+    image = Image.fromarray(np.roll(base, i, axis=1)).resize((width, height))
+    image.save(os.path.join(folder, f'{i:06d}.jpg'), 'JPEG', quality=90)

@@ -1,0 +1,320 @@
+"""Tests for vit_jax/input_pipeline.py on synthetic data written here."""
+import collections
+import io
+import os
+
+import jax
+import numpy as np
+from PIL import Image
+import pytest
+import tensorflow as tf
+
+from configs import common
+from tests import data_fixtures as fx
+from vit_jax import input_pipeline as ip
+
+NUM_TRAIN, NUM_TEST = 40, 13
+
+
+def _config(**kw):
+  c = common.get_config()
+  c.image_size = 28
+  c.shuffle_buffer = 100
+  for k, v in kw.items():
+    setattr(c.pp, k[3:], v) if k.startswith('pp_') else setattr(c, k, v)
+  return c
+
+
+@pytest.fixture(scope='module')
+def idx_dir(tmp_path_factory):
+  return fx.write_idx(str(tmp_path_factory.mktemp('idx')), NUM_TRAIN, NUM_TEST)
+
+
+@pytest.fixture(scope='module')
+def folder(tmp_path_factory):
+  root = str(tmp_path_factory.mktemp('folder'))
+  # Classes: sorted union of all splits' class folders -> a=0, b=1, c=2.
+  train = fx.write_folder(root, 'train', {'b': [1, 2, 3, 4], 'a': [5, 6, 7]})
+  test = fx.write_folder(root, 'test', {'a': [10, 11], 'c': [12, 13, 14]})
+  fx.write_folder(root, 'test', {'b': [20, 21]}, fmt='JPEG')
+  # Sorted between 00012.png and 00013.png: a hole inside an eval batch.
+  fx.write_corrupt(os.path.join(root, 'test', 'c', '00012b.png'))
+  fx.write_corrupt(os.path.join(root, 'train', 'a', '99999.png'))
+  with open(os.path.join(root, 'train', 'a', 'notes.txt'), 'w') as f:
+    f.write('not an image: ignored by extension')
+  return root, train, test
+
+
+def _ids(batch):
+  return [fx.image_id(x) for x in batch['image']]
+
+
+def _take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+# ------------------------------------------------------------ preprocessing
+def _png(array):
+  buf = io.BytesIO()
+  Image.fromarray(array).save(buf, 'PNG')
+  return buf.getvalue()
+
+
+def _jpeg(array):
+  buf = io.BytesIO()
+  Image.fromarray(array).save(buf, 'JPEG', quality=95)
+  return buf.getvalue()
+
+
+def _smooth_rgb(h, w, seed=0):
+  rng = np.random.default_rng(seed)
+  small = rng.integers(0, 256, (h // 8, w // 8, 3), dtype=np.uint8)
+  return np.array(Image.fromarray(small).resize((w, h)))
+
+
+@pytest.mark.parametrize('crop', ['inception', 'resize'])
+def test_preprocess_train_shapes_and_range(crop):
+  c = _config(image_size=32, pp_train_crop=crop)
+  rgb = _smooth_rgb(48, 64)
+  for image in (rgb, rgb[..., :1], tf.constant(_png(rgb)),
+                tf.constant(_jpeg(rgb)), tf.constant(_png(rgb[..., 0]))):
+    out = ip.preprocess_train(image, tf.constant([3, 4]), c).numpy()
+    assert out.shape == (32, 32, 3) and out.dtype == np.float32
+    assert -1.0 <= out.min() < out.max() <= 1.0
+
+
+def test_grayscale_becomes_three_equal_channels():
+  gray = fx.id_image(7)
+  c = _config(pp_train_crop='resize', pp_flip=False)
+  for image in (gray[..., None], tf.constant(_png(gray))):
+    for out in (ip.preprocess_train(image, [0, 0], c).numpy(),
+                ip.preprocess_eval(image, c).numpy()):
+      assert out.shape == (28, 28, 3)
+      np.testing.assert_array_equal(out[..., 0], out[..., 1])
+      np.testing.assert_array_equal(out[..., 0], out[..., 2])
+      # Same size and no crop: the pixels come through exactly, scaled.
+      np.testing.assert_allclose(out[..., 0], gray / 127.5 - 1, atol=1e-6)
+
+
+def test_inception_crop_deterministic_per_seed_and_varies_across_seeds():
+  c = _config(image_size=24)
+  image = _smooth_rgb(64, 80)
+  run = lambda s: ip.preprocess_train(image, tf.constant(s), c).numpy()
+  np.testing.assert_array_equal(run([1, 2]), run([1, 2]))
+  outs = [run([1, s]) for s in range(6)]
+  assert all(not np.allclose(outs[0], o) for o in outs[1:])
+  boxes = {tuple(np.asarray(ip.inception_crop(image, tf.constant([0, s]), 0.05)
+                            .shape)) for s in range(10)}
+  assert len(boxes) > 5  # Crops of varying sizes.
+  assert all(h * w >= 0.05 * 64 * 80 * 0.99 for h, w, _ in boxes)
+
+
+def test_jpeg_crop_is_the_same_box_as_decode_then_crop():
+  image = _smooth_rgb(96, 128)
+  jpeg = tf.constant(_jpeg(image))
+  decoded = tf.io.decode_jpeg(jpeg, channels=3)
+  for s in range(4):
+    fused = ip.inception_crop(jpeg, tf.constant([9, s]), 0.1).numpy()
+    plain = ip.inception_crop(decoded, tf.constant([9, s]), 0.1).numpy()
+    assert fused.shape == plain.shape
+    assert np.abs(fused.astype(int) - plain).mean() < 2.0
+
+
+def test_flip_is_seeded():
+  c = _config(pp_train_crop='resize', pp_flip=True)
+  image = fx.id_image(3)[..., None]
+  outs = [ip.preprocess_train(image, [0, s], c).numpy() for s in range(16)]
+  flipped = [np.array_equal(o[:, ::-1], outs[0]) for o in outs]
+  assert 0 < sum(flipped) < 16  # Some flipped relative to the first, some not.
+
+
+def test_preprocess_eval_central_crop():
+  c = _config(image_size=32, pp_eval_crop='central',
+              pp_central_crop_fraction=0.5)
+  image = np.zeros((40, 100, 3), np.uint8)
+  image[:, 55:60] = 255  # A white band right of the centre of a wide image.
+  out = ip.preprocess_eval(image, c).numpy()
+  assert out.shape == (32, 32, 3)
+  # Shorter side 40 -> 64, so width 100 -> 160 and the crop is columns
+  # 64..96: the band (88..96) is its last 8 columns. A plain resize would put
+  # it at 17.6..19.2 instead.
+  np.testing.assert_allclose(out[:, 25:31], 1.0, atol=1e-5)
+  np.testing.assert_allclose(out[:, :22], -1.0, atol=1e-5)
+  with pytest.raises(ValueError, match='eval_crop'):
+    ip.preprocess_eval(image, _config(pp_eval_crop='bogus'))
+
+
+# ------------------------------------------------------------ local IDX
+def test_info_and_train_batches(idx_dir):
+  c = _config(data_dir=idx_dir)
+  assert ip.get_info(c) == ip.DatasetInfo(10, NUM_TRAIN, NUM_TEST)
+  c2 = _config(data_dir=idx_dir, train_split='train[:25%]',
+               num_train_examples=-1)
+  assert ip.get_info(c2).num_train_examples == NUM_TRAIN // 4
+  batch = next(ip.train_batches(c, global_batch=8, process_index=1,
+                                process_count=2))
+  assert set(batch) == {'image', 'label'}
+  assert batch['image'].shape == (4, 28, 28, 3)
+  assert batch['image'].dtype == np.float32 and batch['label'].dtype == np.int32
+  assert -1.0 <= batch['image'].min() < batch['image'].max() <= 1.0
+  assert ((0 <= batch['label']) & (batch['label'] < 10)).all()
+
+
+def test_epochs_are_permutations_of_the_host_shard(idx_dir):
+  # 'resize' without flip keeps the pixels, so every example is identified.
+  c = _config(data_dir=idx_dir, pp_train_crop='resize', pp_flip=False)
+  it = ip.train_batches(c, global_batch=8, process_index=0, process_count=1)
+  ids = [i for b in _take(it, 10) for i in _ids(b)]  # 2 epochs of 40.
+  labels = [l for b in _take(ip.train_batches(
+      c, global_batch=8, process_index=0, process_count=1), 5)
+            for l in b['label']]
+  assert sorted(ids[:40]) == sorted(ids[40:]) == list(range(NUM_TRAIN))
+  assert ids[:40] != ids[40:]  # Reshuffled each epoch.
+  assert ids[:40] != sorted(ids[:40])
+  assert labels == [i % 10 for i in ids[:40]]
+  c1 = _config(data_dir=idx_dir, seed=1, pp_train_crop='resize', pp_flip=False)
+  other = ip.train_batches(c1, global_batch=8, process_index=0, process_count=1)
+  assert [i for b in _take(other, 5) for i in _ids(b)] != ids[:40]
+  # Two hosts: disjoint halves of the split, each seen once per epoch.
+  halves = []
+  for h in range(2):
+    it = ip.train_batches(c, global_batch=8, process_index=h, process_count=2)
+    halves.append([i for b in _take(it, 5) for i in _ids(b)])
+  assert sorted(halves[0] + halves[1]) == list(range(NUM_TRAIN))
+
+
+@pytest.mark.parametrize('hosts', [1, 2])
+def test_exact_resume_across_epoch_boundaries(idx_dir, hosts):
+  # Inception crop + flip: the augmentation must be resumed exactly too.
+  c = _config(data_dir=idx_dir, image_size=16)
+  kw = dict(global_batch=12, process_index=hosts - 1, process_count=hosts)
+  n = 14
+  full = _take(ip.train_batches(c, **kw), n)  # Over 4 epochs of this host.
+  local, shard = 12 // hosts, NUM_TRAIN // hosts
+  # k=3 resumes in epoch 0, k=7 in epoch 2 (position 84 // hosts); both
+  # resumed streams contain batches that straddle an epoch boundary.
+  for k in (3, 7):
+    assert any((s * local) // shard != ((s + 1) * local - 1) // shard
+               for s in range(k, n))
+    resumed = _take(ip.train_batches(c, start_step=k, **kw), n - k)
+    for a, b in zip(full[k:], resumed):
+      np.testing.assert_array_equal(a['label'], b['label'])
+      np.testing.assert_array_equal(a['image'], b['image'])
+  # And the augmentation really is random: equal ids get different crops.
+  flat = np.concatenate([b['image'] for b in full])
+  assert len({x.tobytes() for x in flat}) == len(flat)
+
+
+def test_eval_complete_over_two_processes(idx_dir):
+  c = _config(data_dir=idx_dir)
+  per_host = [list(ip.eval_batches(c, global_batch=4, process_index=h,
+                                   process_count=2)) for h in range(2)]
+  assert len(per_host[0]) == len(per_host[1]) == 4  # ceil(7 / 2)
+  seen = []
+  for batches in per_host:
+    for b in batches:
+      assert b['image'].shape == (2, 28, 28, 3) and b['mask'].dtype == bool
+      ids = _ids(b)
+      seen += [i for i, m in zip(ids, b['mask']) if m]
+      np.testing.assert_array_equal(
+          b['label'][b['mask']], [i % 10 for i, m in zip(ids, b['mask']) if m])
+  assert sorted(seen) == list(range(NUM_TRAIN, NUM_TRAIN + NUM_TEST))
+  masks = np.concatenate([b['mask'] for bs in per_host for b in bs])
+  assert masks.sum() == NUM_TEST  # 3 padding examples, all masked.
+
+
+def test_missing_idx_files_error(tmp_path):
+  c = _config(data_dir=str(tmp_path))
+  with pytest.raises(FileNotFoundError, match='apt-get install dataset-fashion'):
+    ip.get_info(c)
+
+
+def test_bad_batch_size_error(idx_dir):
+  with pytest.raises(ValueError, match='multiple of the process count'):
+    ip.train_batches(_config(data_dir=idx_dir), global_batch=9,
+                     process_index=0, process_count=2)
+
+
+# ------------------------------------------------------------ image folder
+def test_folder_eval_skips_and_counts_corrupt(folder):
+  root, _, test = folder
+  c = _config(dataset='folder:' + root)
+  info = ip.get_info(c)
+  assert info.num_classes == 3
+  assert info.num_eval_examples == 5 + 2 + 1  # PNGs, JPEGs, the corrupt file.
+  before = ip.skipped_examples()
+  per_host = [list(ip.eval_batches(c, global_batch=6, process_index=h,
+                                   process_count=2)) for h in range(2)]
+  assert ip.skipped_examples() == before + 1
+  assert len(per_host[0]) == len(per_host[1]) == 2
+  labels = collections.Counter()
+  png_ids = []
+  for b in (b for bs in per_host for b in bs):
+    labels.update(b['label'][b['mask']].tolist())
+    png_ids += [i for i, m in zip(_ids(b), b['mask']) if m and i in test]
+  assert labels == {0: 2, 1: 2, 2: 3}  # a=0, b=1 (JPEGs), c=2.
+  assert sorted(png_ids) == sorted(test)  # Lossless PNGs: exact pixels.
+  # Host 1 reads c/00012, c/00012b (corrupt), c/00013, c/00014 in file order.
+  first, last = per_host[1]
+  np.testing.assert_array_equal(first['mask'], [True, False, True])
+  assert [_ids(first)[i] for i in (0, 2)] == [12, 13]
+  np.testing.assert_array_equal(last['mask'], [True, False, False])
+  np.testing.assert_array_equal(last['image'][1:], 0.0)  # Padding.
+
+
+def test_folder_train_replaces_corrupt_and_resumes(folder):
+  root, train, _ = folder
+  c = _config(dataset='folder:' + root, pp_train_crop='resize', pp_flip=False)
+  before = ip.skipped_examples()
+  kw = dict(global_batch=4, process_index=0, process_count=1)
+  full = _take(ip.train_batches(c, **kw), 6)  # 3 epochs of 8 files.
+  assert ip.skipped_examples() == before + 3  # Once per epoch.
+  ids = [i for b in full for i in _ids(b)]
+  assert set(ids) == set(train)  # Never the zero placeholder image.
+  for b in full:
+    np.testing.assert_array_equal(
+        b['label'], [{'a': 0, 'b': 1}[train[i]] for i in _ids(b)])
+  resumed = _take(ip.train_batches(c, start_step=3, **kw), 3)
+  for a, b in zip(full[3:], resumed):
+    np.testing.assert_array_equal(a['image'], b['image'])
+
+
+def test_folder_missing_error(tmp_path):
+  with pytest.raises(FileNotFoundError, match='<split>/<class>'):
+    ip.get_info(_config(dataset=f'folder:{tmp_path}/nope'))
+
+
+# ------------------------------------------------------------ TFDS (mocked)
+def test_tfds_source_with_mock_data():
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  with tfds.testing.mock_data(num_examples=10):
+    c = _config(dataset='mnist', image_size=16)
+    assert ip.get_info(c) == ip.DatasetInfo(10, 10, 10)
+    batch = next(ip.train_batches(c, global_batch=4, process_index=0,
+                                  process_count=1))
+    assert batch['image'].shape == (4, 16, 16, 3)
+    counts = [len(list(ip.eval_batches(c, global_batch=4, process_index=h,
+                                       process_count=2))) for h in range(2)]
+    assert counts == [3, 3]  # 5 examples per host in batches of 2.
+
+
+# ------------------------------------------------------------ devices
+def test_to_global_and_prefetch_to_mesh(idx_dir):
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data'))
+  assert len(jax.devices()) == 8
+  c = _config(data_dir=idx_dir)
+  batches = _take(ip.train_batches(c, global_batch=16), 3)
+  arrays = ip.to_global(batches[0], sharding)
+  assert isinstance(arrays['image'], jax.Array)
+  assert arrays['image'].shape == (16, 28, 28, 3)
+  assert arrays['label'].shape == (16,)
+  assert arrays['image'].sharding.is_equivalent_to(sharding, 4)
+  assert {s.data.shape for s in arrays['image'].addressable_shards} == {
+      (2, 28, 28, 3)}
+  np.testing.assert_array_equal(np.asarray(arrays['image']),
+                                batches[0]['image'])
+  out = list(ip.prefetch_to_mesh(iter(batches), sharding, size=2))
+  assert len(out) == 3
+  for a, b in zip(out, batches):
+    np.testing.assert_array_equal(np.asarray(a['label']), b['label'])
