@@ -1,0 +1,33 @@
+# Set-up and entry points. Each target installs what it needs first:
+#   make quickstart   venv + package (+ Fashion-MNIST from Debian when root), then train
+#   make test         venv + package with test extras, then the default test suite
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+
+.PHONY: quickstart test test-slow fashion-mnist
+
+$(VENV)/installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+fashion-mnist:
+	@if [ ! -f $(FASHION_MNIST) ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist; \
+	  else \
+	    echo "Fashion-MNIST is missing: sudo apt-get install dataset-fashion-mnist"; exit 1; \
+	  fi; \
+	fi
+
+quickstart: $(VENV)/installed fashion-mnist
+	$(PY) -m vit_jax.main --config=configs/quickstart.py --workdir=workdirs/quickstart
+
+test: $(VENV)/installed
+	$(PY) -m pytest -q
+
+test-slow: $(VENV)/installed
+	$(PY) -m pytest -q -m slow
