@@ -12,24 +12,28 @@ Sources (`config.dataset`):
 Split names accept TFDS slicing for every source ('train[:90%]', 'test[:500]',
 'train+test').
 
-Data order and host sharding. Each host reads its own shard of the split
-(`tfds.even_splits` semantics, also for the local sources) as "records": cheap,
-undecoded items (an index for local data, the encoded bytes for TFDS). Epoch `e`
-of host `h` is its records shuffled with a seed derived from (seed, e, h): a
-full permutation for local data, a `shuffle_buffer` window for TFDS (whose
-files are read in their stored order; TFDS shuffles examples when it prepares a
-dataset). The host's stream is the concatenation of its epochs, cut into local
-batches; batches run across epoch boundaries, no example is dropped.
+Data order and host sharding. Data is read as "records": cheap, undecoded items
+(an index for local data, the encoded bytes for TFDS). Local data (IDX files,
+image folders) is random access, so training walks ONE global stream on every
+host: epoch `e` is the whole split permuted with a seed derived from (seed, e),
+cut into global batches, and host `h` keeps rows [h*L, (h+1)*L) of each; the
+batches of a run are therefore the same on 1 host or N. TFDS data is not random
+access: each host reads its own shard of the split (`tfds.even_splits`), epoch
+`e` of host `h` is its records shuffled in a `shuffle_buffer` window seeded by
+(seed, e, h) (files read in their stored order; TFDS shuffles examples when it
+prepares a dataset), so there the order depends on the number of hosts.
+Batches run across epoch boundaries; no example is dropped.
 
 Exact resume. Augmentation randomness comes from stateless TF ops seeded with
 (seed, global example position), where the position of local example `j` of
 step `s` is `s * global_batch + h * local_batch + j`. So the stream is a pure
-function of (seed, step): `train_batches(config, start_step=k)` starts at epoch
-`k * local_batch // n` and skips `k * local_batch % n` records of that epoch
-BEFORE any file read, decoding or augmentation. Cost: at most one epoch of
-records of this host is skipped, i.e. O(n) integer moves for the local sources
-(about 1 s per million examples) and, for TFDS, reading (not decoding) up to one
-epoch of encoded records of the host shard.
+function of (seed, step): `train_batches(config, start_step=k)` starts at the
+epoch of stream position k * B (B: global batch for local data, local batch for
+TFDS) and skips the records before it in that epoch BEFORE any file read,
+decoding or augmentation. Cost: at most one epoch of records is skipped, i.e.
+O(n) integer moves for the local sources (about 1 s per million examples) and,
+for TFDS, reading (not decoding) up to one epoch of encoded records of the host
+shard.
 
 Undecodable images (folder source, TFDS) are never fatal: each batch of records
 is decoded in a small dataset that drops failing elements, and the survivors are
@@ -518,24 +522,38 @@ def train_batches(config, *, global_batch: int, start_step: int = 0,
   see the module docstring for the resume arithmetic and its cost.
   """
   host, hosts, local = _hosts(global_batch, process_index, process_count)
-  shard = _source(config.dataset, config.data_dir).shard(
-      config.train_split, host, hosts, config.shuffle_buffer)
+  source = _source(config.dataset, config.data_dir)
+  # Local (random-access) data: one global stream that every host walks, each
+  # keeping its rows of every global batch, so a run's batches are the same
+  # whatever the number of hosts. TFDS: each host reads only its files.
+  global_stream = isinstance(source, _LocalSource)
+  if global_stream:
+    shard = source.shard(config.train_split, 0, 1, config.shuffle_buffer)
+    per_batch, stream_host = global_batch, 0
+  else:
+    shard = source.shard(config.train_split, host, hosts, config.shuffle_buffer)
+    per_batch, stream_host = local, host
   if shard.size == 0:
     raise ValueError(f'train_split {config.train_split!r} is empty on host '
                      f'{host}: use a larger split.')
-  start = start_step * local  # Position in this host's stream.
+  start = start_step * per_batch  # Position in the stream.
   first_epoch, offset = divmod(start, shard.size)
 
   def epoch(e):
-    return shard.records.shuffle(shard.shuffle_buffer,
-                                 seed=_shuffle_seed(config.seed, e, host))
+    return shard.records.shuffle(
+        shard.shuffle_buffer, seed=_shuffle_seed(config.seed, e, stream_host))
 
   ds = tf.data.Dataset.range(first_epoch, np.iinfo(np.int64).max)
   ds = ds.flat_map(epoch).skip(offset)  # Skip before any read or decode.
   ds = ds.enumerate(start)
+  if global_stream:  # This host's rows of each global batch (indices only).
+    ds = ds.filter(lambda q, _: (q % global_batch) // local == host)
 
   def example(q, record):
-    pos = (q // local) * global_batch + host * local + q % local
+    if global_stream:
+      pos = q
+    else:
+      pos = (q // local) * global_batch + host * local + q % local
     ex = shard.load(record)
     seed = tf.stack([tf.constant(config.seed, tf.int64), pos])
     return {'image': preprocess_train(ex['image'], seed, config),
