@@ -258,7 +258,10 @@ def train_state_manager(directory, keep):
   step directory appears under its final name only once complete, so a run killed
   mid-save resumes from the previous complete step.
   """
-  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+  # cleanup_tmp_directories: a save cut short by kill -9 leaves a temporary directory,
+  # removed at the next start (it is never taken for a checkpoint).
+  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                         cleanup_tmp_directories=True)
   return ocp.CheckpointManager(directory, options=options)
 
 

@@ -1,10 +1,13 @@
 r"""Entry point: python -m vit_jax.main --config=configs/<file>.py[:<args>] --workdir=DIR.
 
 Any config field can be overridden: --config.base_lr=0.01 --config.model.dropout_rate=0.1.
-On several hosts the same command runs once per host: Cloud TPU VMs are detected by
-jax.distributed.initialize(); elsewhere pass --coordinator_address, --num_processes and
---process_id (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID).
+On several hosts the same command runs once per host. On a Cloud TPU VM,
+jax.distributed.initialize() finds the other workers from the TPU metadata (on one host
+it is harmless); elsewhere pass --coordinator_address, --num_processes and --process_id
+(or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID). --workdir may be
+gs://...; the readable log then stays on the local disk (--local_log_dir).
 """
+import glob
 import os
 import sys
 
@@ -26,22 +29,35 @@ flags.DEFINE_integer('num_processes', int(os.environ.get('JAX_NUM_PROCESSES', 0)
                      'Number of processes (hosts).')
 flags.DEFINE_integer('process_id', int(os.environ.get('JAX_PROCESS_ID', -1)),
                      'This process\'s index, 0 .. num_processes-1.')
+flags.DEFINE_integer('heartbeat_timeout_seconds', 100,
+                     'On several hosts: a process silent this long is declared dead and the '
+                     'others exit with an error instead of waiting forever.')
+flags.DEFINE_enum('distributed', 'auto', ['auto', 'on', 'off'],
+                  'jax.distributed.initialize(): auto = with --coordinator_address or on a '
+                  'Cloud TPU VM.')
+flags.DEFINE_string('local_log_dir', '/tmp/vit_jax_logs',
+                    'Where the readable log goes when --workdir is not a local path.')
 flags.mark_flags_as_required(['config', 'workdir'])
 FLAGS = flags.FLAGS
 
 
-def _on_cloud_tpu_pod():
-  return bool(os.environ.get('TPU_WORKER_HOSTNAMES', '').count(','))
+def _on_cloud_tpu_vm():
+  # TPU chips appear as /dev/accel* (v2-v4) or /dev/vfio/<n> (v5e and later).
+  return bool(glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'))
 
 
 def initialize_distributed():
-  """jax.distributed.initialize() when running on several hosts; a no-op otherwise."""
+  """jax.distributed.initialize() for runs on several hosts (see the module doc)."""
+  if FLAGS.distributed == 'off':
+    return
   if FLAGS.coordinator_address:
     if not FLAGS.num_processes or FLAGS.process_id < 0:
       raise app.UsageError('--coordinator_address needs --num_processes and --process_id')
-    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-  elif _on_cloud_tpu_pod():
-    jax.distributed.initialize()  # addresses and ids come from the TPU metadata
+    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                               heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_seconds)
+  elif FLAGS.distributed == 'on' or _on_cloud_tpu_vm():
+    # Addresses and ids come from the TPU metadata (or the cluster's environment).
+    jax.distributed.initialize(heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_seconds)
 
 
 class _QuietLibraries:
@@ -58,8 +74,11 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   initialize_distributed()
   from vit_jax import train  # pylint: disable=g-import-not-at-top  (after distributed init)
-  os.makedirs(FLAGS.workdir, exist_ok=True)
-  logging.get_absl_handler().use_absl_log_file('train', FLAGS.workdir)  # readable log
+  # The readable log: train.INFO (process 0), train.process<i>.INFO (the others).
+  log_dir = FLAGS.local_log_dir if '://' in FLAGS.workdir else FLAGS.workdir
+  os.makedirs(log_dir, exist_ok=True)
+  name = 'train' if jax.process_index() == 0 else f'train.process{jax.process_index()}'
+  logging.get_absl_handler().use_absl_log_file(name, log_dir)
   logging.get_absl_handler().addFilter(_QuietLibraries())
   FLAGS.alsologtostderr = True
   logging.info('process %d/%d, %d local / %d global devices (%s)', jax.process_index(),

@@ -6,8 +6,9 @@ jax.Arrays. The state is {'step', 'params', 'opt_state'}; everything random in s
 (data order, augmentation, dropout) is a function of (seed, s), so a run resumed from
 its orbax checkpoint continues exactly where it stopped.
 """
-import json
 import os
+import signal
+import threading
 import time
 
 from absl import logging
@@ -17,6 +18,7 @@ from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
 import optax
+import tensorflow as tf
 
 from vit_jax import checkpoint
 from vit_jax import input_pipeline
@@ -128,10 +130,15 @@ def evaluate(eval_step, params, config, batch_sharding):
   """Top-1 accuracy over the whole evaluation split (padding masked out)."""
   correct = count = 0.0
   for batch in input_pipeline.eval_batches(config, global_batch=config.eval_batch_size):
-    out = eval_step(params, input_pipeline.to_global(batch, batch_sharding))
+    out = _local(eval_step(params, input_pipeline.to_global(batch, batch_sharding)))
     correct += float(out['correct'])
     count += float(out['count'])
   return correct / max(count, 1.0), int(count)
+
+
+def _local(tree):
+  """Host values of replicated arrays (on several hosts they are not fully addressable)."""
+  return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
 
 
 def _initial_params(config, model, num_classes, param_shardings):
@@ -156,7 +163,7 @@ def _abstract(tree, shardings):
 
 def _write_config(config, workdir):
   if jax.process_index() == 0:
-    with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    with tf.io.gfile.GFile(os.path.join(workdir, 'config.json'), 'w') as f:
       f.write(config.to_json_best_effort(indent=2))
 
 
@@ -176,7 +183,7 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None):
     model = build_model(config, num_classes)
   except (ValueError, FileNotFoundError) as e:
     raise ConfigError(str(e)) from None
-  os.makedirs(workdir, exist_ok=True)
+  tf.io.gfile.makedirs(workdir)  # local or gs://
 
   mesh = sharding.make_mesh(config)
   batch_sharding = sharding.data_sharding(mesh)
@@ -198,7 +205,7 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None):
     params = _initial_params(config, model, num_classes, param_sh)
     state = {'step': jax.device_put(jnp.int32(0), replicated), 'params': params,
              'opt_state': jax.jit(tx.init, out_shardings=opt_sh)(params)}
-  start = int(state['step'])
+  start = int(_local(state['step']))
   if start:
     logging.info('Resuming from the checkpoint of step %d in %s', start, workdir)
   _write_config(config, workdir)
@@ -220,35 +227,47 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None):
   last = total_steps if stop_after_steps is None else min(stop_after_steps, total_steps)
   result = {'step': start}
   t_mark, s_mark = None, start
-  for step in range(start + 1, last + 1):
-    state, metrics = train_step(state, next(batches), rng)
-    if t_mark is None:  # the first step compiled: time from its end
-      jax.block_until_ready(metrics)
-      t_mark, s_mark = time.perf_counter(), step
-    if step % config.log_every_steps == 0 or step == last:
-      metrics = jax.device_get(metrics)
-      elapsed = time.perf_counter() - t_mark
-      rate = (step - s_mark) * config.batch_size / elapsed if step > s_mark else float('nan')
-      eta = (total_steps - step) * config.batch_size / rate if rate == rate and rate > 0 else 0.0
-      per_core = rate / jax.device_count()
-      logging.info('step %d/%d  loss %.4f  lr %.3g  %.1f img/s/core  ETA %s', step, total_steps,
-                   metrics['loss'], metrics['lr'], per_core, _hms(eta))
-      writer.write_scalars(step, {**{k: float(v) for k, v in metrics.items()},
-                                  'img_per_sec_per_core': per_core})
-      result.update(step=step, loss=float(metrics['loss']))
-    if (config.eval_every_steps and step % config.eval_every_steps == 0) or step == total_steps:
-      accuracy, n = evaluate(eval_step, state['params'], config, batch_sharding)
-      logging.info('step %d  %s top-1 accuracy %.4f (%d examples)', step, config.eval_split,
-                   accuracy, n)
-      writer.write_scalars(step, {'accuracy': accuracy})
-      result.update(accuracy=accuracy)
-    if step % config.checkpoint_every_steps == 0 or step == last:
-      checkpoint.save_train_state(manager, step, state, force=True)
+  preemption = _Preemption()
+  try:
+    for step in range(start + 1, last + 1):
+      state, metrics = train_step(state, next(batches), rng)
+      if t_mark is None:  # the first step compiled: time from its end
+        jax.block_until_ready(metrics)
+        t_mark, s_mark = time.perf_counter(), step
+      if step % config.log_every_steps == 0 or step == last:
+        metrics = _local(metrics)
+        elapsed = time.perf_counter() - t_mark
+        rate = (step - s_mark) * config.batch_size / elapsed if step > s_mark else float('nan')
+        eta = (total_steps - step) * config.batch_size / rate if rate == rate and rate > 0 else 0.0
+        per_core = rate / jax.device_count()
+        logging.info('step %d/%d  loss %.4f  lr %.3g  %.1f img/s/core  ETA %s', step, total_steps,
+                     metrics['loss'], metrics['lr'], per_core, _hms(eta))
+        writer.write_scalars(step, {**{k: float(v) for k, v in metrics.items()},
+                                    'img_per_sec_per_core': per_core})
+        result.update(step=step, loss=float(metrics['loss']))
+      if (config.eval_every_steps and step % config.eval_every_steps == 0) or step == total_steps:
+        accuracy, n = evaluate(eval_step, state['params'], config, batch_sharding)
+        logging.info('step %d  %s top-1 accuracy %.4f (%d examples)', step, config.eval_split,
+                     accuracy, n)
+        writer.write_scalars(step, {'accuracy': accuracy})
+        result.update(accuracy=accuracy)
+      result['step'] = step
+      preempted = preemption.reached(step)
+      if preempted or step % config.checkpoint_every_steps == 0 or step == last:
+        checkpoint.save_train_state(manager, step, state, force=True)
+      if preempted:
+        logging.warning('Preempted at step %d: checkpoint saved; the next start resumes there',
+                        step)
+        result['preempted'] = True
+        break
+  finally:
+    preemption.close()
   manager.wait_until_finished()
   writer.flush()
-  if last == total_steps and 'accuracy' not in result:  # a finished run, started again
+  finished = result['step'] == total_steps
+  if finished and 'accuracy' not in result:  # a finished run, started again
     result['accuracy'], _ = evaluate(eval_step, state['params'], config, batch_sharding)
-  if last == total_steps:
+  if finished:
     # Collective under FSDP or on several hosts; only process 0 writes the file.
     params = multihost_utils.process_allgather(state['params'], tiled=True)
     if jax.process_index() == 0:
@@ -258,6 +277,35 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None):
                  os.path.join(workdir, 'final.npz'))
   result['params'] = state['params']
   return result
+
+
+class _Preemption:
+  """SIGTERM (what a preempted TPU VM receives) -> stop at a step every host agrees on.
+
+  One process: a Python handler sets a flag checked after each step. Several: JAX's
+  preemption sync manager (set up by jax.distributed.initialize, notified of SIGTERM)
+  picks the step, so all hosts save the same one.
+  """
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+  def _on_sigterm(self, signum, frame):
+    del signum, frame
+    logging.warning('SIGTERM: saving a checkpoint after this step, then exiting')
+    self.requested = True
+
+  def reached(self, step):
+    if jax.process_count() > 1:
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self.requested
+
+  def close(self):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
 
 
 def _hms(seconds):

@@ -1,0 +1,105 @@
+"""Several hosts simulated by local processes on 127.0.0.1 (CPU collectives: gloo).
+
+2 processes x 4 devices must train exactly like 1 process x 8 devices, and a dead
+process must make the other one exit with an error instead of hanging.
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.util import tensor_util
+
+from tests import data_fixtures
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _args(workdir, idx_dir, total_steps=4):
+  return [sys.executable, '-m', 'vit_jax.main', '--config=configs/quickstart.py',
+          f'--workdir={workdir}', f'--config.data_dir={idx_dir}',
+          f'--config.total_steps={total_steps}', '--config.warmup_steps=1',
+          '--config.batch_size=16', '--config.eval_batch_size=16',
+          '--config.log_every_steps=1', '--config.eval_every_steps=0',
+          '--config.model.num_layers=1', '--config.model.dropout_rate=0.1']
+
+
+def _env(devices):
+  return dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+
+
+def _start_hosts(workdir, idx_dir, total_steps, heartbeat=100):
+  address = f'127.0.0.1:{_free_port()}'
+  return [subprocess.Popen(
+      _args(workdir, idx_dir, total_steps) + [
+          f'--coordinator_address={address}', '--num_processes=2', f'--process_id={i}',
+          f'--heartbeat_timeout_seconds={heartbeat}'],
+      cwd=ROOT, env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+          for i in range(2)]
+
+
+def _losses(workdir):
+  acc = event_accumulator.EventAccumulator(workdir, size_guidance={'tensors': 0})
+  acc.Reload()
+  return {e.step: float(tensor_util.make_ndarray(e.tensor_proto)) for e in acc.Tensors('loss')}
+
+
+@pytest.fixture(scope='module')
+def idx_dir(tmp_path_factory):
+  return data_fixtures.write_idx(str(tmp_path_factory.mktemp('idx')), num_train=64, num_test=24)
+
+
+def test_two_processes_of_4_devices_equal_one_of_8(idx_dir, tmp_path):
+  one = subprocess.run(_args(str(tmp_path / 'one'), idx_dir), cwd=ROOT, env=_env(8),
+                       capture_output=True, text=True, timeout=300)
+  assert one.returncode == 0, one.stderr[-3000:]
+  hosts = _start_hosts(str(tmp_path / 'two'), idx_dir, 4)
+  outputs = [p.communicate(timeout=300)[0] for p in hosts]
+  for p, out in zip(hosts, outputs):
+    assert p.returncode == 0, out[-3000:]
+  assert 'process 1/2, 4 local / 8 global devices' in outputs[1]
+  # Logs and npz export come from process 0 only; process 1 has its own log file.
+  assert os.path.exists(tmp_path / 'two' / 'train.process1.INFO')
+  l1, l2 = _losses(str(tmp_path / 'one')), _losses(str(tmp_path / 'two'))
+  assert sorted(l1) == sorted(l2) == [1, 2, 3, 4]
+  for step in l1:
+    assert abs(l1[step] - l2[step]) < 1e-5, (step, l1[step], l2[step])
+  with np.load(tmp_path / 'one' / 'final.npz') as a, np.load(tmp_path / 'two' / 'final.npz') as b:
+    assert sorted(a.files) == sorted(b.files)
+    for k in a.files:
+      np.testing.assert_allclose(a[k], b[k], atol=1e-5, rtol=0, err_msg=k)
+  # Orbax wrote one checkpoint collectively.
+  assert os.listdir(tmp_path / 'two' / 'checkpoints') == ['4']
+
+
+def test_a_dead_process_makes_the_other_exit(idx_dir, tmp_path):
+  hosts = _start_hosts(str(tmp_path / 'w'), idx_dir, total_steps=100_000, heartbeat=5)
+  try:
+    # Wait until process 1 trains, then kill it without warning.
+    deadline = time.time() + 240
+    log = tmp_path / 'w' / 'train.process1.INFO'
+    while time.time() < deadline and not (log.exists() and 'step 2/' in log.read_text()):
+      assert hosts[0].poll() is None and hosts[1].poll() is None
+      time.sleep(0.5)
+    assert log.exists() and 'step 2/' in log.read_text()
+    hosts[1].send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    out = hosts[0].communicate(timeout=120)[0]
+    waited = time.time() - killed_at
+  finally:
+    for p in hosts:
+      if p.poll() is None:
+        p.kill()
+  assert hosts[0].returncode != 0, out[-2000:]
+  assert waited < 120
