@@ -1,0 +1,376 @@
+r"""Hyper-parameter sweeps: one vit_jax.main run per grid point, then a summary table.
+
+  python -m launch.sweep --config=configs/finetune.py:ViT-B_16,cifar10,dev --workdir=DIR
+      [--sweep 'config.base_lr=[0.001,0.003,0.01,0.03]'] [--sweep 'config.x=[...]' ...]
+      [--set config.total_steps=100 ...] [--tpu NAME --zone Z [--project P]]
+      [--dry-run] [--summarize-only]
+
+Without --sweep the grid is the config's lr_grid over base_lr (Table 4). Several --sweep
+flags form the cartesian product. Point p runs in DIR/<p> (p like 'base_lr=0.003'),
+locally one after another (output also in DIR/<p>/sweep.log; a failed point is recorded
+and the sweep goes on), or with --tpu one after another in the background on every worker
+of a TPU VM (see launch/tpu_vm.py; DIR must then be gs://). The summary reads the
+'accuracy' scalars of each point's TensorBoard events and writes DIR/summary.md and
+DIR/summary.csv; the winner is the point with the best final accuracy, as the paper
+picks the learning rate on the held-out development split.
+"""
+import argparse
+import ast
+import csv
+import importlib.util
+import io
+import itertools
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+from launch import tpu_vm
+
+REPO_ROOT = tpu_vm.REPO_ROOT
+COLUMNS = ('point', 'status', 'final_accuracy', 'best_accuracy', 'steps')
+
+
+class SweepError(Exception):
+  """A bad argument; main prints it as one line."""
+
+
+def _key(text, flag):
+  """'config.model.dropout_rate' -> 'model.dropout_rate' (the prefix is optional)."""
+  key = text.strip()
+  key = key[len('config.'):] if key.startswith('config.') else key
+  if not re.fullmatch(r'[A-Za-z_]\w*(\.[A-Za-z_]\w*)*', key):
+    raise SweepError(f'{flag} {text!r}: the key must look like config.base_lr')
+  return key
+
+
+def _value(text):
+  """A Python literal where it is one ('0.01', '3', 'True', '(1, 2)'), else the string."""
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def parse_sweep(spec):
+  """"config.base_lr=[0.001,0.003]" -> ('base_lr', [0.001, 0.003]); strings may be bare."""
+  usage = f"--sweep {spec!r}: write it as 'config.KEY=[v1,v2,...]'"
+  key, sep, values = spec.partition('=')
+  values = values.strip()
+  if not sep or not (values.startswith('[') and values.endswith(']')):
+    raise SweepError(usage)
+  key = _key(key, '--sweep')
+  parsed = _value(values)
+  if not isinstance(parsed, list):  # Bare strings: split at the commas.
+    parsed = [_value(v.strip()) for v in values[1:-1].split(',')]
+  if not parsed or any(v == '' for v in parsed):
+    raise SweepError(f'{usage} (with at least one value, none empty)')
+  return key, parsed
+
+
+def parse_set(spec):
+  """"config.total_steps=100" -> ('total_steps', '100') (passed through as text)."""
+  key, sep, value = spec.partition('=')
+  if not sep:
+    raise SweepError(f"--set {spec!r}: write it as 'config.KEY=VALUE'")
+  return _key(key, '--set'), value
+
+
+def load_config(config):
+  """The ConfigDict of 'path.py[:arg]', as vit_jax.main would build it."""
+  path, _, arg = config.partition(':')
+  if not os.path.isfile(path):
+    raise SweepError(f'--config {config!r}: no file {path} (run from the repository root)')
+  root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+  if root not in sys.path:
+    sys.path.insert(0, root)  # Config files import configs.common.
+  spec = importlib.util.spec_from_file_location('_sweep_config', path)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+    return module.get_config(arg) if arg else module.get_config()
+  except Exception as e:  # pylint: disable=broad-except  (the config's own message)
+    raise SweepError(f'--config {config!r}: {e}') from None
+
+
+def _has_field(config, key):
+  node = config
+  for part in key.split('.'):
+    if not hasattr(node, 'keys') or part not in node.keys():
+      return False
+    node = node[part]
+  return True
+
+
+def build_grid(config, sweeps):
+  """[(key, values)] from the --sweep specs, or the config's lr_grid over base_lr."""
+  if sweeps:
+    grid = [parse_sweep(s) for s in sweeps]
+  else:
+    lr_grid = list(config.get('lr_grid', ()) or ())
+    if not lr_grid:
+      raise SweepError("the config has no lr_grid: pass --sweep 'config.base_lr=[...]'")
+    grid = [('base_lr', [float(v) for v in lr_grid])]
+  keys = [k for k, _ in grid]
+  for key in keys:
+    if keys.count(key) > 1:
+      raise SweepError(f'config.{key} is swept twice: merge the --sweep flags')
+  return grid
+
+
+def format_value(value):
+  """How a value is written on the command line (and in the point name)."""
+  if isinstance(value, float):
+    return repr(value)
+  if isinstance(value, (tuple, list)):
+    return str(tuple(value))
+  return str(value)
+
+
+def point_name(assignments):
+  """'base_lr=0.003,warmup_steps=100', with anything unsafe in a file name made '_'."""
+  name = ','.join(f'{k}={format_value(v)}' for k, v in assignments)
+  return re.sub(r'[^\w.=,+-]', '_', name)
+
+
+def grid_points(grid):
+  """[(name, [(key, value), ...])] over the cartesian product, in grid order."""
+  keys = [k for k, _ in grid]
+  points = [(point_name(list(zip(keys, combo))), list(zip(keys, combo)))
+            for combo in itertools.product(*(v for _, v in grid))]
+  names = [n for n, _ in points]
+  if len(set(names)) != len(names):
+    raise SweepError('two grid points share a name: make the swept values distinct')
+  return points
+
+
+def overrides(sets, assignments):
+  """--config.x=... flags: the --set ones, then the point's."""
+  return ([f'--config.{k}={v}' for k, v in sets]
+          + [f'--config.{k}={format_value(v)}' for k, v in assignments])
+
+
+def point_argv(config, workdir, sets, name, assignments, python=sys.executable):
+  return [python, '-m', 'vit_jax.main', f'--config={config}',
+          f'--workdir={join(workdir, name)}', *overrides(sets, assignments)]
+
+
+def join(directory, name):
+  return directory.rstrip('/') + '/' + name if '://' in directory else os.path.join(
+      directory, name)
+
+
+def tpu_commands(args, config, workdir, sets, points):
+  """One ssh to all workers: the points run one after another in the background."""
+  if not workdir.startswith('gs://'):
+    raise SweepError('--tpu needs --workdir=gs://BUCKET/..., where this machine can read the '
+                     'results')
+  jobs = [(tpu_vm.train_argv(config, join(workdir, name), overrides(sets, assignments)),
+           f'sweep-{name}') for name, assignments in points]
+  return [tpu_vm.ssh(args, 'all', tpu_vm.start_script(jobs))]
+
+
+def run_local(argv, log_path, env=None):
+  """Runs one point, streaming its output to stdout and to log_path; returns the exit code."""
+  with _open(log_path, 'w') as log:
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    for line in proc.stdout:
+      sys.stdout.write(line)
+      log.write(line)
+    return proc.wait()
+
+
+def run_sweep(config, workdir, sets, points, runner=run_local, out=None):
+  """Runs every point in sequence; returns {name: status}. A failure does not stop it."""
+  out = out or sys.stdout
+  statuses = {}
+  for i, (name, assignments) in enumerate(points):
+    argv = point_argv(config, workdir, sets, name, assignments)
+    print(f'== sweep point {i + 1}/{len(points)}: {name}\n{shlex.join(argv)}', file=out,
+          flush=True)
+    _makedirs(join(workdir, name))
+    try:
+      rc = runner(argv, join(join(workdir, name), 'sweep.log'))
+    except OSError as e:
+      rc = f'{type(e).__name__}: {e}'
+    statuses[name] = 'ok' if rc == 0 else f'failed (exit {rc})'
+    with _open(join(join(workdir, name), 'sweep_status'), 'w') as f:
+      f.write(statuses[name] + '\n')
+    print(f'== {name}: {statuses[name]}', file=out, flush=True)
+  return statuses
+
+
+def read_accuracy(directory, tag='accuracy'):
+  """[(step, value)] of a scalar in the TensorBoard event files of a directory."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (slow; only for the summary)
+  values = {}
+  for path in sorted(tf.io.gfile.glob(join(directory, 'events.out.tfevents.*'))):
+    try:
+      for record in tf.data.TFRecordDataset(path):
+        event = tf.compat.v1.Event.FromString(record.numpy())
+        for v in event.summary.value:
+          if v.tag == tag:
+            x = v.simple_value if v.HasField('simple_value') else tf.make_ndarray(v.tensor)
+            values[event.step] = float(x)  # A later file (a resumed run) wins.
+    except tf.errors.DataLossError:
+      pass  # A file cut short by a preemption: keep what was read.
+  return sorted(values.items())
+
+
+def summarize(workdir, points, statuses=None):
+  """Rows (dicts with COLUMNS) and the winner's name (None if no point has an accuracy)."""
+  statuses = statuses or {}
+  rows = []
+  for name, _ in points:
+    point_dir = join(workdir, name)
+    accuracy = read_accuracy(point_dir)
+    status = statuses.get(name) or _read_status(point_dir) or ('done' if accuracy else 'not run')
+    rows.append({'point': name, 'status': status,
+                 'final_accuracy': accuracy[-1][1] if accuracy else None,
+                 'best_accuracy': max(v for _, v in accuracy) if accuracy else None,
+                 'steps': accuracy[-1][0] if accuracy else None})
+  candidates = [r for r in rows if r['final_accuracy'] is not None
+                and not r['status'].startswith('failed')]
+  winner = max(candidates, key=lambda r: r['final_accuracy'])['point'] if candidates else None
+  return rows, winner
+
+
+def _csv_cell(value):
+  if value is None:
+    return ''
+  return f'{value:.6g}' if isinstance(value, float) else value  # float32 values: 6 digits.
+
+
+def _cell(value):
+  if value is None:
+    return '-'
+  return f'{value:.4f}' if isinstance(value, float) else str(value)
+
+
+def markdown(rows, winner, config, points, sets):
+  lines = [f'# Sweep of `{config}`', '',
+           '| ' + ' | '.join(c.replace('_', ' ') for c in COLUMNS) + ' |',
+           '|' + '---|' * len(COLUMNS)]
+  lines += ['| ' + ' | '.join(_cell(r[c]) for c in COLUMNS) + ' |' for r in rows]
+  lines.append('')
+  if winner:
+    best = next(r for r in rows if r['point'] == winner)
+    flags = ' '.join(overrides(sets, dict(points)[winner]))
+    lines.append(f'Winner (best final accuracy): **{winner}**, {best["final_accuracy"]:.4f}. '
+                 f'Run it with: `--config={config} {flags}`')
+  else:
+    lines.append('Winner: none (no point has an accuracy yet).')
+  return '\n'.join(lines) + '\n'
+
+
+def write_summary(workdir, rows, winner, config, points, sets):
+  """DIR/summary.md and DIR/summary.csv; returns the markdown."""
+  text = markdown(rows, winner, config, points, sets)
+  with _open(join(workdir, 'summary.md'), 'w') as f:
+    f.write(text)
+  buf = io.StringIO()
+  writer = csv.DictWriter(buf, COLUMNS, lineterminator='\n')
+  writer.writeheader()
+  writer.writerows({c: _csv_cell(r[c]) for c in COLUMNS} for r in rows)
+  with _open(join(workdir, 'summary.csv'), 'w') as f:
+    f.write(buf.getvalue())
+  return text
+
+
+def _read_status(point_dir):
+  path = join(point_dir, 'sweep_status')
+  if '://' not in path and not os.path.exists(path):
+    return None
+  try:
+    with _open(path, 'r') as f:
+      return f.read().strip() or None
+  except Exception:  # pylint: disable=broad-except  (missing remote file)
+    return None
+
+
+def _open(path, mode):
+  if '://' in path:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    return tf.io.gfile.GFile(path, mode)
+  return open(path, mode)
+
+
+def _makedirs(path):
+  if '://' in path:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    tf.io.gfile.makedirs(path)
+  else:
+    os.makedirs(path, exist_ok=True)
+
+
+class _Parser(argparse.ArgumentParser):
+
+  def error(self, message):
+    raise SweepError(message)
+
+
+def parser():
+  p = _Parser(prog='python -m launch.sweep', description=__doc__.split('\n')[0])
+  p.add_argument('--config', required=True, help='e.g. configs/finetune.py:ViT-B_16,cifar10,dev')
+  p.add_argument('--workdir', required=True, help='one sub-directory per point (may be gs://)')
+  p.add_argument('--sweep', action='append', default=[],
+                 help="'config.KEY=[v1,v2,...]'; several flags: the cartesian product")
+  p.add_argument('--set', action='append', default=[], dest='sets',
+                 help="'config.KEY=VALUE' for every point")
+  p.add_argument('--tpu', help='run on this TPU VM (set up with launch.tpu_vm setup)')
+  p.add_argument('--zone', help='the TPU VM zone (with --tpu)')
+  p.add_argument('--project', help='Google Cloud project (with --tpu)')
+  p.add_argument('--dry-run', '--dry_run', dest='dry_run', action='store_true',
+                 help='print the commands, run nothing')
+  p.add_argument('--summarize-only', '--summarize_only', dest='summarize_only',
+                 action='store_true', help='only read the results and write the summary')
+  return p
+
+
+def main(argv=None, runner=run_local, out=None):
+  """The CLI; `runner(argv, log_path) -> exit code` runs a local point (tests inject one)."""
+  out = out or sys.stdout
+  try:
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    config = load_config(args.config)
+    points = grid_points(build_grid(config, args.sweep))
+    sets = [parse_set(s) for s in args.sets]
+    for key in [k for k, _ in sets] + [p[0] for p in points[0][1]]:
+      if not _has_field(config, key):
+        raise SweepError(f'config.{key} is not a field of {args.config}: check the name')
+    swept = {k for k, _ in points[0][1]}
+    if swept & {k for k, _ in sets}:
+      raise SweepError(f'config.{sorted(swept & {k for k, _ in sets})[0]} is both --set and '
+                       'swept: keep one')
+    statuses = None
+    if args.summarize_only:
+      pass
+    elif args.tpu:
+      if not args.zone:
+        raise SweepError('--tpu needs --zone')
+      tpu_args = argparse.Namespace(name=args.tpu, zone=args.zone, project=args.project)
+      commands = tpu_commands(tpu_args, args.config, args.workdir, sets, points)
+      tpu_vm.execute(commands, args.dry_run, out=out)
+      if not args.dry_run:
+        print(f'Started {len(points)} points on {args.tpu}. Follow one with python -m '
+              f'launch.tpu_vm logs --name {args.tpu} --zone {args.zone} --log sweep-'
+              f'{points[0][0]} -f; when all are done, add --summarize-only to this command.',
+              file=out)
+      return
+    elif args.dry_run:
+      for name, assignments in points:
+        print(shlex.join(point_argv(args.config, args.workdir, sets, name, assignments)),
+              file=out)
+      return
+    else:
+      statuses = run_sweep(args.config, args.workdir, sets, points, runner, out)
+    rows, winner = summarize(args.workdir, points, statuses)
+    print(write_summary(args.workdir, rows, winner, args.config, points, sets), file=out)
+  except (SweepError, tpu_vm.LaunchError) as e:
+    sys.exit(f'sweep: error: {e}')
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,213 @@
+"""launch/sweep.py: grids, the argv of each point, summaries from event files, a real sweep."""
+import csv
+import os
+import shlex
+import sys
+
+import pytest
+
+from launch import sweep
+from tests import data_fixtures
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FINETUNE = 'configs/finetune.py:ViT-B_16,cifar10,dev'
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch):
+  monkeypatch.chdir(REPO)  # Config paths are relative to the repository root.
+
+
+def write_accuracy(directory, values):
+  """Event files as train.py writes them (clu's writer, scalar 'accuracy')."""
+  from clu import metric_writers  # pylint: disable=g-import-not-at-top
+  writer = metric_writers.SummaryWriter(str(directory))
+  for step, value in values:
+    writer.write_scalars(step, {'accuracy': value, 'loss': 1.0})
+  writer.close()
+
+
+@pytest.mark.parametrize('spec,expected', [
+    ('config.base_lr=[0.001,0.003, 0.01]', ('base_lr', [0.001, 0.003, 0.01])),
+    ('base_lr=[1e-3, 3e-3]', ('base_lr', [0.001, 0.003])),
+    ('config.warmup_steps=[100,500]', ('warmup_steps', [100, 500])),
+    ('config.pp.train_crop=[resize, inception]', ('pp.train_crop', ['resize', 'inception'])),
+    ("config.pp.train_crop=['resize','inception']", ('pp.train_crop', ['resize', 'inception'])),
+    ('config.fsdp=[True,False]', ('fsdp', [True, False])),
+    ('config.model.dropout_rate=[0.0,0.1]', ('model.dropout_rate', [0.0, 0.1])),
+])
+def test_parse_sweep(spec, expected):
+  assert sweep.parse_sweep(spec) == expected
+
+
+@pytest.mark.parametrize('spec', ['config.base_lr', 'config.base_lr=0.1', 'config.base_lr=[]',
+                                  'config.base_lr=[0.1,,0.2]', 'config.base lr=[0.1]',
+                                  '=[0.1]', 'config.base_lr=(0.1,0.2)'])
+def test_parse_sweep_errors(spec):
+  with pytest.raises(sweep.SweepError, match='--sweep') as e:
+    sweep.parse_sweep(spec)
+  assert '\n' not in str(e.value)
+
+
+def test_grid_product_and_names():
+  config = sweep.load_config(FINETUNE)
+  grid = sweep.build_grid(config, ['config.base_lr=[0.01,0.03]',
+                                   'config.pp.train_crop=[resize,inception]'])
+  points = sweep.grid_points(grid)
+  assert [name for name, _ in points] == [
+      'base_lr=0.01,pp.train_crop=resize', 'base_lr=0.01,pp.train_crop=inception',
+      'base_lr=0.03,pp.train_crop=resize', 'base_lr=0.03,pp.train_crop=inception']
+  assert points[1][1] == [('base_lr', 0.01), ('pp.train_crop', 'inception')]
+  assert sweep.point_name([('x', 'a/b c'), ('y', (1, 2))]) == 'x=a_b_c,y=_1,_2_'
+  with pytest.raises(sweep.SweepError, match='swept twice'):
+    sweep.build_grid(config, ['config.base_lr=[0.1]', 'base_lr=[0.2]'])
+
+
+def test_default_grid_is_the_lr_grid_of_table4():
+  config = sweep.load_config(FINETUNE)
+  assert sweep.build_grid(config, []) == [('base_lr', [0.001, 0.003, 0.01, 0.03])]
+  imagenet = sweep.load_config('configs/finetune.py:ViT-L_16,imagenet2012')
+  assert sweep.build_grid(imagenet, []) == [('base_lr', [0.003, 0.01, 0.03, 0.06])]
+  with pytest.raises(sweep.SweepError, match=r"no lr_grid: pass --sweep 'config.base_lr"):
+    sweep.build_grid(sweep.load_config('configs/quickstart.py'), [])
+
+
+def test_dry_run_argv_per_point(capsys):
+  sweep.main([f'--config={FINETUNE}', '--workdir=/tmp/sw', '--set', 'config.total_steps=100',
+              '--dry-run'])
+  lines = capsys.readouterr().out.splitlines()
+  assert [shlex.split(line) for line in lines] == [
+      [sys.executable, '-m', 'vit_jax.main', f'--config={FINETUNE}',
+       f'--workdir=/tmp/sw/base_lr={lr}', '--config.total_steps=100', f'--config.base_lr={lr}']
+      for lr in ('0.001', '0.003', '0.01', '0.03')]
+  assert not os.path.exists('/tmp/sw/base_lr=0.001')
+
+
+def test_tpu_sweep_chains_the_points(capsys):
+  sweep.main(['--config=configs/finetune.py:R50+ViT-B_16,cifar10', '--workdir=gs://b/sw',
+              '--sweep', 'config.base_lr=[0.01,0.03]', '--tpu', 'vit', '--zone', 'z',
+              '--dry-run'])
+  [line] = capsys.readouterr().out.splitlines()
+  cmd = shlex.split(line)
+  assert cmd[:-1] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'vit', '--zone', 'z',
+                      '--worker=all', '--command']
+  words = shlex.split(cmd[-1])
+  body = shlex.split(words[words.index('-c') + 1])
+  for lr in ('0.01', '0.03'):
+    argv = ['python3', '-m', 'vit_jax.main', '--config=configs/finetune.py:R50+ViT-B_16,cifar10',
+            f'--workdir=gs://b/sw/base_lr={lr}', f'--config.base_lr={lr}']
+    i = body.index(argv[-2])
+    assert body[i - 4:i + 2] == argv
+    assert f'$HOME/vit_jax_logs/sweep-base_lr={lr}.log' in body
+  with pytest.raises(SystemExit, match='--tpu needs --workdir=gs://'):
+    sweep.main([f'--config={FINETUNE}', '--workdir=/tmp/sw', '--tpu', 'vit', '--zone', 'z',
+                '--dry-run'])
+
+
+@pytest.mark.parametrize('argv,message', [
+    (['--config=configs/quickstart.py', '--workdir=w'], 'no lr_grid'),
+    (['--config=configs/nope.py', '--workdir=w'], 'no file configs/nope.py'),
+    ([f'--config={FINETUNE}', '--workdir=w', '--sweep', 'config.base_lrr=[1]'],
+     'config.base_lrr is not a field'),
+    ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.total_steps'], "--set"),
+    ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.base_lr=0.1'], 'both --set and'),
+    ([f'--config={FINETUNE}', '--workdir=w', '--tpu', 'vit'], '--tpu needs --zone'),
+    (['--workdir=w'], 'required: --config'),
+    (['--config=configs/finetune.py:ViT-B_16', '--workdir=w'], 'Bad finetune argument'),
+])
+def test_bad_arguments_give_one_line(argv, message):
+  with pytest.raises(SystemExit) as e:
+    sweep.main(argv + ['--dry-run'])
+  assert message in str(e.value) and '\n' not in str(e.value)
+
+
+def test_failing_point_does_not_stop_the_sweep(tmp_path, capsys):
+  """A fake runner: points write event files like train.py, one point fails."""
+  finals = {'0.001': [(10, 0.50), (20, 0.70)], '0.003': [(10, 0.80), (20, 0.60)],
+            '0.01': [(10, 0.95)], '0.03': []}
+  ran = []
+
+  def runner(argv, log_path):
+    workdir = next(a.split('=', 1)[1] for a in argv if a.startswith('--workdir='))
+    assert log_path == os.path.join(workdir, 'sweep.log')
+    lr = argv[-1].split('=')[-1]
+    ran.append(lr)
+    write_accuracy(workdir, finals[lr])
+    if lr == '0.01':
+      return 1  # Crashed after an evaluation: its accuracy must not win.
+    if lr == '0.03':
+      raise OSError('no such interpreter')
+    return 0
+
+  workdir = str(tmp_path / 'sw')
+  sweep.main([f'--config={FINETUNE}', f'--workdir={workdir}'], runner=runner)
+  assert ran == ['0.001', '0.003', '0.01', '0.03']
+  out = capsys.readouterr().out
+  with open(os.path.join(workdir, 'summary.csv')) as f:
+    rows = list(csv.DictReader(f))
+  assert rows == [
+      {'point': 'base_lr=0.001', 'status': 'ok', 'final_accuracy': '0.7',
+       'best_accuracy': '0.7', 'steps': '20'},
+      {'point': 'base_lr=0.003', 'status': 'ok', 'final_accuracy': '0.6',
+       'best_accuracy': '0.8', 'steps': '20'},
+      {'point': 'base_lr=0.01', 'status': 'failed (exit 1)', 'final_accuracy': '0.95',
+       'best_accuracy': '0.95', 'steps': '10'},
+      {'point': 'base_lr=0.03', 'status': 'failed (exit OSError: no such interpreter)',
+       'final_accuracy': '', 'best_accuracy': '', 'steps': ''}]
+  with open(os.path.join(workdir, 'summary.md')) as f:
+    md = f.read()
+  assert '| base_lr=0.001 | ok | 0.7000 | 0.7000 | 20 |' in md
+  assert '| base_lr=0.03 | failed (exit OSError: no such interpreter) | - | - | - |' in md
+  assert 'Winner (best final accuracy): **base_lr=0.001**, 0.7000' in md
+  assert f'`--config={FINETUNE} --config.base_lr=0.001`' in md
+  assert md in out  # The table is printed too.
+
+  # Summarize again later: statuses come from the points' sweep_status files.
+  sweep.main([f'--config={FINETUNE}', f'--workdir={workdir}', '--summarize-only'],
+             runner=None)
+  with open(os.path.join(workdir, 'summary.md')) as f:
+    assert f.read() == md
+
+
+def test_summary_without_status_files(tmp_path):
+  """As after a TPU sweep: no sweep_status, events only; a second event file wins."""
+  points = sweep.grid_points([('base_lr', [0.01, 0.03, 0.1])])
+  write_accuracy(tmp_path / 'base_lr=0.01', [(100, 0.3)])
+  write_accuracy(tmp_path / 'base_lr=0.03', [(100, 0.4), (200, 0.2)])
+  write_accuracy(tmp_path / 'base_lr=0.03', [(200, 0.5)])  # Resumed: re-evaluated at 200.
+  rows, winner = sweep.summarize(str(tmp_path), points)
+  assert [(r['status'], r['final_accuracy'], r['best_accuracy'], r['steps']) for r in rows] == [
+      ('done', pytest.approx(0.3), pytest.approx(0.3), 100),
+      ('done', pytest.approx(0.5), pytest.approx(0.5), 200), ('not run', None, None, None)]
+  assert winner == 'base_lr=0.03'
+  assert sweep.summarize(str(tmp_path / 'none'), points[2:]) == (
+      [{'point': 'base_lr=0.1', 'status': 'not run', 'final_accuracy': None,
+        'best_accuracy': None, 'steps': None}], None)
+
+
+def test_real_local_sweep(tmp_path, monkeypatch, capsys):
+  """Two points of the offline quickstart, each a real vit_jax.main subprocess."""
+  data = data_fixtures.write_idx(str(tmp_path / 'data'), num_train=64, num_test=32)
+  monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=1')
+  workdir = str(tmp_path / 'sw')
+  sweep.main(['--config=configs/quickstart.py', f'--workdir={workdir}',
+              '--sweep', 'config.base_lr=[0.001,0.003]',
+              '--set', 'config.total_steps=4', '--set', 'config.warmup_steps=1',
+              '--set', 'config.batch_size=16', '--set', 'config.eval_batch_size=16',
+              '--set', f'config.data_dir={data}', '--set', 'config.model.num_layers=1'])
+  out = capsys.readouterr().out
+  with open(os.path.join(workdir, 'summary.csv')) as f:
+    rows = list(csv.DictReader(f))
+  assert [(r['point'], r['status'], r['steps']) for r in rows] == [
+      ('base_lr=0.001', 'ok', '4'), ('base_lr=0.003', 'ok', '4')]
+  for r in rows:
+    assert 0.0 <= float(r['final_accuracy']) == float(r['best_accuracy']) <= 1.0
+  with open(os.path.join(workdir, 'summary.md')) as f:
+    md = f.read()
+  assert '| point | status | final accuracy | best accuracy | steps |' in md
+  assert 'Winner (best final accuracy): **base_lr=0.00' in md
+  for point in ('base_lr=0.001', 'base_lr=0.003'):
+    with open(os.path.join(workdir, point, 'sweep.log')) as f:
+      assert 'Final test top-1 accuracy' in f.read()
+    assert os.path.exists(os.path.join(workdir, point, 'final.npz'))
+  assert 'Final test top-1 accuracy' in out  # Streamed.
