@@ -178,7 +178,7 @@ REMAT_CASES = {
     'vit': ('ViT-Ti_16', dict(num_layers=2, patch_size=8, dropout_rate=0.1), 32),
     'hybrid': ('R26+ViT-S_32', dict(num_layers=1, resnet_layers=(1,), hidden_size=64,
                                     mlp_dim=64, num_heads=2), 32),
-    'bit': ('BiT-M-R50x1', dict(resnet_layers=(1, 1)), 32),
+    'bit': ('BiT-M-R50x1', dict(resnet_layers=(1,)), 32),
 }
 
 

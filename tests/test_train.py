@@ -58,13 +58,19 @@ def _assert_trees_close(a, b, atol):
                                err_msg=jax.tree_util.keystr(path))
 
 
-def test_data_mesh_of_8_equals_one_device(idx_dir, tmp_path):
+@pytest.fixture(scope='module')
+def data_parallel(idx_dir, tmp_path_factory):
+  """The reference run: 3 steps, data parallel over the 8 devices."""
+  return _run(idx_dir, tmp_path_factory.mktemp('dp'), 'dp')
+
+
+def test_data_mesh_of_8_equals_one_device(idx_dir, tmp_path, data_parallel):
   assert jax.device_count() == 8
   one = _run(idx_dir, tmp_path, 'one', mesh_data=1)
-  eight = _run(idx_dir, tmp_path, 'eight')
-  assert eight['params']['embedding']['kernel'].sharding.mesh.size == 8
-  assert abs(one['loss'] - eight['loss']) < 1e-5
-  _assert_trees_close(one['params'], eight['params'], 1e-5)
+  assert data_parallel['params']['embedding']['kernel'].sharding.mesh.size == 8
+  assert one['params']['embedding']['kernel'].sharding.mesh.size == 1
+  assert abs(one['loss'] - data_parallel['loss']) < 1e-5
+  _assert_trees_close(one['params'], data_parallel['params'], 1e-5)
   # Training moved the parameters: the comparison is not between two initialisations.
   init = train.train_and_evaluate(_config(idx_dir, mesh_data=1), str(tmp_path / 'init'),
                                   stop_after_steps=0)
@@ -73,13 +79,12 @@ def test_data_mesh_of_8_equals_one_device(idx_dir, tmp_path):
   assert max(jax.tree.leaves(moved)) > 1e-4
 
 
-def test_fsdp_equals_data_parallel(idx_dir, tmp_path):
-  dp = _run(idx_dir, tmp_path, 'dp')
+def test_fsdp_equals_data_parallel(idx_dir, tmp_path, data_parallel):
   fsdp = _run(idx_dir, tmp_path, 'fsdp', fsdp=True)
   kernel = fsdp['params']['Transformer']['encoderblock_0']['MlpBlock_3']['Dense_0']['kernel']
   assert 'data' in tuple(kernel.sharding.spec)  # really split over the devices
-  assert abs(dp['loss'] - fsdp['loss']) < 1e-5
-  _assert_trees_close(dp['params'], fsdp['params'], 1e-5)
+  assert abs(data_parallel['loss'] - fsdp['loss']) < 1e-5
+  _assert_trees_close(data_parallel['params'], fsdp['params'], 1e-5)
 
 
 def test_gradient_accumulation_equals_full_batch(idx_dir, tmp_path):
@@ -87,17 +92,6 @@ def test_gradient_accumulation_equals_full_batch(idx_dir, tmp_path):
   accum = _run(idx_dir, tmp_path, 'accum', batch_size=32, accum_steps=4)
   assert abs(full['loss'] - accum['loss']) < 1e-5
   _assert_trees_close(full['params'], accum['params'], 1e-5)
-
-
-def test_training_changes_parameters_and_lowers_loss(idx_dir, tmp_path):
-  config = _config(idx_dir, total_steps=12, base_lr=3e-3)
-  first = train.train_and_evaluate(config.copy_and_resolve_references(), str(tmp_path / 'a'),
-                                   stop_after_steps=1)
-  last = train.train_and_evaluate(config, str(tmp_path / 'a'))
-  moved = jax.tree.map(lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max()),
-                       first['params'], last['params'])
-  assert max(jax.tree.leaves(moved)) > 1e-3
-  assert last['loss'] < first['loss']
 
 
 def test_resume_continues_at_step_7_and_equals_uninterrupted(idx_dir, tmp_path, caplog):
@@ -117,14 +111,13 @@ def test_resume_continues_at_step_7_and_equals_uninterrupted(idx_dir, tmp_path, 
   _assert_trees_close(straight['params'], resumed['params'], 0.0)
 
 
-def test_bfloat16_and_remat_follow_float32(idx_dir, tmp_path):
-  base = _run(idx_dir, tmp_path, 'f32')
+def test_bfloat16_and_remat_follow_float32(idx_dir, tmp_path, data_parallel):
   remat = _run(idx_dir, tmp_path, 'remat', remat=True)
   bf16 = _run(idx_dir, tmp_path, 'bf16', dtype='bfloat16')
-  _assert_trees_close(base['params'], remat['params'], 1e-5)
-  assert abs(base['loss'] - remat['loss']) < 1e-5
-  assert abs(base['loss'] - bf16['loss']) < 0.05 * abs(base['loss'])
-  assert base['loss'] != bf16['loss']  # the bf16 path really ran
+  _assert_trees_close(data_parallel['params'], remat['params'], 1e-5)
+  assert abs(data_parallel['loss'] - remat['loss']) < 1e-5
+  assert abs(data_parallel['loss'] - bf16['loss']) < 0.05 * abs(data_parallel['loss'])
+  assert data_parallel['loss'] != bf16['loss']  # the bf16 path really ran
   assert all(x.dtype == np.float32 for x in jax.tree.leaves(bf16['params']))
 
 
