@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from vit_jax.models.resnet import Stage
 from vit_jax.models.resnet import StdConv
 
 # BiT's GroupNorm epsilon (PyTorch/TF default) and weight-standardisation epsilon.
@@ -43,23 +44,6 @@ class PreActUnit(nn.Module):
     return y + residual
 
 
-class PreActStage(nn.Module):
-  """`num_units` units named unit01, unit02, ... as in the BiT files; the first strides."""
-  num_units: int
-  features: int
-  first_stride: Sequence[int]
-  dtype: Any = jnp.float32
-  remat: bool = False
-
-  @nn.compact
-  def __call__(self, x):
-    unit_cls = nn.remat(PreActUnit) if self.remat else PreActUnit
-    for j in range(self.num_units):
-      strides = self.first_stride if j == 0 else (1, 1)
-      x = unit_cls(self.features, strides, self.dtype, name=f'unit{j + 1:02d}')(x)
-    return x
-
-
 class BiTResNet(nn.Module):
   """BiT ResNet v2 classifier; `num_classes=0` returns the pooled features."""
   num_classes: int
@@ -79,8 +63,8 @@ class BiTResNet(nn.Module):
     x = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))  # zeros, not -inf: as published
     x = nn.max_pool(x, (3, 3), strides=(2, 2), padding='VALID')
     for i, num_units in enumerate(self.resnet_layers):
-      x = PreActStage(num_units, width * 2**i, (2, 2) if i else (1, 1), self.dtype,
-                      self.remat, name=f'block{i + 1}')(x)
+      x = Stage(PreActUnit, num_units, width * 2**i, (2, 2) if i else (1, 1), 'unit{:02d}',
+                self.dtype, self.remat, name=f'block{i + 1}')(x)
     x = nn.relu(nn.GroupNorm(epsilon=_GN_EPS, dtype=self.dtype, name='norm')(x))
     x = jnp.mean(x, axis=(1, 2))
     self.sow('intermediates', 'pre_logits', x)

@@ -62,20 +62,26 @@ class ResidualUnit(nn.Module):
     return nn.relu(residual + y)
 
 
-class ResNetStage(nn.Module):
-  """`num_units` units; the first projects (and strides), named unit1, unit2, ..."""
+class Stage(nn.Module):
+  """`num_units` units of `unit_cls`; the first strides (and projects).
+
+  Units are named by `unit_name`: unit1, unit2, ... in the hybrid files, unit01, ... in BiT's.
+  """
+  unit_cls: Any
   num_units: int
   features: int
   first_stride: Sequence[int]
+  unit_name: str = 'unit{}'
   dtype: Any = jnp.float32
   remat: bool = False
 
   @nn.compact
   def __call__(self, x):
-    unit_cls = nn.remat(ResidualUnit) if self.remat else ResidualUnit
+    unit_cls = nn.remat(self.unit_cls) if self.remat else self.unit_cls
     for j in range(self.num_units):
       strides = self.first_stride if j == 0 else (1, 1)
-      x = unit_cls(self.features, strides, dtype=self.dtype, name=f'unit{j + 1}')(x)
+      x = unit_cls(self.features, strides, dtype=self.dtype,
+                   name=self.unit_name.format(j + 1))(x)
     return x
 
 
@@ -90,6 +96,6 @@ def resnet_stem(x, layers, width_factor, dtype=jnp.float32, remat=False):
   x = nn.relu(nn.GroupNorm(dtype=dtype, name='gn_root')(x))
   x = nn.max_pool(x, (3, 3), strides=(2, 2), padding='SAME')
   for i, num_units in enumerate(layers):
-    x = ResNetStage(num_units, width * 2**i, (2, 2) if i else (1, 1), dtype=dtype,
-                    remat=remat, name=f'block{i + 1}')(x)
+    x = Stage(ResidualUnit, num_units, width * 2**i, (2, 2) if i else (1, 1), dtype=dtype,
+              remat=remat, name=f'block{i + 1}')(x)
   return x
