@@ -1,0 +1,147 @@
+"""Tests for vit_jax.evaluate: the closed-form few-shot regression, k-shot draws,
+feature extraction, the evaluator and the CLI on a tiny ViT and IDX files made here."""
+import os
+import subprocess
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from tests import data_fixtures
+from vit_jax import checkpoint
+from vit_jax import evaluate
+from vit_jax import models
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(num_layers=2, hidden_size=32, mlp_dim=64, num_heads=2, patch_size=7)
+
+
+def _lstsq_reference(x, labels, num_classes, l2_reg):
+  """min ||Xw + b - Y||^2 + l2 ||w||^2 as one least-squares system (bias free)."""
+  n, d = x.shape
+  y = 2.0 * np.eye(num_classes)[labels] - 1.0
+  a = np.block([[x, np.ones((n, 1))],
+                [np.sqrt(l2_reg) * np.eye(d), np.zeros((d, 1))]])
+  rhs = np.concatenate([y, np.zeros((d, num_classes))])
+  sol = np.linalg.lstsq(a, rhs, rcond=None)[0]
+  return sol[:d], sol[d]
+
+
+@pytest.mark.parametrize('n,d', [(50, 8), (6, 20)])  # primal and dual branches
+@pytest.mark.parametrize('l2_reg', [0.5, 1024.0])
+def test_fit_linear_matches_lstsq(n, d, l2_reg):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(n, d)) * 3 + 1
+  labels = rng.integers(0, 3, n)
+  w, b = evaluate.fit_linear(x.astype(np.float32), labels, 3, l2_reg)
+  w_ref, b_ref = _lstsq_reference(x.astype(np.float32).astype(np.float64), labels, 3, l2_reg)
+  np.testing.assert_allclose(w, w_ref, atol=1e-5)
+  np.testing.assert_allclose(b, b_ref, atol=1e-5)
+  test = rng.normal(size=(7, d))
+  np.testing.assert_allclose(evaluate.predict(w, b, test), test @ w_ref + b_ref, atol=1e-5)
+
+
+def test_fit_linear_rejects_zero_regulariser():
+  with pytest.raises(ValueError, match='l2_reg'):
+    evaluate.fit_linear(np.zeros((3, 2)), np.array([0, 1, 0]), 2, 0.0)
+
+
+def test_sample_k_shot_exact_and_deterministic():
+  labels = np.repeat(np.arange(4), [5, 7, 30, 6])
+  for k in (1, 5):
+    idx = evaluate.sample_k_shot(labels, k, seed=3)
+    np.testing.assert_array_equal(np.bincount(labels[idx], minlength=4), [k] * 4)
+    assert len(set(idx.tolist())) == len(idx)
+    np.testing.assert_array_equal(idx, evaluate.sample_k_shot(labels, k, seed=3))
+  assert not np.array_equal(evaluate.sample_k_shot(labels, 5, 0),
+                            evaluate.sample_k_shot(labels, 5, 1))
+  # Nested: the 1-shot draw of a seed is inside its 5-shot draw.
+  assert set(evaluate.sample_k_shot(labels, 1, 2)) <= set(evaluate.sample_k_shot(labels, 5, 2))
+  with pytest.raises(ValueError, match='fewer than 6 shots'):
+    evaluate.sample_k_shot(labels, 6, 0)
+
+
+def test_separable_features_give_accuracy_one():
+  rng = np.random.default_rng(1)
+  centres = 10.0 * np.eye(5, 16)
+  train_y, test_y = np.repeat(np.arange(5), 10), np.repeat(np.arange(5), 20)
+  train_x = centres[train_y] + 0.1 * rng.normal(size=(50, 16))
+  test_x = centres[test_y] + 0.1 * rng.normal(size=(100, 16))
+  out = evaluate.fewshot_accuracy(train_x, train_y, test_x, test_y, 5, shots=(1, 5),
+                                  seeds=(0, 1))
+  assert set(out) == {1, 5}
+  for r in out.values():
+    assert r['mean'] == 1.0 and r['per_seed'] == [1.0, 1.0] and r['std'] == 0.0
+
+
+# ------------------------------------------------------------- end to end
+@pytest.fixture(scope='module')
+def tiny(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp('fewshot')
+  idx_dir = data_fixtures.write_idx(str(tmp / 'idx'), num_train=60, num_test=20)
+  model = models.get_model('ViT-Ti_16', num_classes=10, **TINY)
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 3)))['params']
+  path = str(tmp / 'tiny.npz')
+  checkpoint.save_npz(path, params)
+  config = ml_collections.ConfigDict(dict(
+      dataset='fashion_mnist_local', data_dir=idx_dir, image_size=28, eval_batch_size=16,
+      fewshot_shots=(1, 5), fewshot_seeds=(0, 1)))
+  return dict(idx_dir=idx_dir, model=model, params=params, path=path, config=config)
+
+
+def test_extract_features_matches_direct_apply(tiny):
+  feats, labels = evaluate.extract_features(tiny['model'], tiny['params'], tiny['config'],
+                                            'test', batch_size=16)
+  assert feats.shape == (20, 32) and labels.shape == (20,)
+  np.testing.assert_array_equal(labels, np.arange(60, 80) % 10)
+  images = np.stack([data_fixtures.id_image(i) for i in range(60, 80)])
+  images = np.repeat(images[..., None], 3, -1).astype(np.float32) / 127.5 - 1
+  model0 = tiny['model'].clone(num_classes=0)
+  direct = model0.apply({'params': tiny['params']}, images)
+  np.testing.assert_allclose(feats, direct, atol=1e-5)
+
+
+def test_evaluator_matches_pure_functions(tiny):
+  fewshot = evaluate.FewShotEvaluator(tiny['config'], tiny['model'])
+  # Only the drawn k-shot images are cached: <= classes x max shots x seeds.
+  cached = sum(int(b['mask'].sum()) for b in fewshot._train_batches)
+  assert 10 * 5 <= cached <= 10 * 5 * 2
+  metrics = fewshot(tiny['params'])
+  assert set(metrics) == {'fewshot/1shot', 'fewshot/5shot'}
+  tx, ty = evaluate.extract_features(tiny['model'], tiny['params'], tiny['config'], 'train', 16)
+  ex, ey = evaluate.extract_features(tiny['model'], tiny['params'], tiny['config'], 'test', 16)
+  ref = evaluate.fewshot_accuracy(tx, ty, ex, ey, 10, (1, 5), (0, 1))
+  for k in (1, 5):
+    assert metrics[f'fewshot/{k}shot'] == pytest.approx(ref[k]['mean'], abs=1e-6)
+  assert fewshot(tiny['params']) == metrics  # cached data, same answer
+
+
+def test_cli_end_to_end(tiny):
+  cmd = [sys.executable, '-m', 'vit_jax.evaluate', '--checkpoint', tiny['path'],
+         '--model', 'ViT-Ti_16', '--model_overrides',
+         ','.join(f'{k}={v}' for k, v in TINY.items()), '--dataset', 'fashion_mnist_local',
+         '--data_dir', tiny['idx_dir'], '--image_size', '28', '--mode', 'all',
+         '--shots', '1,5', '--seeds', '0,1', '--batch_size', '8']
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2')
+  out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  lines = out.stdout.strip().splitlines()
+  assert lines[0].split() == ['mode', 'metric', 'value']
+  assert lines[1].startswith('top1') and '(20 images)' in lines[1]
+  assert [l.split()[1] for l in lines[2:]] == ['1-shot', '5-shot']
+  # Errors are one line naming the fix (in-process: the same code path as the CLI).
+  args = dict(checkpoint=tiny['path'], model='ViT-Ti_16', model_overrides='num_layers=2,'
+              'hidden_size=32,mlp_dim=64,num_heads=2,patch_size=7', dataset='fashion_mnist_local',
+              data_dir=tiny['idx_dir'], image_size=28, eval_crop='resize', mode='top1',
+              train_split='train', eval_split='test', shots=['1'], seeds=['0'], l2_reg=1.0,
+              batch_size=3)
+  with pytest.raises(ValueError, match='multiple of the 8 devices'):
+    evaluate.run(types.SimpleNamespace(**args))
+  head_free = str(os.path.join(os.path.dirname(tiny['path']), 'nohead.npz'))
+  checkpoint.save_npz(head_free, {k: v for k, v in tiny['params'].items() if k != 'head'})
+  with pytest.raises(ValueError, match='use --mode fewshot'):
+    evaluate.run(types.SimpleNamespace(**{**args, 'checkpoint': head_free, 'batch_size': 8}))

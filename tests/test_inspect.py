@@ -1,0 +1,188 @@
+"""Tests for vit_jax.inspect: rollout, attention distance, position-embedding similarity,
+filters, figures and the CLI on a tiny ViT saved with checkpoint.save_npz."""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from PIL import Image
+
+from vit_jax import checkpoint
+from vit_jax import inspect as vit_inspect
+from vit_jax import models
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(num_layers=2, hidden_size=32, mlp_dim=64, num_heads=2, patch_size=7)
+PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
+
+
+def _assert_png(data, min_bytes=2000):
+  if isinstance(data, str):
+    with open(data, 'rb') as f:
+      data = f.read()
+  assert data[:8] == PNG_SIGNATURE and len(data) > min_bytes
+
+
+def _broadcast(matrix, layers=3, batch=2, heads=4):
+  return np.broadcast_to(matrix, (layers, batch, heads) + matrix.shape)
+
+
+# ------------------------------------------------------------------ rollout
+def test_rollout_of_identity_attention_leaves_nothing_on_patches():
+  # Each token attends to itself; with the residual A = (I + I) / 2 = I, so the
+  # joint attention is I: the class token keeps all of its weight, patches get 0.
+  t = 1 + 16
+  maps = vit_inspect.attention_rollout(_broadcast(np.eye(t)), class_token=True)
+  assert maps.shape == (2, 4, 4)
+  np.testing.assert_array_equal(maps, 0.0)
+  np.testing.assert_array_equal(vit_inspect.upsample_mask(maps, 28), 0.0)  # no 0/0
+
+
+def test_rollout_of_uniform_attention_is_closed_form():
+  # A = (U + I) / 2 with U = 1/T everywhere; U^2 = U gives A^L = (1 - 2^-L) U + 2^-L I,
+  # so every patch gets (1 - 2^-L) / T from the class token.
+  t, layers = 1 + 9, 3
+  maps = vit_inspect.attention_rollout(_broadcast(np.full((t, t), 1 / t), layers=layers))
+  np.testing.assert_allclose(maps, (1 - 0.5**layers) / t, atol=1e-12)
+  mask = vit_inspect.upsample_mask(maps, 12)
+  assert mask.shape == (2, 12, 12)
+  np.testing.assert_allclose(mask, 1.0, atol=1e-6)
+
+
+def test_rollout_multiplies_layers_in_order():
+  rng = np.random.default_rng(0)
+  att = rng.random((2, 1, 3, 5, 5))
+  att /= att.sum(-1, keepdims=True)
+  a = [(l.mean(1)[0] + np.eye(5)) / 2 for l in att]  # rows already sum to 1
+  expected = (a[1] @ a[0])[0, 1:].reshape(2, 2)
+  np.testing.assert_allclose(vit_inspect.attention_rollout(att)[0], expected, atol=1e-12)
+  # Without a class token: the mean of all rows, over all 4 = 2x2 tokens.
+  gap = vit_inspect.attention_rollout(att[..., 1:, 1:] / att[..., 1:, 1:].sum(-1, keepdims=True),
+                                      class_token=False)
+  assert gap.shape == (1, 2, 2) and np.isclose(gap.sum(), 1.0)
+
+
+# ------------------------------------------------------- attention distance
+def test_attention_distance_self_and_uniform():
+  side, ppt, t = 4, 16, 17
+  self_att = vit_inspect.mean_attention_distance(_broadcast(np.eye(t)), ppt)
+  assert self_att.shape == (3, 4)
+  np.testing.assert_array_equal(self_att, 0.0)
+  # Uniform attention (class token included in the keys: it is dropped and the rest
+  # renormalised) -> the mean distance over all ordered patch pairs, brute force.
+  d = vit_inspect.mean_attention_distance(_broadcast(np.full((t, t), 1 / t)), ppt)
+  pairs = [np.hypot(r1 - r2, c1 - c2) * ppt
+           for r1 in range(side) for c1 in range(side)
+           for r2 in range(side) for c2 in range(side)]
+  np.testing.assert_allclose(d, np.mean(pairs), rtol=1e-12)
+
+
+def test_attention_distance_of_neighbour_heads():
+  # Head 0 attends to the patch to the right (or itself at the border), head 1 to itself.
+  side, ppt = 3, 10
+  n = side * side
+  att = np.zeros((1, 1, 2, n + 1, n + 1))
+  att[..., 0, 0] = 1.0
+  for q in range(n):
+    right = q + 1 if q % side < side - 1 else q
+    att[0, 0, 0, q + 1, right + 1] = 1.0
+    att[0, 0, 1, q + 1, q + 1] = 1.0
+  d = vit_inspect.mean_attention_distance(att, ppt)
+  np.testing.assert_allclose(d, [[ppt * 6 / 9, 0.0]])
+
+
+# ----------------------------------------------------- position embeddings
+def test_posemb_similarity_of_row_sinusoids():
+  side, dim = 5, 16
+  freqs = 1.0 / 10.0**(np.arange(dim // 2) / (dim // 2))
+  rows = np.arange(side)[:, None] * freqs
+  row_emb = np.concatenate([np.sin(rows), np.cos(rows)], -1)  # depends on the row only
+  emb = np.repeat(row_emb, side, axis=0)  # token r*side + c gets row r's embedding
+  cls = np.full((1, dim), 7.0)
+  sim = vit_inspect.posemb_similarity(np.concatenate([cls, emb])[None], class_token=True)
+  assert sim.shape == (side,) * 4
+  for i in range(side):
+    for j in range(side):
+      tile = sim[i, j]
+      np.testing.assert_allclose(tile[i], 1.0, atol=1e-12)  # its own row: identical
+      np.testing.assert_allclose(tile, tile[:, :1] * np.ones((1, side)), atol=1e-12)
+      np.testing.assert_allclose(tile, sim[i, 0], atol=1e-12)  # same for every column
+      assert np.argmax(tile[:, 0]) == i
+  flat = sim.reshape(side**2, side**2)
+  np.testing.assert_allclose(flat, flat.T, atol=1e-12)
+  np.testing.assert_allclose(np.diag(flat), 1.0, atol=1e-12)
+
+
+def test_embedding_filters_recover_planted_components():
+  rng = np.random.default_rng(0)
+  p, d = 4, 64
+  basis = np.linalg.qr(rng.normal(size=(p * p * 3, 2)))[0].T  # two orthonormal patterns
+  coeffs = rng.normal(size=(d, 2)) * [10.0, 3.0]
+  kernel = (coeffs @ basis + 0.01 * rng.normal(size=(d, p * p * 3))).T.reshape(p, p, 3, d)
+  comps, ratio = vit_inspect.embedding_filters(kernel, num_components=3)
+  assert comps.shape == (3, p, p, 3) and ratio[0] > ratio[1] > ratio[2]
+  for i in range(2):
+    assert abs(comps[i].ravel() @ basis[i]) > 0.99
+  with pytest.raises(ValueError, match='not RGB'):
+    vit_inspect.embedding_filters(np.zeros((1, 1, 8, 4)))
+
+
+# ----------------------------------------------------------------- figures
+def test_figures_render_to_png():
+  rng = np.random.default_rng(0)
+  images = rng.uniform(-1, 1, (2, 28, 28, 3))
+  _assert_png(vit_inspect.figure_png(vit_inspect.rollout_figure(images, rng.random((2, 28, 28)))))
+  _assert_png(vit_inspect.figure_png(vit_inspect.filters_figure(rng.normal(size=(10, 4, 4, 3)))))
+  sim = vit_inspect.posemb_similarity(rng.normal(size=(1, 17, 8)))
+  _assert_png(vit_inspect.figure_png(vit_inspect.posemb_figure(sim)))
+  _assert_png(vit_inspect.figure_png(
+      vit_inspect.attention_distance_figure(rng.random((4, 3)) * 28, 28)))
+
+
+# ---------------------------------------------------------------- a model
+@pytest.fixture(scope='module')
+def tiny(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp('inspect')
+  model = models.get_model('ViT-Ti_16', num_classes=10, **TINY)
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 3)))['params']
+  path = str(tmp / 'tiny.npz')
+  checkpoint.save_npz(path, params)
+  rng = np.random.default_rng(0)
+  images = []
+  for i, ext in enumerate(('jpg', 'png')):
+    images.append(str(tmp / f'photo{i}.{ext}'))
+    Image.fromarray(rng.integers(0, 256, (40, 30, 3), dtype=np.uint8)).save(images[-1])
+  return dict(model=model, params=params, path=path, images=images, tmp=tmp)
+
+
+def test_attention_maps_of_a_model(tiny):
+  images = vit_inspect.load_images(tiny['images'], 28)
+  assert images.shape == (2, 28, 28, 3) and -1 <= images.min() and images.max() <= 1
+  att = vit_inspect.attention_maps(tiny['model'], tiny['params'], images)
+  assert att.shape == (2, 2, 2, 17, 17)  # layers, batch, heads, q, k
+  np.testing.assert_allclose(att.sum(-1), 1.0, atol=1e-5)
+  assert vit_inspect.pixels_per_token(tiny['model'], 28) == 7
+
+
+def test_cli_end_to_end(tiny):
+  outdir = str(tiny['tmp'] / 'figures')
+  cmd = [sys.executable, '-m', 'vit_jax.inspect', '--checkpoint', tiny['path'],
+         '--model', 'ViT-Ti_16', '--model_overrides',
+         ','.join(f'{k}={v}' for k, v in TINY.items()), '--image_size', '28',
+         '--num_components', '12', '--outdir', outdir, '--images', *tiny['images']]
+  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  names = sorted(os.listdir(outdir))
+  assert names == ['arrays.npz', 'attention_distance.png', 'embedding_filters.png',
+                   'position_embedding_similarity.png', 'rollout_00_photo0.png',
+                   'rollout_01_photo1.png']
+  for name in names[1:]:
+    _assert_png(os.path.join(outdir, name))
+  with np.load(os.path.join(outdir, 'arrays.npz')) as arrays:
+    assert arrays['mean_attention_distance'].shape == (2, 2)
+    assert arrays['rollout'].shape == (2, 4, 4)
+    assert arrays['posemb_similarity'].shape == (4, 4, 4, 4)
+    assert arrays['filter_components'].shape == (12, 7, 7, 3)

@@ -1,0 +1,446 @@
+r"""Evaluation of frozen models: top-1 accuracy and few-shot linear regression.
+
+Few-shot linear evaluation (paper Section 4, Figure 4, Table 8): the pre-logit
+representation of k images per class is frozen, and a regularised least-squares
+regression from it to {-1, 1}^K targets is solved in closed form; accuracy is the
+argmax of the regression on a held-out split. The paper leaves the solver's
+details open; the choices here:
+  - a bias term, NOT regularised (equivalent to centring features and targets);
+  - the regulariser is `l2_reg * ||W||^2` on the sum (not mean) of squared errors,
+    default 2**10; large values tend to the nearest-class-mean classifier, which is
+    a safe place to be with 1-shot data;
+  - features are used as the model returns them (no standardisation);
+  - the k-shot draw is a per-class random subset for each seed; draws are nested
+    (the 5-shot set of a seed is part of its 10-shot set), accuracy is reported per
+    seed and as the mean over seeds.
+
+Pure functions: fit_linear, predict, sample_k_shot, fewshot_accuracy. Features come
+from extract_features; FewShotEvaluator caches images for periodic use in training.
+
+CLI:
+  python -m vit_jax.evaluate --checkpoint ViT-B_16.npz --model ViT-B_16 \
+      --dataset cifar10 --image_size 224 --mode fewshot
+"""
+import ast
+import functools
+import math
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+import flax
+import jax
+from jax.experimental import multihost_utils
+import ml_collections
+import numpy as np
+
+from vit_jax import checkpoint
+from vit_jax import input_pipeline
+from vit_jax import models
+from vit_jax import sharding
+
+DEFAULT_L2_REG = 2.0**10
+DEFAULT_SHOTS = (1, 5, 10, 25)
+DEFAULT_SEEDS = (0, 1, 2)
+
+# Few-shot config fields, with the defaults used while a config does not have them.
+FEWSHOT_DEFAULTS = dict(
+    fewshot_every_steps=0,  # 0: off.
+    fewshot_dataset='',  # '' means config.dataset.
+    fewshot_data_dir='',  # '' means config.data_dir.
+    fewshot_train_split='train',  # The pool the k-shot examples are drawn from.
+    fewshot_eval_split='test',  # The held-out split accuracy is measured on.
+    fewshot_shots=DEFAULT_SHOTS,
+    fewshot_seeds=DEFAULT_SEEDS,
+    fewshot_l2_reg=DEFAULT_L2_REG,
+    fewshot_batch_size=0,  # 0 means config.eval_batch_size.
+    fewshot_cache_mb=2048,  # Held-out images larger than this are re-read each call.
+)
+
+
+# ------------------------------------------------------------ pure functions
+def fit_linear(features, labels, num_classes, l2_reg=DEFAULT_L2_REG):
+  """Ridge regression to {-1, 1} one-hot targets with an unregularised bias.
+
+  Minimises ||X w + b - Y||^2 + l2_reg ||w||^2 in closed form, in float64.
+  Centring X and Y removes the bias from the problem; the smaller of the primal
+  (D x D) and dual (N x N) systems is solved.
+
+  Args:
+    features: [N, D] float.
+    labels: [N] int in [0, num_classes).
+    num_classes: K.
+    l2_reg: the regulariser, > 0.
+
+  Returns:
+    (w [D, K], b [K]) as float64 arrays.
+  """
+  if l2_reg <= 0:
+    raise ValueError(f'l2_reg {l2_reg} must be > 0: use e.g. {DEFAULT_L2_REG}')
+  x = np.asarray(features, np.float64)
+  labels = np.asarray(labels)
+  y = 2.0 * (labels[:, None] == np.arange(num_classes)[None, :]) - 1.0
+  x_mean, y_mean = x.mean(0), y.mean(0)
+  xc, yc = x - x_mean, y - y_mean
+  n, d = xc.shape
+  if n >= d:
+    w = np.linalg.solve(xc.T @ xc + l2_reg * np.eye(d), xc.T @ yc)
+  else:  # (X^T X + l I)^-1 X^T = X^T (X X^T + l I)^-1
+    w = xc.T @ np.linalg.solve(xc @ xc.T + l2_reg * np.eye(n), yc)
+  return w, y_mean - x_mean @ w
+
+
+def predict(w, b, features):
+  """Regression outputs [N, K]; the predicted class is their argmax."""
+  return np.asarray(features, np.float64) @ w + b
+
+
+def sample_k_shot(labels, k, seed):
+  """Indices of k examples of each class present in `labels`, sorted.
+
+  Deterministic in `seed`; nested in k (the first k of a per-class permutation).
+  """
+  labels = np.asarray(labels)
+  rng = np.random.default_rng(seed)
+  picked = []
+  for c in np.unique(labels):
+    members = np.flatnonzero(labels == c)
+    if len(members) < k:
+      raise ValueError(f'Class {c} has {len(members)} examples, fewer than {k} shots: '
+                       'use a larger few-shot train split or fewer shots')
+    picked.append(members[rng.permutation(len(members))[:k]])
+  return np.sort(np.concatenate(picked))
+
+
+def fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes, shots=DEFAULT_SHOTS,
+                     seeds=DEFAULT_SEEDS, l2_reg=DEFAULT_L2_REG, draw=None):
+  """Few-shot linear accuracy for each k in `shots`.
+
+  The k-shot training set is drawn from (train_x, train_y) for each seed, by
+  `draw(k, seed) -> indices` (default: sample_k_shot(train_y, k, seed)); the
+  regression is scored on all of (test_x, test_y).
+
+  Returns:
+    {k: {'mean': float, 'std': float, 'per_seed': [float, ...]}}.
+  """
+  train_x, train_y = np.asarray(train_x), np.asarray(train_y)
+  test_x, test_y = np.asarray(test_x), np.asarray(test_y)
+  draw = draw or (lambda k, seed: sample_k_shot(train_y, k, seed))
+  out = {}
+  for k in shots:
+    accs = []
+    for seed in seeds:
+      idx = draw(k, seed)
+      w, b = fit_linear(train_x[idx], train_y[idx], num_classes, l2_reg)
+      accs.append(float(np.mean(np.argmax(predict(w, b, test_x), -1) == test_y)))
+    out[k] = {'mean': float(np.mean(accs)), 'std': float(np.std(accs)), 'per_seed': accs}
+  return out
+
+
+# ------------------------------------------------------------- data & models
+def _get(config, name, default=None):
+  """config.name, or `default` if the config (ConfigDict or dict) lacks it."""
+  try:
+    return config[name]
+  except (KeyError, AttributeError):
+    return default
+
+
+def data_config(config, *, dataset=None, data_dir=None, split):
+  """An unlocked copy of `config` that makes eval_batches read `split`."""
+  c = ml_collections.ConfigDict(config.to_dict() if hasattr(config, 'to_dict') else config)
+  defaults = {'data_dir': '', 'shuffle_buffer': 1, 'num_train_examples': -1,
+              'train_split': split}
+  for name, value in defaults.items():
+    if name not in c:
+      c[name] = value
+  if 'pp' not in c:
+    c.pp = ml_collections.ConfigDict()
+  c.pp.eval_crop = _get(c.pp, 'eval_crop', 'resize')
+  c.pp.central_crop_fraction = _get(c.pp, 'central_crop_fraction', 0.875)
+  if dataset:
+    c.dataset = dataset
+  if data_dir:
+    c.data_dir = data_dir
+  c.eval_split = split
+  return c
+
+
+def _mesh(config):
+  return sharding.make_mesh(ml_collections.ConfigDict(
+      {'mesh_data': _get(config, 'mesh_data', -1)}))
+
+
+@functools.partial(jax.jit, static_argnums=0)  # modules hash by their fields
+def _apply(model, params, images):
+  out, state = model.apply({'params': params}, images, train=False, mutable=['intermediates'])
+  return state['intermediates']['pre_logits'][0], (out if model.num_classes else None)
+
+
+def apply_fn(model):
+  """jitted (params, images) -> (pre-logit features, logits or None)."""
+  return functools.partial(_apply, model)
+
+
+def _run_batches(fn, params, batches, mesh):
+  """Features, logits, labels of the valid rows of host-local `batches`, all hosts."""
+  batch_sharding = sharding.data_sharding(mesh)
+  feats, logits, labels, rows = [], [], [], []
+  for batch in batches:
+    images = input_pipeline.to_global({'image': batch['image']}, batch_sharding)['image']
+    f, z = fn(params, images)
+    ok = multihost_utils.process_allgather(batch['mask'], tiled=True)
+    feats.append(multihost_utils.process_allgather(f, tiled=True)[ok])
+    labels.append(multihost_utils.process_allgather(batch['label'], tiled=True)[ok])
+    if z is not None:
+      logits.append(multihost_utils.process_allgather(z, tiled=True)[ok])
+    if 'row' in batch:
+      rows.append(multihost_utils.process_allgather(batch['row'], tiled=True)[ok])
+  if not feats:
+    raise ValueError('No batches were read: the split is empty; choose another split')
+  out = (np.concatenate(feats).astype(np.float32),
+         np.concatenate(logits) if logits else None, np.concatenate(labels))
+  return out + (np.concatenate(rows),) if rows else out
+
+
+def _check_batch(batch_size, mesh):
+  n = mesh.devices.size
+  if batch_size <= 0 or batch_size % n:
+    raise ValueError(f'Batch size {batch_size} is not a positive multiple of the {n} devices: '
+                     'set the batch size (e.g. --batch_size) to a multiple of it')
+
+
+def extract_features(model, params, config, split, batch_size):
+  """(features [N, D] float32, labels [N]) of every image of `split`, in order.
+
+  Reads config.dataset / data_dir / image_size / pp through input_pipeline.eval_batches;
+  padding and undecodable images (mask False) are dropped. On several hosts every
+  host returns the whole split.
+  """
+  mesh = _mesh(config)
+  _check_batch(batch_size, mesh)
+  cfg = data_config(config, split=split)
+  feats, _, labels = _run_batches(
+      apply_fn(model), params, input_pipeline.eval_batches(cfg, global_batch=batch_size), mesh)
+  return feats, labels
+
+
+def top1_accuracy(model, params, config, split, batch_size):
+  """(accuracy, examples) of the model's head on `split`."""
+  if not model.num_classes:
+    raise ValueError('The model has no head: use few-shot evaluation (--mode fewshot)')
+  mesh = _mesh(config)
+  _check_batch(batch_size, mesh)
+  cfg = data_config(config, split=split)
+  _, logits, labels = _run_batches(
+      apply_fn(model), params, input_pipeline.eval_batches(cfg, global_batch=batch_size), mesh)
+  return float(np.mean(np.argmax(logits, -1) == labels)), len(labels)
+
+
+# --------------------------------------------------------------- evaluator
+class FewShotEvaluator:
+  """Few-shot linear accuracy of a model's current parameters, for the train loop.
+
+    fewshot = FewShotEvaluator(config, model)   # reads the data once
+    metrics = fewshot(params)   # {'fewshot/1shot': acc, 'fewshot/5shot': acc, ...}
+
+  At construction it reads `fewshot_train_split` twice (labels, then the images of
+  the drawn k-shot examples only: classes x max(shots) x seeds at most) and keeps
+  the held-out images in memory if they fit in `fewshot_cache_mb`. Each call then
+  only runs the model on cached images (the held-out split is re-read when too
+  big). Config fields (FEWSHOT_DEFAULTS while a config lacks them): see
+  FEWSHOT_DEFAULTS, plus dataset, data_dir, image_size, pp, eval_batch_size, mesh_data.
+  """
+
+  def __init__(self, config, model):
+    get = lambda name: _get(config, name, FEWSHOT_DEFAULTS.get(name))
+    self.model = model
+    self._fn = apply_fn(model)
+    self.shots = tuple(int(k) for k in get('fewshot_shots'))
+    self.seeds = tuple(int(s) for s in get('fewshot_seeds'))
+    self.l2_reg = float(get('fewshot_l2_reg'))
+    self.batch_size = int(get('fewshot_batch_size') or _get(config, 'eval_batch_size', 64))
+    self.mesh = _mesh(config)
+    _check_batch(self.batch_size, self.mesh)
+    dataset = get('fewshot_dataset') or config.dataset
+    data_dir = get('fewshot_data_dir') or _get(config, 'data_dir', '')
+    self._train_cfg = data_config(config, dataset=dataset, data_dir=data_dir,
+                                  split=get('fewshot_train_split'))
+    self._eval_cfg = data_config(config, dataset=dataset, data_dir=data_dir,
+                                 split=get('fewshot_eval_split'))
+    self.num_classes = input_pipeline.get_info(self._eval_cfg).num_classes
+    self._train_batches = self._kshot_batches()
+    nbytes = (input_pipeline.get_info(self._eval_cfg).num_eval_examples
+              * 3 * 4 * self._eval_cfg.image_size**2)
+    self._eval_batches = None
+    if nbytes <= float(get('fewshot_cache_mb')) * 2**20:
+      self._eval_batches = list(self._read(self._eval_cfg))
+    logging.info('FewShotEvaluator: %s %s -> %s, %d-way, shots %s, seeds %s, l2_reg %g',
+                 dataset, self._train_cfg.eval_split, self._eval_cfg.eval_split,
+                 self.num_classes, self.shots, self.seeds, self.l2_reg)
+
+  def _read(self, cfg):
+    return input_pipeline.eval_batches(cfg, global_batch=self.batch_size)
+
+  def _kshot_batches(self):
+    """Local batches holding only the pool examples that some (k, seed) draw uses.
+
+    Each kept example carries 'row', its index among the pool's valid examples, so
+    that a call fits on exactly the rows sample_k_shot draws from the whole pool.
+    """
+    labels, masks = [], []
+    for batch in self._read(self._train_cfg):  # pass 1: labels (of all hosts)
+      labels.append(multihost_utils.process_allgather(batch['label'], tiled=True))
+      masks.append(multihost_utils.process_allgather(batch['mask'], tiled=True))
+    labels, masks = np.concatenate(labels), np.concatenate(masks)
+    self._pool_labels = labels[masks]
+    row_of = np.cumsum(masks) - 1  # stream position -> valid-row index
+    self._draws = {(k, s): sample_k_shot(self._pool_labels, k, s)
+                   for k in self.shots for s in self.seeds}
+    keep = np.zeros(len(labels), bool)
+    keep[np.flatnonzero(masks)[np.concatenate(list(self._draws.values()))]] = True
+    # The gathered stream is batch-major: [batch, host, local row].
+    hosts, host = jax.process_count(), jax.process_index()
+    local = self.batch_size // hosts
+    by_host = lambda a: a.reshape(-1, hosts, local).transpose(1, 0, 2).reshape(hosts, -1)
+    keep_hosts = by_host(keep)
+    mine, my_rows = keep_hosts[host], by_host(row_of)[host]
+    images, kept_labels, pos = [], [], 0
+    for batch in self._read(self._train_cfg):  # pass 2: keep the drawn images
+      sel = mine[pos:pos + len(batch['label'])]
+      images.append(batch['image'][sel])
+      kept_labels.append(batch['label'][sel])
+      pos += len(batch['label'])
+    images, kept_labels = np.concatenate(images), np.concatenate(kept_labels)
+    kept_rows = my_rows[mine]
+    num_batches = math.ceil(keep_hosts.sum(1).max() / local)  # same on every host
+    out = []
+    for i in range(num_batches):
+      part = slice(i * local, (i + 1) * local)
+      im, lb, rw = images[part], kept_labels[part], kept_rows[part]
+      pad = local - len(lb)
+      out.append({'image': np.concatenate([im, np.zeros((pad, *im.shape[1:]), im.dtype)]),
+                  'label': np.concatenate([lb, np.zeros(pad, lb.dtype)]),
+                  'row': np.concatenate([rw, np.zeros(pad, rw.dtype)]),
+                  'mask': np.arange(local) < len(lb)})
+    return out
+
+  def __call__(self, params):
+    """{'fewshot/<k>shot': mean accuracy over seeds} for `params`."""
+    train_x, _, train_y, rows = _run_batches(self._fn, params, self._train_batches, self.mesh)
+    position = np.full(len(self._pool_labels), -1)
+    position[rows] = np.arange(len(rows))
+    eval_batches = self._eval_batches or self._read(self._eval_cfg)
+    test_x, _, test_y = _run_batches(self._fn, params, eval_batches, self.mesh)
+    results = fewshot_accuracy(train_x, train_y, test_x, test_y, self.num_classes,
+                               self.shots, self.seeds, self.l2_reg,
+                               draw=lambda k, seed: position[self._draws[(k, seed)]])
+    return {f'fewshot/{k}shot': r['mean'] for k, r in results.items()}
+
+
+# ---------------------------------------------------------------- checkpoints
+def parse_overrides(text):
+  """'num_layers=2,hidden_size=32' -> {'num_layers': 2, 'hidden_size': 32}."""
+  out = {}
+  for item in filter(None, (s.strip() for s in (text or '').split(','))):
+    if '=' not in item:
+      raise ValueError(f'Model override {item!r} is not name=value: e.g. num_layers=2')
+    name, value = item.split('=', 1)
+    try:
+      out[name.strip()] = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+      out[name.strip()] = value.strip()
+  return out
+
+
+def load_model(path, model_name, image_size, **overrides):
+  """(model, params) for a published-format .npz, head and pre-logits as in the file.
+
+  The head size (0 without a head) and representation_size are read from the file;
+  position embeddings are interpolated to `image_size`.
+  """
+  params = checkpoint.load_npz(path)
+  flat = flax.traverse_util.flatten_dict(params, sep='/')
+  num_classes = flat['head/kernel'].shape[-1] if 'head/kernel' in flat else 0
+  if 'pre_logits/kernel' in flat and 'representation_size' not in overrides:
+    overrides['representation_size'] = int(flat['pre_logits/kernel'].shape[-1])
+  model = models.get_model(model_name, num_classes, **overrides)
+  params = checkpoint.load_pretrained(params, model, num_classes, image_size,
+                                      reset_head=False)
+  return model, params
+
+
+# ----------------------------------------------------------------------- CLI
+def _define_flags():
+  """The CLI's flags, defined only when run as a program (importing defines none)."""
+  flags.DEFINE_string('checkpoint', None, 'A published-format .npz file.')
+  flags.DEFINE_string('model', 'ViT-B_16', 'Model name from vit_jax.models.VARIANTS.')
+  flags.DEFINE_string('model_overrides', '', 'Variant overrides: name=value,... '
+                      '(e.g. num_layers=2,hidden_size=32).')
+  flags.DEFINE_string('dataset', 'fashion_mnist_local',
+                      "TFDS name, 'folder:<dir>' or 'fashion_mnist_local'.")
+  flags.DEFINE_string('data_dir', '', 'TFDS data_dir or the folder of the IDX files.')
+  flags.DEFINE_integer('image_size', 224, 'Evaluation resolution.')
+  flags.DEFINE_enum('eval_crop', 'resize', ['resize', 'central'], 'Evaluation crop.')
+  flags.DEFINE_enum('mode', 'fewshot', ['fewshot', 'top1', 'all'], 'What to evaluate.')
+  flags.DEFINE_string('train_split', 'train', 'Split the k-shot examples come from.')
+  flags.DEFINE_string('eval_split', 'test', 'Held-out split (top-1 and few-shot).')
+  flags.DEFINE_list('shots', [str(k) for k in DEFAULT_SHOTS], 'Shots per class.')
+  flags.DEFINE_list('seeds', [str(s) for s in DEFAULT_SEEDS], 'Seeds of the k-shot draws.')
+  flags.DEFINE_float('l2_reg', DEFAULT_L2_REG, 'Ridge regulariser of the few-shot regression.')
+  flags.DEFINE_integer('batch_size', 64, 'Global evaluation batch size.')
+  flags.mark_flag_as_required('checkpoint')
+  return flags.FLAGS
+
+
+def format_table(rows):
+  """[(mode, metric, value text)] -> an aligned text table."""
+  rows = [('mode', 'metric', 'value')] + list(rows)
+  widths = [max(len(r[i]) for r in rows) for i in range(2)]
+  return '\n'.join(f'{a:<{widths[0]}}  {b:<{widths[1]}}  {c}' for a, b, c in rows)
+
+
+def run(flags_):
+  """Evaluates per the flags; returns the table as text."""
+  model, params = load_model(flags_.checkpoint, flags_.model, flags_.image_size,
+                             **parse_overrides(flags_.model_overrides))
+  config = ml_collections.ConfigDict(dict(
+      dataset=flags_.dataset, data_dir=flags_.data_dir, image_size=flags_.image_size,
+      pp=dict(eval_crop=flags_.eval_crop, central_crop_fraction=0.875)))
+  num_classes = input_pipeline.get_info(data_config(config, split=flags_.eval_split)).num_classes
+  rows = []
+  if flags_.mode in ('top1', 'all'):
+    if model.num_classes != num_classes:
+      raise ValueError(f'The checkpoint head has {model.num_classes} classes but '
+                       f'{flags_.dataset} has {num_classes}: use --mode fewshot')
+    acc, n = top1_accuracy(model, params, config, flags_.eval_split, flags_.batch_size)
+    rows.append(('top1', flags_.eval_split, f'{acc:.4f}  ({n} images)'))
+  if flags_.mode in ('fewshot', 'all'):
+    shots = [int(k) for k in flags_.shots]
+    seeds = [int(s) for s in flags_.seeds]
+    train_x, train_y = extract_features(model, params, config, flags_.train_split,
+                                        flags_.batch_size)
+    test_x, test_y = extract_features(model, params, config, flags_.eval_split,
+                                      flags_.batch_size)
+    results = fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes, shots, seeds,
+                               flags_.l2_reg)
+    for k, r in results.items():
+      per_seed = ' '.join(f'{a:.4f}' for a in r['per_seed'])
+      rows.append(('fewshot', f'{k}-shot', f'{r["mean"]:.4f} ± {r["std"]:.4f}  '
+                   f'(seeds {",".join(map(str, seeds))}: {per_seed})'))
+  return format_table(rows)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  try:
+    print(run(FLAGS))
+  except (ValueError, FileNotFoundError) as e:
+    sys.exit(f'vit_jax.evaluate: {e}')
+
+
+if __name__ == '__main__':
+  FLAGS = _define_flags()
+  app.run(main)

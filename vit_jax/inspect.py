@@ -1,0 +1,388 @@
+r"""Inspecting a Vision Transformer (paper Section 4.5, Appendix D.7).
+
+Arrays first (pure numpy functions), matplotlib figures second, then a CLI:
+  attention_rollout          Figures 6 / 14: attention from the class token to the input
+  embedding_filters          Figure 7 left: principal components of the patch filters
+  posemb_similarity          Figure 7 center: cosine similarity of position embeddings
+  mean_attention_distance    Figure 7 right / Figure 11: attended distance in pixels
+  attention_maps             the attention weights of a model, (layers, batch, heads, q, k)
+
+Choices where the paper is silent:
+  - rollout (Abnar & Zuidema, 2020): per layer A = (mean_heads(W) + I), rows
+    renormalised (i.e. (W + I) / 2), and R = A_L ... A_1; the map is the class-token
+    row of R over the patch tokens. Without a class token (classifier 'gap') the
+    rows of all tokens are averaged (the representation is their mean). Masks for
+    display are divided by their maximum.
+  - mean attention distance: the class token is excluded from queries and keys, and
+    each query's weights over the patch keys are renormalised to sum to 1; distances
+    are between patch centres, `pixels_per_token` apart.
+
+  python -m vit_jax.inspect --checkpoint ViT-B_16.npz --model ViT-B_16 \
+      --images a.jpg b.png --outdir figures/
+"""
+import functools
+import io
+import os
+import re
+import sys
+
+from absl import app
+from absl import flags
+import jax
+import numpy as np
+
+_BLOCK = re.compile(r'encoderblock_(\d+)$')
+
+
+# ----------------------------------------------------------- model → arrays
+@functools.partial(jax.jit, static_argnums=0)  # modules hash by their fields
+def _intermediates(model, params, images):
+  _, state = model.apply({'params': params}, images, train=False, mutable=['intermediates'])
+  return state['intermediates']
+
+
+def attention_maps(model, params, images):
+  """Attention weights of every layer: [layers, batch, heads, q, k] float32.
+
+  `images` are NHWC in [-1, 1]; read from the 'intermediates' the model sows.
+  """
+  blocks = _intermediates(model, params, images).get('Transformer', {})
+  names = sorted((k for k in blocks if _BLOCK.match(k)),
+                 key=lambda k: int(_BLOCK.match(k).group(1)))
+  if not names:
+    raise ValueError('The model sows no attention weights: use a ViT (not a BiT ResNet)')
+  return np.stack([np.asarray(blocks[n]['MultiHeadDotProductAttention_1']
+                              ['attention_weights'][0]) for n in names])
+
+
+def has_class_token(params):
+  return 'cls' in params
+
+
+def pixels_per_token(model, image_size):
+  """Pixel distance between neighbouring token centres (patch size x hybrid stem)."""
+  grid = int(np.sqrt(num_patches(model, image_size)))
+  return image_size / grid
+
+
+def num_patches(model, image_size):
+  x = jax.ShapeDtypeStruct((1, image_size, image_size, 3), np.float32)
+  variables = jax.eval_shape(lambda im: model.init(jax.random.PRNGKey(0), im), x)
+  n = variables['params']['Transformer']['posembed_input']['pos_embedding'].shape[1]
+  return n - int('cls' in variables['params'])
+
+
+def _grid(num_tokens):
+  side = int(round(np.sqrt(num_tokens)))
+  if side * side != num_tokens:
+    raise ValueError(f'{num_tokens} patch tokens are not a square grid: use square images')
+  return side
+
+
+# ------------------------------------------------------------ pure functions
+def attention_rollout(attention, class_token=True):
+  """Attention rollout from the output token to the patches.
+
+  Args:
+    attention: [layers, batch, heads, T, T] weights (rows sum to 1).
+    class_token: whether token 0 is the class token (else the output is the mean
+      of all tokens, and their rollout rows are averaged).
+
+  Returns:
+    [batch, gh, gw]: the rolled-out weight of each patch (>= 0; with a class token
+    the patch weights sum to 1 minus the weight left on the class token itself).
+  """
+  attention = np.asarray(attention, np.float64)
+  num_tokens = attention.shape[-1]
+  a = attention.mean(axis=2) + np.eye(num_tokens)  # heads averaged, residual added
+  a = a / a.sum(-1, keepdims=True)
+  joint = a[0]
+  for layer in a[1:]:
+    joint = layer @ joint
+  if class_token:
+    row = joint[:, 0, 1:]
+  else:
+    row = joint.mean(axis=1)
+  side = _grid(row.shape[-1])
+  return row.reshape(-1, side, side)
+
+
+def upsample_mask(grid_map, image_size):
+  """[batch, gh, gw] -> [batch, S, S] in [0, 1]: divided by its max, bilinear."""
+  grid_map = np.asarray(grid_map, np.float64)
+  peak = grid_map.max(axis=(1, 2), keepdims=True)
+  grid_map = np.where(peak > 0, grid_map / np.where(peak > 0, peak, 1), 0.0)
+  resized = jax.image.resize(grid_map, (grid_map.shape[0], image_size, image_size),
+                             method='bilinear')
+  return np.clip(np.asarray(resized), 0.0, 1.0)
+
+
+def embedding_filters(kernel, num_components=28):
+  """Principal components of the patch-embedding filters (Figure 7 left).
+
+  Args:
+    kernel: [p, p, 3, D], the `embedding` Conv kernel: D filters of p*p*3 values.
+    num_components: how many components.
+
+  Returns:
+    (components [n, p, p, 3], explained variance ratio [n]). Each component's sign
+    makes its sum positive (PCA signs are arbitrary).
+  """
+  kernel = np.asarray(kernel, np.float64)
+  p, q, c, d = kernel.shape
+  if c != 3:
+    raise ValueError(f'The embedding kernel has {c} input channels, not RGB (a hybrid): '
+                     'filters are shown for plain ViTs only')
+  filters = kernel.reshape(p * q * c, d).T  # one row per filter
+  filters = filters - filters.mean(0)
+  _, s, vt = np.linalg.svd(filters, full_matrices=False)
+  n = min(num_components, len(s))
+  comps = vt[:n] * np.where(vt[:n].sum(1, keepdims=True) < 0, -1.0, 1.0)
+  ratio = s[:n]**2 / max(np.sum(s**2), 1e-30)
+  return comps.reshape(n, p, q, c), ratio
+
+
+def posemb_similarity(pos_embedding, class_token=True):
+  """Cosine similarity of each patch's position embedding with all others.
+
+  Args:
+    pos_embedding: [1, T, D] or [T, D].
+    class_token: drop token 0 (the class token's embedding).
+
+  Returns:
+    [gh, gw, gh, gw]: entry [i, j] is the tile of patch (row i, column j).
+  """
+  emb = np.asarray(pos_embedding, np.float64).reshape(-1, np.shape(pos_embedding)[-1])
+  if class_token:
+    emb = emb[1:]
+  side = _grid(len(emb))
+  unit = emb / np.maximum(np.linalg.norm(emb, axis=-1, keepdims=True), 1e-12)
+  return (unit @ unit.T).reshape(side, side, side, side)
+
+
+def patch_distances(side, pixels_per_token):
+  """[N, N] Euclidean distances in pixels between patch centres of a side x side grid."""
+  rows, cols = np.divmod(np.arange(side * side), side)
+  centres = np.stack([rows, cols], -1) * float(pixels_per_token)
+  return np.linalg.norm(centres[:, None] - centres[None, :], axis=-1)
+
+
+def mean_attention_distance(attention, pixels_per_token, class_token=True):
+  """Mean attended distance in pixels, per layer and head (Figure 7 right).
+
+  For each query patch, the sum over key patches of weight x distance between the
+  patch centres; averaged over queries and images. The class token is excluded
+  from queries and keys; each query's weights over the patch keys are renormalised.
+
+  Args:
+    attention: [layers, batch, heads, T, T].
+    pixels_per_token: pixels between neighbouring patch centres (the patch size).
+    class_token: whether token 0 is the class token.
+
+  Returns:
+    [layers, heads] float64.
+  """
+  attention = np.asarray(attention, np.float64)
+  if class_token:
+    attention = attention[..., 1:, 1:]
+  weights = attention / np.maximum(attention.sum(-1, keepdims=True), 1e-30)
+  dist = patch_distances(_grid(weights.shape[-1]), pixels_per_token)
+  per_query = np.einsum('lbhqk,qk->lbhq', weights, dist)
+  return per_query.mean(axis=(1, 3))
+
+
+# ---------------------------------------------------------------- figures
+def _pyplot():
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  if ('matplotlib.pyplot' not in sys.modules and 'ipykernel' not in sys.modules
+      and not os.environ.get('MPLBACKEND')):
+    matplotlib.use('Agg')  # files only; notebooks keep their inline backend
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
+def _to_unit(images):
+  """Images in [-1, 1] (or uint8) -> float [0, 1] for display."""
+  images = np.asarray(images, np.float64)
+  if images.max() > 1.5:
+    return np.clip(images / 255.0, 0, 1)
+  return np.clip((images + 1.0) / 2.0, 0, 1)
+
+
+def rollout_figure(images, masks, titles=None):
+  """One row per image: the image, then the image weighted by its rollout mask."""
+  plt = _pyplot()
+  images, masks = _to_unit(images), np.asarray(masks)
+  n = len(images)
+  fig, axes = plt.subplots(n, 2, figsize=(6, 3 * n), squeeze=False)
+  for i in range(n):
+    axes[i, 0].imshow(images[i])
+    axes[i, 0].set_title(titles[i] if titles else 'image')
+    axes[i, 1].imshow(images[i] * masks[i][..., None])
+    axes[i, 1].set_title('attention rollout')
+    for ax in axes[i]:
+      ax.axis('off')
+  fig.tight_layout()
+  return fig
+
+
+def filters_figure(components, ratio=None, cols=7):
+  """Components [n, p, p, 3] as RGB tiles, each scaled to [0, 1] on its own."""
+  plt = _pyplot()
+  n = len(components)
+  rows = -(-n // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(1.2 * cols, 1.2 * rows + 0.4),
+                           squeeze=False)
+  for i, ax in enumerate(axes.flat):
+    ax.axis('off')
+    if i < n:
+      c = components[i]
+      ax.imshow((c - c.min()) / max(c.max() - c.min(), 1e-12), interpolation='nearest')
+  title = 'RGB embedding filters (first principal components)'
+  if ratio is not None:
+    title += f': {100 * np.sum(ratio):.0f}% of variance'
+  fig.suptitle(title, fontsize=9)
+  return fig
+
+
+def posemb_figure(similarity):
+  """Tiles [gh, gw, gh, gw] in a gh x gw mosaic, as Figure 7 center."""
+  plt = _pyplot()
+  gh, gw = similarity.shape[:2]
+  gap = 1
+  mosaic = np.full((gh * (gh + gap) - gap, gw * (gw + gap) - gap), np.nan)
+  for i in range(gh):
+    for j in range(gw):
+      r, c = i * (gh + gap), j * (gw + gap)
+      mosaic[r:r + gh, c:c + gw] = similarity[i, j]
+  fig, ax = plt.subplots(figsize=(6, 5.4))
+  im = ax.imshow(mosaic, vmin=-1, vmax=1, cmap='viridis', interpolation='nearest')
+  ticks = [i * (gh + gap) + gh / 2 - 0.5 for i in range(gh)]
+  ax.set_yticks(ticks, [str(i + 1) for i in range(gh)], fontsize=6)
+  ax.set_xticks([j * (gw + gap) + gw / 2 - 0.5 for j in range(gw)],
+                [str(j + 1) for j in range(gw)], fontsize=6)
+  ax.set_xlabel('Input patch column')
+  ax.set_ylabel('Input patch row')
+  ax.set_title('Position embedding similarity')
+  fig.colorbar(im, ax=ax, label='Cosine similarity', shrink=0.8)
+  return fig
+
+
+def attention_distance_figure(distances, image_size=None):
+  """Scatter: x network depth (layer), y mean attention distance, a dot per head."""
+  plt = _pyplot()
+  distances = np.asarray(distances)
+  layers, heads = distances.shape
+  fig, ax = plt.subplots(figsize=(4.5, 4))
+  for h in range(heads):
+    ax.scatter(np.arange(1, layers + 1), distances[:, h], s=12, label=f'Head {h + 1}')
+  ax.set_xticks(np.arange(1, layers + 1, max(1, layers // 12)))
+  ax.set_xlabel('Network depth (layer)')
+  ax.set_ylabel('Mean attention distance (pixels)')
+  ax.set_ylim(0, image_size if image_size else None)
+  if heads <= 16:
+    ax.legend(fontsize=5, ncol=2, loc='lower right')
+  ax.set_title('Size of attended area by head and depth')
+  fig.tight_layout()
+  return fig
+
+
+def save_figure(fig, path):
+  """Writes `fig` as PNG and closes it."""
+  plt = _pyplot()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def figure_png(fig):
+  """PNG bytes of `fig` (closes it)."""
+  buf = io.BytesIO()
+  save_figure(fig, buf)
+  return buf.getvalue()
+
+
+# -------------------------------------------------------------------- CLI
+def load_images(paths, image_size):
+  """Image files -> float32 [n, S, S, 3] in [-1, 1] (resized, bilinear)."""
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  out = []
+  for path in paths:
+    try:
+      with Image.open(path) as im:
+        im = im.convert('RGB').resize((image_size, image_size), Image.BILINEAR)
+        out.append(np.asarray(im, np.float32) / 127.5 - 1.0)
+    except OSError as e:
+      raise ValueError(f'Cannot read image {path} ({e}): pass JPEG/PNG files') from None
+  return np.stack(out)
+
+
+def inspect_model(model, params, image_size, images=None, names=None, outdir='.',
+                  num_components=28):
+  """Writes every figure for `model` (and `images`) into `outdir`; returns the paths."""
+  os.makedirs(outdir, exist_ok=True)
+  cls = has_class_token(params)
+  written, arrays = [], {}
+
+  def save(fig, name):
+    path = os.path.join(outdir, name)
+    save_figure(fig, path)
+    written.append(path)
+
+  kernel = np.asarray(params['embedding']['kernel'])
+  if kernel.shape[2] == 3:
+    comps, ratio = embedding_filters(kernel, num_components)
+    arrays.update(filter_components=comps, filter_variance_ratio=ratio)
+    save(filters_figure(comps, ratio), 'embedding_filters.png')
+  sim = posemb_similarity(params['Transformer']['posembed_input']['pos_embedding'], cls)
+  arrays['posemb_similarity'] = sim
+  save(posemb_figure(sim), 'position_embedding_similarity.png')
+  if images is not None and len(images):
+    attn = attention_maps(model, params, images)
+    grid_maps = attention_rollout(attn, cls)
+    masks = upsample_mask(grid_maps, image_size)
+    dist = mean_attention_distance(attn, pixels_per_token(model, image_size), cls)
+    arrays.update(rollout=grid_maps, mean_attention_distance=dist)
+    names = names or [f'image{i}' for i in range(len(images))]
+    for i, name in enumerate(names):
+      stem = os.path.splitext(os.path.basename(name))[0]
+      save(rollout_figure(images[i:i + 1], masks[i:i + 1], [stem]),
+           f'rollout_{i:02d}_{stem}.png')
+    save(attention_distance_figure(dist, image_size), 'attention_distance.png')
+  np.savez(os.path.join(outdir, 'arrays.npz'), **arrays)
+  written.append(os.path.join(outdir, 'arrays.npz'))
+  return written
+
+
+def _define_flags():
+  """The CLI's flags, defined only when run as a program (importing defines none)."""
+  flags.DEFINE_string('checkpoint', None, 'A published-format ViT .npz file.')
+  flags.DEFINE_string('model', 'ViT-B_16', 'Model name from vit_jax.models.VARIANTS.')
+  flags.DEFINE_string('model_overrides', '', 'Variant overrides: name=value,...')
+  flags.DEFINE_integer('image_size', 224, 'Resolution the images are resized to.')
+  flags.DEFINE_list('images', [], 'Image files (comma-separated; more may follow as '
+                    'arguments: --images a.jpg b.png).')
+  flags.DEFINE_integer('num_components', 28, 'Principal components of the filters shown.')
+  flags.DEFINE_string('outdir', 'inspect', 'Folder the PNGs (and arrays.npz) go to.')
+  flags.mark_flag_as_required('checkpoint')
+  return flags.FLAGS
+
+
+def main(argv):
+  from vit_jax import evaluate  # pylint: disable=g-import-not-at-top  (loads TF)
+  paths = list(FLAGS.images) + list(argv[1:])
+  try:
+    model, params = evaluate.load_model(FLAGS.checkpoint, FLAGS.model, FLAGS.image_size,
+                                        **evaluate.parse_overrides(FLAGS.model_overrides))
+    images = load_images(paths, FLAGS.image_size) if paths else None
+    written = inspect_model(model, params, FLAGS.image_size, images, paths, FLAGS.outdir,
+                            FLAGS.num_components)
+  except (ValueError, FileNotFoundError) as e:
+    sys.exit(f'vit_jax.inspect: {e}')
+  if not paths:
+    print('No --images: rollout and attention distance need images.')
+  print('\n'.join(written))
+
+
+if __name__ == '__main__':
+  FLAGS = _define_flags()
+  app.run(main)
