@@ -55,6 +55,18 @@ def get_config():
   c.pretrained_keep_prelogits = False  # Keep the pre-logits layer of the checkpoint.
   c.lr_grid = ()  # Learning rates a sweep expands (Table 4); base_lr is the default.
 
+  # Few-shot linear evaluation of the pre-logits during training (paper Sec. 4.1, Fig. 4).
+  c.fewshot_every_steps = 0  # Period; 0 turns it off.
+  c.fewshot_dataset = ''  # Dataset of the few-shot task; '' means `dataset`.
+  c.fewshot_data_dir = ''  # Its data_dir; '' means `data_dir`.
+  c.fewshot_train_split = 'train'  # Pool the k examples per class are drawn from.
+  c.fewshot_eval_split = 'test'  # Held-out split the accuracy is measured on.
+  c.fewshot_shots = (1, 5, 10, 25)  # k values.
+  c.fewshot_seeds = (0, 1, 2)  # One k-shot draw per seed; the mean is reported.
+  c.fewshot_l2_reg = 1024.0  # Ridge regulariser of the closed-form least squares.
+  c.fewshot_batch_size = 0  # Batch for feature extraction; 0 means eval_batch_size.
+  c.fewshot_cache_mb = 2048  # Held-out images kept in memory up to this size.
+
   # Devices.
   c.mesh_data = -1  # Devices on the data axis; -1 uses all.
   c.fsdp = False  # Shard parameters and optimizer state over the data axis.

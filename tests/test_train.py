@@ -146,6 +146,13 @@ def test_fine_tuning_starts_from_the_checkpoint(idx_dir, tmp_path):
   assert not np.any(np.asarray(params['head']['kernel']))
 
 
+def test_fewshot_evaluation_runs_inside_training(idx_dir, tmp_path):
+  out = _run(idx_dir, tmp_path, 'fewshot', total_steps=2, fewshot_every_steps=1,
+             fewshot_shots=(1, 3), fewshot_seeds=(0, 1))
+  assert set(k for k in out if k.startswith('fewshot/')) == {'fewshot/1shot', 'fewshot/3shot'}
+  assert all(0.0 <= out[k] <= 1.0 for k in ('fewshot/1shot', 'fewshot/3shot'))
+
+
 @pytest.mark.parametrize('overrides,message', [
     (dict(image_size=30), 'image_size 30 is not divisible by patch size 7'),
     (dict(batch_size=12), 'must be a multiple of the 8 devices'),

@@ -11,8 +11,15 @@ import glob
 import os
 import sys
 
-# Config files import `configs.common`: make the repository root importable.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Config files import `configs.common`: make the repository root importable. Run as a
+# file (python vit_jax/main.py), vit_jax/ itself would come first on sys.path and its
+# inspect.py would shadow the standard library's; the root replaces it.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+if sys.path and os.path.abspath(sys.path[0]) == _HERE:
+  sys.path[0] = _ROOT
+else:
+  sys.path.insert(0, _ROOT)
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402

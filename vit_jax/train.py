@@ -21,6 +21,7 @@ import optax
 import tensorflow as tf
 
 from vit_jax import checkpoint
+from vit_jax import evaluate as evaluate_lib
 from vit_jax import input_pipeline
 from vit_jax import models
 from vit_jax import optim
@@ -223,6 +224,7 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None):
   batches = input_pipeline.prefetch_to_mesh(
       input_pipeline.train_batches(config, global_batch=config.batch_size, start_step=start),
       batch_sharding, config.prefetch)
+  fewshot = evaluate_lib.FewShotEvaluator(config, model) if config.fewshot_every_steps else None
   rng = jax.random.PRNGKey(config.seed)
   last = total_steps if stop_after_steps is None else min(stop_after_steps, total_steps)
   result = {'step': start}
@@ -251,6 +253,12 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None):
                      accuracy, n)
         writer.write_scalars(step, {'accuracy': accuracy})
         result.update(accuracy=accuracy)
+      if fewshot and (step % config.fewshot_every_steps == 0 or step == total_steps):
+        scores = fewshot(state['params'])
+        logging.info('step %d  few-shot linear: %s', step,
+                     '  '.join(f'{k.split("/")[1]} {v:.4f}' for k, v in scores.items()))
+        writer.write_scalars(step, scores)
+        result.update(scores)
       result['step'] = step
       preempted = preemption.reached(step)
       if preempted or step % config.checkpoint_every_steps == 0 or step == last:
