@@ -30,7 +30,7 @@ setuptools.setup(
     version="0.1.0",
     description="Vision Transformers exactly as the ViT paper, in JAX/Flax.",
     packages=setuptools.find_packages(include=["vit_jax", "vit_jax.*"]),
-    python_requires=">=3.11"  # jax 0.10, numpy 2.4 and scipy 1.17 need it,
+    python_requires=">=3.11",  # jax 0.10, numpy 2.4 and scipy 1.17 need it
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
 )

@@ -54,7 +54,6 @@ def validate_config(config, num_train_examples=None):
   """Start-up checks; each failure is one line naming the field and the fix."""
   if config.dtype not in DTYPES:
     raise ValueError(f'dtype {config.dtype!r} is unknown: set --config.dtype to one of {DTYPES}')
-  models.get_variant(config.model_name, **config.model)  # name and overrides exist
   stride = _stride(config)
   if config.image_size % stride:
     raise ValueError(f'image_size {config.image_size} is not divisible by patch size {stride}: '
@@ -67,6 +66,10 @@ def validate_config(config, num_train_examples=None):
   if config.eval_batch_size % n_dev:
     raise ValueError(f'eval_batch_size {config.eval_batch_size} is not a multiple of the {n_dev} '
                      'devices: set --config.eval_batch_size')
+  fields = models.get_variant(config.model_name, **config.model)
+  if config.pretrained_keep_prelogits and fields.get('representation_size') is None:
+    raise ValueError('pretrained_keep_prelogits needs the pre-logits layer in the model: set '
+                     '--config.model.representation_size to the checkpoint\'s size')
   optim.validate(config, num_train_examples)
 
 
@@ -144,10 +147,6 @@ def _local(tree):
 
 def _initial_params(config, model, num_classes, param_shardings):
   if config.pretrained_path:
-    fields = models.get_variant(config.model_name, **config.model)
-    if config.pretrained_keep_prelogits and fields.get('representation_size') is None:
-      raise ValueError('pretrained_keep_prelogits needs the pre-logits layer in the model: set '
-                       '--config.model.representation_size to the checkpoint\'s size')
     params = checkpoint.load_pretrained(config.pretrained_path, model, num_classes,
                                         config.image_size, head_bias_init=config.head_bias_init)
     return jax.device_put(params, param_shardings)
