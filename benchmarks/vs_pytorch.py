@@ -1,0 +1,321 @@
+r"""vit_jax vs PyTorch CPU: the same model, batch and optimizer, timed interleaved.
+
+  pip install torch==2.13.0 && pip install --no-deps timm==1.0.31   # the [bench] extra
+  python benchmarks/vs_pytorch.py --out /tmp/vs_pytorch.json
+
+JAX side: the real vit_jax step (make_train_step + SGD momentum 0.9 + global-norm clip 1).
+PyTorch side (a separate worker process, torch.set_num_threads = the cores JAX uses):
+forward, cross-entropy, backward, clip_grad_norm_(1.0), torch.optim.SGD(momentum=0.9).
+The model is timm's (vit_tiny_patch16_224, vit_base_patch16_224, vit_base_r50_s16_224)
+when `import timm` works. timm 1.0.x imports torchvision at import time, and there is no
+CPU torchvision build here, so the worker then falls back to a MINIMAL PYTORCH VIT written
+below in timm's structure (fused qkv Linear + F.scaled_dot_product_attention, LayerNorm,
+tanh-GELU MLP; hybrid: weight-standardised convs, GroupNorm, TF-SAME padding, stages
+(3, 4, 9)), with the same parameter count as the vit_jax model (checked, printed).
+Precisions: float32 vs float32, and vit_jax dtype='bfloat16' (bf16 compute, f32 params)
+vs torch.autocast('cpu', dtype=torch.bfloat16). Each round runs --steps steps of JAX then
+--steps of PyTorch for every (model, precision); the ratio is per round (pair).
+"""
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import _common
+
+parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+parser.add_argument('--models', default='ViT-Ti_16,ViT-B_16,R50+ViT-B_16')
+parser.add_argument('--batch', default='32,8,8', help='one per model, or one for all')
+parser.add_argument('--dtypes', default='float32,bfloat16')
+parser.add_argument('--image_size', type=int, default=224)
+parser.add_argument('--steps', type=int, default=2, help='timed steps per side per round')
+parser.add_argument('--rounds', type=int, default=2)
+parser.add_argument('--override', action='append', default=[],
+                    help='variant field, e.g. --override num_layers=2 (repeatable)')
+parser.add_argument('--torch_impl', default='auto', choices=('auto', 'timm', 'minimal'))
+parser.add_argument('--out', default='')
+parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
+parser.add_argument('--threads', type=int, default=0, help=argparse.SUPPRESS)
+args = parser.parse_args()
+
+TIMM_NAMES = {'ViT-Ti_16': 'vit_tiny_patch16_224', 'ViT-S_16': 'vit_small_patch16_224',
+              'ViT-B_16': 'vit_base_patch16_224', 'ViT-B_32': 'vit_base_patch32_224',
+              'R50+ViT-B_16': 'vit_base_r50_s16_224'}
+
+
+# ----------------------------------------------------------------- PyTorch worker
+def torch_worker():
+  """Reads JSON commands on stdin, answers one JSON line each on stdout."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from torch import nn  # pylint: disable=import-outside-toplevel
+  import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
+
+  torch.set_num_threads(args.threads)
+  torch.manual_seed(0)
+  out = sys.stdout
+  sys.stdout = sys.stderr  # only protocol lines on the pipe
+
+  class Attention(nn.Module):
+    def __init__(self, dim, heads):
+      super().__init__()
+      self.heads = heads
+      self.qkv = nn.Linear(dim, 3 * dim)
+      self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+      b, n, c = x.shape
+      qkv = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+      x = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])
+      return self.proj(x.transpose(1, 2).reshape(b, n, c))
+
+  class Block(nn.Module):
+    def __init__(self, dim, mlp_dim, heads):
+      super().__init__()
+      self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+      self.attn = Attention(dim, heads)
+      self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+      self.mlp = nn.Sequential(nn.Linear(dim, mlp_dim), nn.GELU(approximate='tanh'),
+                               nn.Linear(mlp_dim, dim))
+
+    def forward(self, x):
+      x = x + self.attn(self.norm1(x))
+      return x + self.mlp(self.norm2(x))
+
+  def same_pad(x, k, s, value=0.0):
+    pads = []
+    for size in (x.shape[-1], x.shape[-2]):  # F.pad order: last dim first
+      out = -(-size // s)
+      total = max((out - 1) * s + k - size, 0)
+      pads += [total // 2, total - total // 2]
+    return F.pad(x, pads, value=value) if any(pads) else x
+
+  class StdConv(nn.Conv2d):
+    def __init__(self, cin, cout, k, s=1):
+      super().__init__(cin, cout, k, s, padding=0, bias=False)
+
+    def forward(self, x):
+      w = self.weight
+      w = w - w.mean(dim=(1, 2, 3), keepdim=True)
+      w = w / (w.square().mean(dim=(1, 2, 3), keepdim=True).sqrt() + 1e-5)
+      x = same_pad(x, self.kernel_size[0], self.stride[0])
+      return F.conv2d(x, w, None, self.stride)
+
+  class Unit(nn.Module):
+    def __init__(self, cin, mid, stride):
+      super().__init__()
+      self.proj = None
+      if cin != 4 * mid or stride != 1:
+        self.proj = nn.Sequential(StdConv(cin, 4 * mid, 1, stride), nn.GroupNorm(32, 4 * mid))
+      self.conv1, self.gn1 = StdConv(cin, mid, 1), nn.GroupNorm(32, mid)
+      self.conv2, self.gn2 = StdConv(mid, mid, 3, stride), nn.GroupNorm(32, mid)
+      self.conv3, self.gn3 = StdConv(mid, 4 * mid, 1), nn.GroupNorm(32, 4 * mid)
+
+    def forward(self, x):
+      r = x if self.proj is None else self.proj(x)
+      y = F.relu(self.gn1(self.conv1(x)))
+      y = F.relu(self.gn2(self.conv2(y)))
+      return F.relu(r + self.gn3(self.conv3(y)))
+
+  class Stem(nn.Module):
+    def __init__(self, layers, width=64):
+      super().__init__()
+      self.conv, self.gn = StdConv(3, width, 7, 2), nn.GroupNorm(32, width)
+      units, cin = [], width
+      for i, n in enumerate(layers):
+        for j in range(n):
+          units.append(Unit(cin, width * 2**i, 2 if i and not j else 1))
+          cin = 4 * width * 2**i
+      self.units = nn.Sequential(*units)
+      self.out_channels = cin
+
+    def forward(self, x):
+      x = F.relu(self.gn(self.conv(x)))
+      x = F.max_pool2d(same_pad(x, 3, 2, float('-inf')), 3, 2)
+      return self.units(x)
+
+  class ViT(nn.Module):
+    def __init__(self, f, image_size, num_classes):
+      super().__init__()
+      d, p = f['hidden_size'], f['patch_size']
+      self.stem = None
+      cin, size = 3, image_size
+      if f['resnet_layers'] is not None:
+        self.stem = Stem(f['resnet_layers'], int(64 * f['resnet_width']))
+        cin = self.stem.out_channels
+        size = image_size // (4 * 2**max(len(f['resnet_layers']) - 1, 0))
+      self.patch = nn.Conv2d(cin, d, p, p)
+      n = (size // p)**2 + 1
+      self.cls = nn.Parameter(torch.zeros(1, 1, d))
+      self.pos = nn.Parameter(torch.randn(1, n, d) * 0.02)
+      self.blocks = nn.Sequential(*[Block(d, f['mlp_dim'], f['num_heads'])
+                                    for _ in range(f['num_layers'])])
+      self.norm = nn.LayerNorm(d, eps=1e-6)
+      self.head = nn.Linear(d, num_classes)
+
+    def forward(self, x):
+      if self.stem is not None:
+        x = self.stem(x)
+      x = self.patch(x).flatten(2).transpose(1, 2)
+      x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1) + self.pos
+      x = self.norm(self.blocks(x))
+      return self.head(x[:, 0])
+
+  impl_note = ''
+  timm = None
+  if args.torch_impl in ('auto', 'timm'):
+    try:
+      import timm  # pylint: disable=import-outside-toplevel,redefined-outer-name
+    except ImportError as e:
+      if args.torch_impl == 'timm':
+        raise
+      impl_note = f'timm not importable ({e}); minimal PyTorch ViT used'
+
+  steps = {}
+  for line in sys.stdin:
+    cmd = json.loads(line)
+    if cmd['cmd'] == 'build':
+      f, size, b = cmd['fields'], cmd['image_size'], cmd['batch']
+      if timm is not None and cmd['name'] in TIMM_NAMES and not cmd['overrides']:
+        model = timm.create_model(TIMM_NAMES[cmd['name']], pretrained=False, num_classes=1000)
+        impl = f'timm {timm.__version__} {TIMM_NAMES[cmd["name"]]}'
+      else:
+        model = ViT(f, size, 1000)
+        impl = 'minimal PyTorch ViT (timm structure; timm not importable)'
+      model.train()
+      opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+      x = torch.rand(b, 3, size, size) * 2 - 1
+      y = torch.randint(0, 1000, (b,))
+      bf16 = cmd['dtype'] == 'bfloat16'
+
+      def step(model=model, opt=opt, x=x, y=y, bf16=bf16):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=bf16):
+          logits = model(x)
+        loss = F.cross_entropy(logits.float(), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return float(loss.detach())
+
+      step()  # warm-up
+      steps[cmd['key']] = step
+      reply = {'impl': impl, 'note': impl_note, 'torch': torch.__version__,
+               'threads': torch.get_num_threads(),
+               'num_params': sum(p.numel() for p in model.parameters())}
+    elif cmd['cmd'] == 'run':
+      times = []
+      for _ in range(cmd['steps']):
+        t = time.perf_counter()
+        loss = steps[cmd['key']]()
+        times.append(time.perf_counter() - t)
+        if not math.isfinite(loss):
+          raise FloatingPointError(f'torch loss {loss}')
+      reply = {'times': times}
+    else:
+      break
+    out.write(json.dumps(reply) + '\n')
+    out.flush()
+
+
+class Worker:
+  def __init__(self, threads):
+    self.proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), '--worker', '--threads', str(threads),
+         '--torch_impl', args.torch_impl],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+  def call(self, **cmd):
+    self.proc.stdin.write(json.dumps(cmd) + '\n')
+    self.proc.stdin.flush()
+    line = self.proc.stdout.readline()
+    if not line:
+      raise RuntimeError('PyTorch worker died (see its stderr above)')
+    return json.loads(line)
+
+  def close(self):
+    self.proc.stdin.close()
+    self.proc.wait()
+
+
+# ----------------------------------------------------------------- JAX side
+def main():
+  _common.setup_devices(1)
+  import _jaxstep  # pylint: disable=import-outside-toplevel
+  from vit_jax import models as vmodels  # pylint: disable=import-outside-toplevel
+
+  load_start = _common.loadavg()
+  names = args.models.split(',')
+  batches = [int(b) for b in args.batch.split(',')]
+  if len(batches) == 1:
+    batches = batches * len(names)
+  dtypes = args.dtypes.split(',')
+  overrides = _common.parse_overrides(args.override)
+  threads = _common.cores()
+  worker = Worker(threads)
+
+  cases = []
+  for name, batch in zip(names, batches):
+    fields = vmodels.get_variant(name, **overrides)
+    for dtype in dtypes:
+      key = f'{name}/{dtype}'
+      jstep = _jaxstep.BareStep(_jaxstep.make_config(
+          name, batch, dtype=dtype, image_size=args.image_size, overrides=overrides))
+      jstep.run(1)
+      info = worker.call(cmd='build', key=key, name=name, fields=fields, dtype=dtype,
+                         batch=batch, image_size=args.image_size, overrides=overrides)
+      print(f'built {key}: jax {jstep.num_params:,} params, torch {info["num_params"]:,} '
+            f'({info["impl"]})', flush=True)
+      cases.append({'key': key, 'model': name, 'batch': batch, 'dtype': dtype, 'jax': jstep,
+                    'torch_info': info, 'jax_times': [], 'torch_times': []})
+
+  for r in range(args.rounds):
+    for c in cases:
+      c['jax_times'].append(c['jax'].run(args.steps))
+      c['torch_times'].append(worker.call(cmd='run', key=c['key'], steps=args.steps)['times'])
+    print(f'round {r + 1}/{args.rounds} done', flush=True)
+  worker.close()
+
+  def med(t):
+    return sorted(t)[len(t) // 2]
+
+  results, rows = [], []
+  for c in cases:
+    jax_img = [c['batch'] / med(t) for t in c['jax_times']]
+    torch_img = [c['batch'] / med(t) for t in c['torch_times']]
+    ratio = [a / b for a, b in zip(jax_img, torch_img)]
+    info = c['torch_info']
+    results.append({
+        'model': c['model'], 'batch': c['batch'], 'dtype': c['dtype'],
+        'torch_impl': info['impl'], 'torch_version': info['torch'],
+        'torch_threads': info['threads'], 'jax_threads(cores)': threads,
+        'jax_params': c['jax'].num_params, 'torch_params': info['num_params'],
+        'jax_step_s': c['jax_times'], 'torch_step_s': c['torch_times'],
+        'jax_img_s_per_round': jax_img, 'torch_img_s_per_round': torch_img,
+        'ratio_per_round': ratio, 'ratio_median': _common.summary(ratio)['median'],
+        'target_1p1x_met': _common.summary(ratio)['median'] >= 1.1})
+    rows.append([c['model'], c['batch'], c['dtype'] if c['dtype'] == 'float32'
+                 else 'bf16 / autocast bf16', _common.fmt_range(jax_img),
+                 _common.fmt_range(torch_img), ', '.join(f'{x:.2f}' for x in ratio),
+                 _common.fmt_range(ratio), 'met' if results[-1]['target_1p1x_met'] else 'MISSED'])
+  load_end = _common.loadavg()
+  note = cases[0]['torch_info']['note'] if cases else ''
+  payload = {'benchmark': 'vs_pytorch', 'machine': _common.machine_info(), 'args': vars(args),
+             'loadavg_start': load_start, 'loadavg_end': load_end, 'torch_note': note,
+             'results': results}
+  print(f'\n### vit_jax vs PyTorch ({threads} threads each)' + (f' — {note}' if note else ''))
+  print()
+  print(_common.markdown_table(
+      ['model', 'batch', 'precision', 'vit_jax img/s', 'PyTorch img/s', 'ratio per pair',
+       'ratio median (min–max)', '≥1.1×'], rows))
+  print(f'\nloadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
+  _common.write_json(args.out, payload)
+
+
+if __name__ == '__main__':
+  if args.worker:
+    torch_worker()
+  else:
+    main()

@@ -1,0 +1,55 @@
+"""Smoke test: each benchmark script runs end to end with tiny settings and writes its JSON."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ['--image_size', '32', '--override', 'num_layers=1', '--override', 'hidden_size=48',
+        '--override', 'mlp_dim=96', '--override', 'num_heads=2']
+
+
+def _run(script, *flags, tmp_path):
+  out = tmp_path / f'{script}.json'
+  env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'}
+  env.pop('XLA_FLAGS', None)  # the scripts choose their device count
+  proc = subprocess.run(
+      [sys.executable, os.path.join(REPO, 'benchmarks', f'{script}.py'), *flags,
+       '--out', str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert '| ' in proc.stdout  # the markdown table
+  payload = json.loads(out.read_text())
+  assert len(payload['loadavg_start']) == 3 and len(payload['loadavg_end']) == 3
+  return payload
+
+
+def test_train_step(tmp_path):
+  p = _run('train_step', '--models', 'ViT-Ti_16', '--batch', '2', '--dtypes', 'float32',
+           '--steps', '2', '--rounds', '1', '--matmul_n', '128', *TINY, tmp_path=tmp_path)
+  r = p['results'][0]
+  assert r['img_s_median'] > 0 and r['flops_per_step_analytic'] > 0
+  assert r['flops_per_step_xla'] >= r['flops_per_step_analytic']
+
+
+def test_vs_pytorch(tmp_path):
+  pytest.importorskip('torch')
+  p = _run('vs_pytorch', '--models', 'ViT-Ti_16', '--batch', '2', '--dtypes', 'float32',
+           '--steps', '2', '--rounds', '1', *TINY, tmp_path=tmp_path)
+  r = p['results'][0]
+  assert r['jax_params'] == r['torch_params']
+  assert len(r['ratio_per_round']) == 1
+
+
+def test_loop(tmp_path):
+  p = _run('loop', '--batch', '2', '--steps', '2', '--rounds', '1', '--images', '8',
+           '--jpeg_size', '40,48', '--log_every', '1', '--checkpoint_every', '0', *TINY,
+           tmp_path=tmp_path)
+  assert p['loop_img_s_per_round'][0] > 0 and p['bare_img_s_per_round'][0] > 0
+
+
+def test_input_pipeline(tmp_path):
+  p = _run('input_pipeline', '--images', '16', '--jpeg_size', '40,48', '--batch', '4',
+           '--batches', '2', '--rounds', '1', '--image_size', '32', tmp_path=tmp_path)
+  assert p['train_img_s_median'] > 0 and p['eval_img_s_median'] > 0
