@@ -61,7 +61,9 @@ VTAB = {
     'resisc45': ('resisc45', 45, 'train[:800]', 'train[18900:19100]', 'train[25200:]', True),
     'diabetic_retinopathy': ('diabetic_retinopathy_detection/btgraham-300', 5, 'train[:800]',
                              'validation[:200]', 'test', True),
-    # Structured (labels derived by input_pipeline from config.vtab_task).
+    # Structured. All but dmlab need a label computed from other features (object
+    # counts, distances, binned positions); the input pipeline does not derive them
+    # yet and the loop refuses them at start-up (train._DERIVED_LABEL_TASKS).
     'clevr_count': ('clevr', 8, 'train[:800]', 'train[63000:63200]', 'validation', True),
     'clevr_distance': ('clevr', 6, 'train[:800]', 'train[63000:63200]', 'validation', True),
     'dmlab': ('dmlab', 6, 'train[:800]', 'validation[:200]', 'test', True),
