@@ -19,6 +19,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import scipy.ndimage
 
+from vit_jax import models
+
 # BiT unit sub-layers: TF name prefix -> (our norm, our conv).
 _BIT_LAYERS = {'a': ('gn1', 'conv1'), 'b': ('gn2', 'conv2'), 'c': ('gn3', 'conv3')}
 _BIT_NORM_PARAMS = {'gamma': 'scale', 'beta': 'bias'}
@@ -246,6 +248,22 @@ def load_pretrained(path_or_params, model, num_classes, image_size, *, reset_hea
     changes.insert(0, f'head {old_k} -> {num_classes} classes (zeros, bias {head_bias_init:g})')
   logging.info('load_pretrained: %s', '; '.join(changes) or 'nothing changed')
   return flax.traverse_util.unflatten_dict(out, sep='/')
+
+
+def load_model(path, model_name, image_size, **overrides):
+  """(model, params) for a published-format .npz, head and pre-logits as in the file.
+
+  The head size (0 without a head) and representation_size are read from the file;
+  position embeddings are interpolated to `image_size`.
+  """
+  params = load_npz(path)
+  flat = flax.traverse_util.flatten_dict(params, sep='/')
+  num_classes = flat['head/kernel'].shape[-1] if 'head/kernel' in flat else 0
+  if 'pre_logits/kernel' in flat and 'representation_size' not in overrides:
+    overrides['representation_size'] = int(flat['pre_logits/kernel'].shape[-1])
+  model = models.get_model(model_name, num_classes, **overrides)
+  params = load_pretrained(params, model, num_classes, image_size, reset_head=False)
+  return model, params
 
 
 # Training state: orbax, asynchronous, written collectively by all hosts.

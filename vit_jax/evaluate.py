@@ -29,7 +29,6 @@ import sys
 from absl import app
 from absl import flags
 from absl import logging
-import flax
 import jax
 from jax.experimental import multihost_utils
 import ml_collections
@@ -37,7 +36,6 @@ import numpy as np
 
 from vit_jax import checkpoint
 from vit_jax import input_pipeline
-from vit_jax import models
 from vit_jax import sharding
 
 DEFAULT_L2_REG = 2.0**10
@@ -354,23 +352,6 @@ def parse_overrides(text):
   return out
 
 
-def load_model(path, model_name, image_size, **overrides):
-  """(model, params) for a published-format .npz, head and pre-logits as in the file.
-
-  The head size (0 without a head) and representation_size are read from the file;
-  position embeddings are interpolated to `image_size`.
-  """
-  params = checkpoint.load_npz(path)
-  flat = flax.traverse_util.flatten_dict(params, sep='/')
-  num_classes = flat['head/kernel'].shape[-1] if 'head/kernel' in flat else 0
-  if 'pre_logits/kernel' in flat and 'representation_size' not in overrides:
-    overrides['representation_size'] = int(flat['pre_logits/kernel'].shape[-1])
-  model = models.get_model(model_name, num_classes, **overrides)
-  params = checkpoint.load_pretrained(params, model, num_classes, image_size,
-                                      reset_head=False)
-  return model, params
-
-
 # ----------------------------------------------------------------------- CLI
 def _define_flags():
   """The CLI's flags, defined only when run as a program (importing defines none)."""
@@ -403,8 +384,8 @@ def format_table(rows):
 
 def run(flags_):
   """Evaluates per the flags; returns the table as text."""
-  model, params = load_model(flags_.checkpoint, flags_.model, flags_.image_size,
-                             **parse_overrides(flags_.model_overrides))
+  model, params = checkpoint.load_model(flags_.checkpoint, flags_.model, flags_.image_size,
+                                        **parse_overrides(flags_.model_overrides))
   config = ml_collections.ConfigDict(dict(
       dataset=flags_.dataset, data_dir=flags_.data_dir, image_size=flags_.image_size,
       pp=dict(eval_crop=flags_.eval_crop, central_crop_fraction=0.875)))

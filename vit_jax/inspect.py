@@ -368,11 +368,13 @@ def _define_flags():
 
 
 def main(argv):
-  from vit_jax import evaluate  # pylint: disable=g-import-not-at-top  (loads TF)
+  # pylint: disable=g-import-not-at-top  (they load TF and orbax; the arrays API needs neither)
+  from vit_jax import checkpoint
+  from vit_jax import evaluate
   paths = list(FLAGS.images) + list(argv[1:])
   try:
-    model, params = evaluate.load_model(FLAGS.checkpoint, FLAGS.model, FLAGS.image_size,
-                                        **evaluate.parse_overrides(FLAGS.model_overrides))
+    model, params = checkpoint.load_model(FLAGS.checkpoint, FLAGS.model, FLAGS.image_size,
+                                          **evaluate.parse_overrides(FLAGS.model_overrides))
     images = load_images(paths, FLAGS.image_size) if paths else None
     written = inspect_model(model, params, FLAGS.image_size, images, paths, FLAGS.outdir,
                             FLAGS.num_components)
