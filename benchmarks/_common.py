@@ -31,7 +31,10 @@ KNOWN_PEAKS = {
 
 
 def setup_devices(n):
-  """Simulates `n` CPU devices (n > 1) and quiets TensorFlow; call before importing jax."""
+  """Simulates `n` CPU devices (n > 1), adds vit_jax's XLA:CPU flags (as the training
+  CLI does; VIT_JAX_XLA_CPU_FLAGS=0 leaves them out) and quiets TensorFlow. Call before
+  importing jax."""
+  from vit_jax import xla_cpu_flags  # pylint: disable=import-outside-toplevel
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   flags = [f for f in os.environ.get('XLA_FLAGS', '').split()
            if not f.startswith('--xla_force_host_platform_device_count')]
@@ -40,6 +43,7 @@ def setup_devices(n):
   elif 'jax' not in sys.modules:
     flags.append('--xla_force_host_platform_device_count=1')
   os.environ['XLA_FLAGS'] = ' '.join(flags)
+  xla_cpu_flags.apply()
 
 
 def cores():
@@ -60,6 +64,7 @@ def machine_info():
       'device_kind': getattr(dev, 'device_kind', ''),
       'device_count': jax.device_count(),
       'jax': jax.__version__,
+      'xla_flags': os.environ.get('XLA_FLAGS', ''),
       'python': platform.python_version(),
   }
 

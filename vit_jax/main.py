@@ -27,6 +27,8 @@ from absl import logging  # noqa: E402
 import jax  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from vit_jax import xla_cpu_flags  # noqa: E402
+
 config_flags.DEFINE_config_file('config', None, 'A config file, with its argument after ":".',
                                 lock_config=True)
 flags.DEFINE_string('workdir', None, 'Checkpoints, TensorBoard logs and the log go here.')
@@ -79,6 +81,7 @@ class _QuietLibraries:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  added_xla_flags = xla_cpu_flags.apply()  # before the first backend starts
   initialize_distributed()
   from vit_jax import train  # pylint: disable=g-import-not-at-top  (after distributed init)
   # The readable log: train.INFO (process 0), train.process<i>.INFO (the others).
@@ -91,6 +94,9 @@ def main(argv):
   logging.info('process %d/%d, %d local / %d global devices (%s)', jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count(),
                jax.devices()[0].platform)
+  if added_xla_flags and jax.devices()[0].platform == 'cpu':
+    logging.info('XLA:CPU flags added (VIT_JAX_XLA_CPU_FLAGS=0 to leave out): %s',
+                 ' '.join(added_xla_flags))
   try:
     train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
   except train.ConfigError as e:

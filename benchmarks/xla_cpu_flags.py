@@ -1,0 +1,89 @@
+r"""The train step with and without vit_jax's XLA:CPU flags (vit_jax/xla_cpu_flags.py).
+
+XLA reads its flags once per process, so each side runs `train_step.py` in its own
+process (VIT_JAX_XLA_CPU_FLAGS=0 for "XLA defaults"), interleaved per model and round:
+A B A B ..., and the ratio is taken per pair.
+
+  python benchmarks/xla_cpu_flags.py --out /tmp/xla_cpu_flags.json
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import _common
+
+parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+parser.add_argument('--models', default='ViT-Ti_16,ViT-B_16,R50+ViT-B_16')
+parser.add_argument('--batch', default='32,8,8', help='one per model, or one for all')
+parser.add_argument('--dtypes', default='float32')
+parser.add_argument('--image_size', type=int, default=224)
+parser.add_argument('--steps', type=int, default=3, help='timed steps per side per round')
+parser.add_argument('--rounds', type=int, default=2)
+parser.add_argument('--override', action='append', default=[],
+                    help='variant field, e.g. --override num_layers=2 (repeatable)')
+parser.add_argument('--out', default='')
+args = parser.parse_args()
+
+SIDES = {'xla defaults': '0', 'vit_jax flags': '1'}
+
+
+def _train_step(model, batch, dtype, opt_in, workdir):
+  out = os.path.join(workdir, 'step.json')
+  env = {**os.environ, 'VIT_JAX_XLA_CPU_FLAGS': opt_in, 'TF_CPP_MIN_LOG_LEVEL': '2'}
+  cmd = [sys.executable, os.path.join(os.path.dirname(__file__), 'train_step.py'),
+         '--models', model, '--batch', str(batch), '--dtypes', dtype,
+         '--image_size', str(args.image_size), '--steps', str(args.steps), '--rounds', '1',
+         '--matmul_n', '256', '--out', out]
+  for o in args.override:
+    cmd += ['--override', o]
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+  if proc.returncode:
+    sys.exit(f'train_step.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}')
+  with open(out) as f:
+    payload = json.load(f)
+  return payload['results'][0]['img_s_median'], payload['machine']['xla_flags']
+
+
+def main():
+  load_start = _common.loadavg()
+  models = args.models.split(',')
+  batches = [int(b) for b in args.batch.split(',')]
+  batches = batches * len(models) if len(batches) == 1 else batches
+  if len(batches) != len(models):
+    sys.exit(f'--batch has {len(batches)} values for {len(models)} models')
+  results = []
+  with tempfile.TemporaryDirectory() as workdir:
+    for model, batch in zip(models, batches):
+      for dtype in args.dtypes.split(','):
+        row = {'model': model, 'batch': batch, 'dtype': dtype,
+               'img_s': {s: [] for s in SIDES}, 'xla_flags': {}}
+        for r in range(args.rounds):
+          for side, opt_in in SIDES.items():
+            img_s, flags = _train_step(model, batch, dtype, opt_in, workdir)
+            row['img_s'][side].append(img_s)
+            row['xla_flags'][side] = flags
+          print(f'{model} b{batch} {dtype}: round {r + 1}/{args.rounds} done', flush=True)
+        a, b = row['img_s']['xla defaults'], row['img_s']['vit_jax flags']
+        row['ratio_per_round'] = [y / x for x, y in zip(a, b)]
+        results.append(row)
+  load_end = _common.loadavg()
+  rows = [[x['model'], x['batch'], x['dtype'], _common.fmt_range(x['img_s']['xla defaults']),
+           _common.fmt_range(x['img_s']['vit_jax flags']),
+           ', '.join(f'{v:.2f}' for v in x['ratio_per_round'])] for x in results]
+  print('\n### train step: vit_jax XLA:CPU flags vs XLA defaults\n')
+  print(_common.markdown_table(
+      ['model', 'batch', 'dtype', 'img/s XLA defaults', 'img/s vit_jax flags',
+       'ratio per pair'], rows))
+  if results:
+    print(f'\nvit_jax flags: {results[0]["xla_flags"]["vit_jax flags"]!r}')
+  print(f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
+  _common.write_json(args.out, {
+      'benchmark': 'xla_cpu_flags', 'args': vars(args), 'loadavg_start': load_start,
+      'loadavg_end': load_end, 'results': results})
+
+
+if __name__ == '__main__':
+  main()

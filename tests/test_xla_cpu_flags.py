@@ -1,0 +1,91 @@
+"""vit_jax's XLA:CPU flags: added only when safe, accepted by this jaxlib, numerics unchanged."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from vit_jax import xla_cpu_flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAG = xla_cpu_flags.FLAGS[0]
+NAME = FLAG.split('=')[0]
+
+
+def test_flags_added_to_empty_or_unrelated_xla_flags():
+  assert xla_cpu_flags.flags_to_add('', '0.10.2') == list(xla_cpu_flags.FLAGS)
+  env = {'XLA_FLAGS': '--xla_force_host_platform_device_count=8'}
+  assert xla_cpu_flags.apply(env) == list(xla_cpu_flags.FLAGS)
+  assert env['XLA_FLAGS'].split() == ['--xla_force_host_platform_device_count=8', *xla_cpu_flags.FLAGS]
+  assert xla_cpu_flags.apply(env) == []  # idempotent
+  assert env['XLA_FLAGS'].count(NAME) == 1
+
+
+def test_user_value_opt_out_and_unknown_jaxlib_win():
+  user = f'{NAME}=LIBRARY_FUSION_TYPE_DOT'
+  assert xla_cpu_flags.flags_to_add(user, '0.10.2') == []
+  env = {'XLA_FLAGS': user}
+  assert xla_cpu_flags.apply(env) == [] and env['XLA_FLAGS'] == user
+  env = {xla_cpu_flags.OPT_OUT: '0'}
+  assert xla_cpu_flags.apply(env) == [] and 'XLA_FLAGS' not in env
+  # A jaxlib the flags were not checked against gets nothing: XLA aborts on unknown flags.
+  assert xla_cpu_flags.flags_to_add('', '0.11.0') == []
+  assert xla_cpu_flags.flags_to_add('', '') == []
+
+
+def test_installed_jaxlib_is_one_the_flags_are_known_for():
+  from jaxlib import version  # pylint: disable=import-outside-toplevel
+  assert '.'.join(version.__version__.split('.')[:2]) in xla_cpu_flags.KNOWN_JAXLIB
+
+
+def test_apply_is_a_no_op_once_the_backend_started():
+  import jax  # pylint: disable=import-outside-toplevel
+  jax.devices()  # the suite's backend (conftest set the flags before it started)
+  before = os.environ.get('XLA_FLAGS')
+  assert xla_cpu_flags.apply() == []
+  assert os.environ.get('XLA_FLAGS') == before
+
+
+_GRADS = r'''
+import json, os, sys
+sys.path.insert(0, {repo!r})
+from vit_jax import xla_cpu_flags
+xla_cpu_flags.apply()
+import jax, jax.numpy as jnp, numpy as np
+from vit_jax import models
+model = models.get_model('R+ViT-Ti_16', 10, num_layers=2, resnet_layers=(1, 1))
+x = jax.random.uniform(jax.random.PRNGKey(1), (4, 64, 64, 3), minval=-1, maxval=1)
+params = model.init(jax.random.PRNGKey(0), x)['params']
+params['head']['kernel'] = 0.1 * jax.random.normal(jax.random.PRNGKey(2), params['head']['kernel'].shape)
+loss = lambda p: jnp.mean(jax.nn.logsumexp(model.apply({{'params': p}}, x), -1))
+value, grads = jax.jit(jax.value_and_grad(loss))(params)
+np.savez(sys.argv[1], loss=np.asarray(value), *[np.asarray(g) for g in jax.tree.leaves(grads)])
+print(json.dumps({{'flags': os.environ.get('XLA_FLAGS', '')}}))
+'''
+
+
+def _grads(opt_in, path):
+  env = {**os.environ, xla_cpu_flags.OPT_OUT: opt_in, 'TF_CPP_MIN_LOG_LEVEL': '2'}
+  env.pop('XLA_FLAGS', None)
+  proc = subprocess.run([sys.executable, '-c', _GRADS.format(repo=REPO), str(path)], env=env,
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  flags = json.loads(proc.stdout.strip().splitlines()[-1])['flags']
+  with np.load(path) as f:
+    return flags, {k: f[k] for k in f.files}
+
+
+def test_flags_are_accepted_and_leave_f32_numerics_unchanged(tmp_path):
+  # XLA aborts at start-up on a flag it does not know: the run with flags proves they exist.
+  flags_on, on = _grads('1', tmp_path / 'on.npz')
+  flags_off, off = _grads('0', tmp_path / 'off.npz')
+  assert NAME in flags_on and NAME not in flags_off
+  assert on.keys() == off.keys() and len(on) > 20
+  # float32 round-off only, relative to each gradient's scale (leaves that are zero but for
+  # round-off, such as those behind the zero-initialised GroupNorm scales, against the
+  # largest gradient's).
+  largest = max(float(np.max(np.abs(v))) for v in off.values())
+  for k in on:
+    scale = max(float(np.max(np.abs(off[k]))), 1e-3 * largest)
+    assert float(np.max(np.abs(on[k] - off[k]))) <= 1e-4 * scale, k
