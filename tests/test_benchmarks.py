@@ -53,3 +53,12 @@ def test_input_pipeline(tmp_path):
   p = _run('input_pipeline', '--images', '16', '--jpeg_size', '40,48', '--batch', '4',
            '--batches', '2', '--rounds', '1', '--image_size', '32', tmp_path=tmp_path)
   assert p['train_img_s_median'] > 0 and p['eval_img_s_median'] > 0
+
+
+def test_xla_cpu_flags(tmp_path):
+  p = _run('xla_cpu_flags', '--models', 'ViT-Ti_16', '--batch', '2', '--steps', '1',
+           '--rounds', '1', *TINY, tmp_path=tmp_path)
+  r = p['results'][0]
+  assert 'ynn_fusion_type' in r['xla_flags']['vit_jax flags']
+  assert 'ynn_fusion_type' not in r['xla_flags']['xla defaults']
+  assert len(r['ratio_per_round']) == 1 and r['ratio_per_round'][0] > 0
