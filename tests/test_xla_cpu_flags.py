@@ -39,12 +39,14 @@ def test_installed_jaxlib_is_one_the_flags_are_known_for():
   assert '.'.join(version.__version__.split('.')[:2]) in xla_cpu_flags.KNOWN_JAXLIB
 
 
-def test_apply_is_a_no_op_once_the_backend_started():
+def test_apply_is_a_no_op_once_the_backend_started(monkeypatch):
   import jax  # pylint: disable=import-outside-toplevel
-  jax.devices()  # the suite's backend (conftest set the flags before it started)
-  before = os.environ.get('XLA_FLAGS')
+  jax.devices()  # the suite's backend is running
+  # Without the flag in XLA_FLAGS, apply() would add it (first test) but XLA would ignore it.
+  monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+  monkeypatch.delenv(xla_cpu_flags.OPT_OUT, raising=False)
   assert xla_cpu_flags.apply() == []
-  assert os.environ.get('XLA_FLAGS') == before
+  assert os.environ['XLA_FLAGS'] == '--xla_force_host_platform_device_count=8'
 
 
 _GRADS = r'''

@@ -1,10 +1,10 @@
 """XLA:CPU flags that make vit_jax train faster on CPU hosts; set before JAX starts.
 
-jaxlib 0.10 sends matmuls to YNNPACK fusions by default. In our training steps those
-dots ran at about half the speed of the same dots in isolation, while XLA's own (Eigen)
-dot kernels keep both cores busy: turning the YNNPACK dot fusions off made the f32 train
-step of ViT-Ti/16, ViT-B/16 and R50+ViT-B/16 faster on a 2-core AVX-512 host (figures and
-the side-by-side script in benchmarks/README.md, `benchmarks/xla_cpu_flags.py`).
+jaxlib 0.10 sends matmuls to YNNPACK fusions by default. Inside our training steps those
+dots ran at about half the speed of the same dots in isolation, and XLA's own (Eigen)
+dot kernels were faster: with the YNNPACK dot fusions off, the f32 train step of
+ViT-Ti/16, ViT-B/16 and R50+ViT-B/16 ran 1.09-1.14x faster side by side on a 2-core
+AVX-512 host (benchmarks/README.md; `benchmarks/xla_cpu_flags.py` measures it).
 The flags only choose CPU kernels: numerics stay float32 (tests compare both ways), and
 TPU/GPU programs are not affected.
 
