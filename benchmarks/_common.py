@@ -166,6 +166,30 @@ def write_json(path, payload):
   print(f'\nwrote {path}')
 
 
+def add_model_args(parser, dtypes='float32,bfloat16', steps=2):
+  """The flags every model benchmark takes: models and batches, dtypes, size, timing, overrides."""
+  parser.add_argument('--models', default='ViT-Ti_16,ViT-B_16,R50+ViT-B_16')
+  parser.add_argument('--batch', default='32,8,8', help='one per model, or one for all')
+  parser.add_argument('--dtypes', default=dtypes)
+  parser.add_argument('--image_size', type=int, default=224)
+  parser.add_argument('--steps', type=int, default=steps, help='timed steps per side per round')
+  parser.add_argument('--rounds', type=int, default=2)
+  parser.add_argument('--override', action='append', default=[],
+                      help='variant field, e.g. --override num_layers=2 (repeatable)')
+
+
+def model_batches(args):
+  """[(model, batch), ...] from --models and --batch (one batch for all, or one per model)."""
+  models = args.models.split(',')
+  batches = [int(b) for b in args.batch.split(',')]
+  if len(batches) == 1:
+    batches = batches * len(models)
+  if len(batches) != len(models):
+    raise SystemExit(f'--batch has {len(batches)} values for {len(models)} models: '
+                     'give one for all or one per model')
+  return list(zip(models, batches))
+
+
 def parse_overrides(items):
   """['num_layers=2', 'hidden_size=64'] -> {'num_layers': 2, 'hidden_size': 64}."""
   out = {}

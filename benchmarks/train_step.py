@@ -14,25 +14,17 @@ with f32 accumulation), and MFU is computed against the peak of the same round.
 Compilation and one warm-up step per configuration are excluded from the timings.
 """
 import argparse
-import sys
 
 import _common
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-parser.add_argument('--models', default='ViT-Ti_16,ViT-B_16,R50+ViT-B_16')
-parser.add_argument('--batch', default='32,8,8', help='one per model, or one for all')
-parser.add_argument('--dtypes', default='float32,bfloat16')
-parser.add_argument('--image_size', type=int, default=224)
+_common.add_model_args(parser)
 parser.add_argument('--remat', action='store_true')
 parser.add_argument('--accum_steps', type=int, default=1)
 parser.add_argument('--mesh', type=int, default=1, help='devices on the data axis (CPU: simulated)')
-parser.add_argument('--steps', type=int, default=2, help='timed steps per configuration per round')
-parser.add_argument('--rounds', type=int, default=2)
 parser.add_argument('--peak', default='measure',
                     help=f'FLOP/s, "measure" (CPU matmul), or one of {",".join(_common.KNOWN_PEAKS)}')
 parser.add_argument('--matmul_n', type=int, default=4096)
-parser.add_argument('--override', action='append', default=[],
-                    help='variant field, e.g. --override num_layers=2 (repeatable)')
 parser.add_argument('--out', default='')
 args = parser.parse_args()
 
@@ -43,19 +35,15 @@ import _jaxstep  # noqa: E402  pylint: disable=wrong-import-position
 
 def main():
   load_start = _common.loadavg()
-  models = args.models.split(',')
-  batches = [int(b) for b in args.batch.split(',')]
-  if len(batches) == 1:
-    batches = batches * len(models)
-  if len(batches) != len(models):
-    sys.exit(f'--batch has {len(batches)} values for {len(models)} models')
+  cases = _common.model_batches(args)
+  models = [m for m, _ in cases]
   dtypes = args.dtypes.split(',')
   overrides = _common.parse_overrides(args.override)
   fixed_peak = _common.parse_peak(args.peak)
   measure_peak = fixed_peak is None
 
   steps = []
-  for name, batch in zip(models, batches):
+  for name, batch in cases:
     for dtype in dtypes:
       config = _jaxstep.make_config(name, batch, dtype=dtype, remat=args.remat,
                                     accum_steps=args.accum_steps, mesh=args.mesh,

@@ -27,14 +27,7 @@ import time
 import _common
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-parser.add_argument('--models', default='ViT-Ti_16,ViT-B_16,R50+ViT-B_16')
-parser.add_argument('--batch', default='32,8,8', help='one per model, or one for all')
-parser.add_argument('--dtypes', default='float32,bfloat16')
-parser.add_argument('--image_size', type=int, default=224)
-parser.add_argument('--steps', type=int, default=2, help='timed steps per side per round')
-parser.add_argument('--rounds', type=int, default=2)
-parser.add_argument('--override', action='append', default=[],
-                    help='variant field, e.g. --override num_layers=2 (repeatable)')
+_common.add_model_args(parser)
 parser.add_argument('--torch_impl', default='auto', choices=('auto', 'timm', 'minimal'))
 parser.add_argument('--out', default='')
 parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
@@ -247,17 +240,13 @@ def main():
   from vit_jax import models as vmodels  # pylint: disable=import-outside-toplevel
 
   load_start = _common.loadavg()
-  names = args.models.split(',')
-  batches = [int(b) for b in args.batch.split(',')]
-  if len(batches) == 1:
-    batches = batches * len(names)
   dtypes = args.dtypes.split(',')
   overrides = _common.parse_overrides(args.override)
   threads = _common.cores()
   worker = Worker(threads)
 
   cases = []
-  for name, batch in zip(names, batches):
+  for name, batch in _common.model_batches(args):
     fields = vmodels.get_variant(name, **overrides)
     for dtype in dtypes:
       key = f'{name}/{dtype}'

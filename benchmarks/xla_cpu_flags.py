@@ -16,14 +16,7 @@ import tempfile
 import _common
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-parser.add_argument('--models', default='ViT-Ti_16,ViT-B_16,R50+ViT-B_16')
-parser.add_argument('--batch', default='32,8,8', help='one per model, or one for all')
-parser.add_argument('--dtypes', default='float32')
-parser.add_argument('--image_size', type=int, default=224)
-parser.add_argument('--steps', type=int, default=3, help='timed steps per side per round')
-parser.add_argument('--rounds', type=int, default=2)
-parser.add_argument('--override', action='append', default=[],
-                    help='variant field, e.g. --override num_layers=2 (repeatable)')
+_common.add_model_args(parser, dtypes='float32', steps=3)
 parser.add_argument('--out', default='')
 args = parser.parse_args()
 
@@ -49,14 +42,9 @@ def _train_step(model, batch, dtype, opt_in, workdir):
 
 def main():
   load_start = _common.loadavg()
-  models = args.models.split(',')
-  batches = [int(b) for b in args.batch.split(',')]
-  batches = batches * len(models) if len(batches) == 1 else batches
-  if len(batches) != len(models):
-    sys.exit(f'--batch has {len(batches)} values for {len(models)} models')
   results = []
   with tempfile.TemporaryDirectory() as workdir:
-    for model, batch in zip(models, batches):
+    for model, batch in _common.model_batches(args):
       for dtype in args.dtypes.split(','):
         row = {'model': model, 'batch': batch, 'dtype': dtype,
                'img_s': {s: [] for s in SIDES}, 'xla_flags': {}}
