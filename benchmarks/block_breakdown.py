@@ -10,6 +10,7 @@ round, and counts ops in the optimised HLO of each:
   fused_qkv      attn_bhqd plus one (D, 3D) projection instead of three
   mlp_only       the block without attention (LN + MLP + residual): the matmul-bound part
   attn_only      LN + attention + residual, as shipped
+  attn_dpa       attn_only with the attention core as jax.nn.dot_product_attention (XLA)
 It also counts transposes/copies/converts in the whole ViT-B/16 train step's HLO
 (f32 and bf16) so a reader can see where layout and precision changes land.
 """
@@ -72,6 +73,20 @@ class AttnBHQD(nn.Module):
     return jnp.einsum('bhqe,hed->bqd', y, wo) + self.param('out_bias', nn.initializers.zeros, (d,)).astype(self.dtype)
 
 
+class AttnDPA(nn.Module):
+  """vit_jax's projections around jax.nn.dot_product_attention (takes 'bqhd' as they give)."""
+  num_heads: int
+  dtype: object = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    d = x.shape[-1]
+    proj = lambda name: nn.DenseGeneral((self.num_heads, d // self.num_heads), dtype=self.dtype, name=name)
+    y = jax.nn.dot_product_attention(proj('query')(x), proj('key')(x), proj('value')(x),
+                                     implementation='xla')
+    return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, name='out')(y)
+
+
 class Block(nn.Module):
   variant: str
   dtype: object
@@ -82,12 +97,16 @@ class Block(nn.Module):
       return vit.EncoderBlock(args.mlp, args.heads, dtype=self.dtype)(x, True)
     ln = lambda: nn.LayerNorm(epsilon=1e-6, dtype=self.dtype)
     if self.variant != 'mlp_only':
+      # attn_only and attn_dpa name their attention alike so they share parameters.
       if self.variant == 'attn_only':
-        y = vit.MultiHeadDotProductAttention(args.heads, dtype=self.dtype)(ln()(x), deterministic=True)
+        y = vit.MultiHeadDotProductAttention(args.heads, dtype=self.dtype, name='attn')(
+            ln()(x), deterministic=True)
+      elif self.variant == 'attn_dpa':
+        y = AttnDPA(args.heads, self.dtype, name='attn')(ln()(x))
       else:
         y = AttnBHQD(args.heads, self.dtype, fused=self.variant == 'fused_qkv')(ln()(x))
       x = x + y
-    if self.variant != 'attn_only':
+    if self.variant not in ('attn_only', 'attn_dpa'):
       x = x + vit.MlpBlock(args.mlp, dtype=self.dtype)(ln()(x), deterministic=True)
     return x
 
@@ -102,7 +121,7 @@ def op_counts(hlo_text):
 
 def main():
   load_start = _common.loadavg()
-  variants = ['vit_jax', 'attn_bhqd', 'fused_qkv', 'attn_only', 'mlp_only']
+  variants = ['vit_jax', 'attn_bhqd', 'fused_qkv', 'attn_only', 'attn_dpa', 'mlp_only']
   shape = (args.batch, args.tokens, args.hidden)
   x = jax.random.normal(jax.random.PRNGKey(1), shape, jnp.float32)
   cases = []
@@ -115,6 +134,12 @@ def main():
       jax.block_until_ready(compiled(params, x))
       cases.append({'variant': v, 'dtype': dtype, 'fn': compiled, 'params': params, 'times': [],
                     'hlo': op_counts(compiled.as_text())})
+  # The dot_product_attention variant must compute the shipped attention (same parameters).
+  p_only = next(c['params'] for c in cases if c['variant'] == 'attn_only')
+  dpa_diff = float(jnp.max(jnp.abs(Block('attn_dpa', jnp.float32).apply(p_only, x)
+                                   - Block('attn_only', jnp.float32).apply(p_only, x))))
+  if dpa_diff > 1e-4:
+    raise SystemExit(f'attn_dpa differs from attn_only by {dpa_diff:.2e}: the variant is wrong')
   for _ in range(args.rounds):
     for c in cases:
       best = float('inf')
@@ -144,6 +169,7 @@ def main():
                  _common.fmt_range(rel, '.2f'), h['transpose'], h['copy'], h['convert'], h['dot']])
   payload = {'benchmark': 'block_breakdown', 'machine': _common.machine_info(), 'args': vars(args),
              'loadavg_start': load_start, 'loadavg_end': load_end, 'results': results,
+             'attn_dpa_max_abs_diff_vs_attn_only_f32': dpa_diff,
              'train_step_hlo_op_counts': step_hlo}
   print(f'\n### one encoder block fwd+bwd, x {shape}\n')
   print(_common.markdown_table(

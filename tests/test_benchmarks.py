@@ -62,3 +62,13 @@ def test_xla_cpu_flags(tmp_path):
   assert 'ynn_fusion_type' in r['xla_flags']['vit_jax flags']
   assert 'ynn_fusion_type' not in r['xla_flags']['xla defaults']
   assert len(r['ratio_per_round']) == 1 and r['ratio_per_round'][0] > 0
+
+
+def test_block_breakdown(tmp_path):
+  p = _run('block_breakdown', '--batch', '2', '--tokens', '5', '--hidden', '16', '--mlp', '32',
+           '--heads', '2', '--dtypes', 'float32', '--rounds', '1', '--reps', '1', '--step_hlo', '',
+           tmp_path=tmp_path)
+  assert {r['variant'] for r in p['results']} == {
+      'vit_jax', 'attn_bhqd', 'fused_qkv', 'attn_only', 'attn_dpa', 'mlp_only'}
+  assert p['attn_dpa_max_abs_diff_vs_attn_only_f32'] < 1e-4
+  assert all(r['fwd_bwd_s_per_round'][0] > 0 for r in p['results'])
