@@ -6,12 +6,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
-.PHONY: quickstart test test-slow fashion-mnist
+.PHONY: quickstart test fashion-mnist
 
-$(VENV)/installed: setup.py
+$(VENV)/installed: setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $@
 
 fashion-mnist:
@@ -28,6 +28,3 @@ quickstart: $(VENV)/installed fashion-mnist
 
 test: $(VENV)/installed
 	$(PY) -m pytest -q
-
-test-slow: $(VENV)/installed
-	$(PY) -m pytest -q -m slow

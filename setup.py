@@ -1,36 +1,56 @@
-"""vit_jax: Vision Transformers (ViT, BiT ResNets, hybrids) in JAX/Flax."""
+"""vit_jax: Vision Transformers (ViT, BiT ResNets, hybrids) in JAX/Flax.
+
+The wheel holds one top-level package, `vit_jax`; the repository's configs/ and launch/
+folders ship inside it as `vit_jax.configs` and `vit_jax.launch`, so nothing but
+`vit_jax` lands in site-packages. Dependencies are ranges; constraints.txt pins the exact
+stack that is tested.
+"""
 import setuptools
 
-# The stack known to resolve and run together (see ../shared/ENV.md).
 INSTALL_REQUIRES = [
-    "jax==0.10.2",
-    "jaxlib==0.10.2",
-    "flax==0.12.8",
-    "optax==0.2.8",
-    "orbax-checkpoint==0.12.8",
-    "clu==0.0.12",
-    "ml_collections==1.1.0",
-    "numpy==2.4.6",
-    "scipy==1.17.1",
-    "tensorflow-cpu==2.21.0",
+    "jax>=0.10.2,<0.11",
+    "jaxlib>=0.10.2,<0.11",
+    "flax>=0.12.8,<0.13",
+    "optax>=0.2.8,<0.3",
+    "orbax-checkpoint>=0.12.8,<0.13",
+    "clu>=0.0.12",
+    "ml_collections>=1.1.0",
+    "numpy>=2.4,<3",
+    "scipy>=1.17",
+    "tensorflow-cpu>=2.21,<3",  # tf.data and gfile only: JAX owns the accelerators
     # tensorflow-cpu 2.21 no longer pulls in tensorboard; clu's writers import it.
-    "tensorboard==2.21.0",
-    "tensorflow-datasets==4.9.10",
-    "einops==0.8.2",
-    "pillow==13.0.0",
-    "matplotlib==3.11.2",
+    "tensorboard>=2.21",
+    "tensorflow-datasets>=4.9.10",
+    "pillow>=11",
+    "matplotlib>=3.9",
 ]
 
 EXTRAS_REQUIRE = {
-    "test": ["pytest==9.2.0", "nbclient==0.11.0", "ipykernel==7.4.0"],
+    # Accelerators: the same jax version with its TPU / CUDA 12 plugin.
+    "tpu": ["jax[tpu]>=0.10.2,<0.11"],
+    "cuda12": ["jax[cuda12]>=0.10.2,<0.11"],
+    "test": ["pytest>=9", "nbclient>=0.11", "nbformat>=5.10", "ipykernel>=7"],
+    # benchmarks/vs_pytorch.py: the CPU build resolves here (no CUDA wheels needed).
+    "bench": ["torch>=2.13"],
 }
+
+CONSOLE_SCRIPTS = [
+    "vit-train = vit_jax.main:run",
+    "vit-evaluate = vit_jax.evaluate:run_cli",
+    "vit-inspect = vit_jax.inspect:run_cli",
+    "vit-predict = vit_jax.predict:run_cli",
+    "vit-sweep = vit_jax.launch.sweep:main",
+    "vit-tpu = vit_jax.launch.tpu_vm:main",
+]
 
 setuptools.setup(
     name="vit_jax",
-    version="0.1.0",
+    version="0.2.0",
     description="Vision Transformers exactly as the ViT paper, in JAX/Flax.",
-    packages=setuptools.find_packages(include=["vit_jax", "vit_jax.*"]),
+    packages=["vit_jax", "vit_jax.models", "vit_jax.configs", "vit_jax.launch"],
+    package_dir={"vit_jax.configs": "configs", "vit_jax.launch": "launch"},
     python_requires=">=3.11",  # jax 0.10, numpy 2.4 and scipy 1.17 need it
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
+    entry_points={"console_scripts": CONSOLE_SCRIPTS},
 )

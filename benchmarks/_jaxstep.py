@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs import common as common_config
+from vit_jax.configs import common as common_config
 from vit_jax import flops as vflops
 from vit_jax import optim
 from vit_jax import sharding

@@ -29,7 +29,7 @@ Choices where the paper is silent or terse:
   (dSprites position/orientation, smallNORB azimuth).
 - Dropout 0 when fine-tuning (the official repository's model configs).
 """
-from configs import common
+from vit_jax.configs import common
 
 # Table 4. dataset key -> (TFDS name, classes, steps, lr_grid, base_lr, warmup, train, test, dev_train, dev_eval, crop, flip)
 TABLE4 = {

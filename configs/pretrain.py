@@ -23,7 +23,7 @@ Choices where the paper is silent or terse:
   dropout nor pre-logits (they have no such layers).
 - R200x3 (Table 6) has no Table 3 row, so it has no row here either.
 """
-from configs import common
+from vit_jax.configs import common
 
 # Table 3. (models, dataset, epochs (first is the default), base_lr, lr_decay, weight_decay, dropout)
 TABLE3 = (

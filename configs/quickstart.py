@@ -9,7 +9,7 @@ narrower layers. No horizontal flip: label-preserving here, but every shoe in th
 data faces the same way and a short run underfits rather than overfits.
 The numbers are meant to be tuned: every one is a --config.x override.
 """
-from configs import common
+from vit_jax.configs import common
 
 # The knobs most worth tuning, in one place.
 MODEL = dict(patch_size=4, hidden_size=64, mlp_dim=128, num_heads=4, num_layers=4,
@@ -23,8 +23,8 @@ BASE_LR = 1e-3
 def get_config(arg=None):
   """The quickstart config (no argument)."""
   if arg:
-    raise ValueError(f'configs/quickstart.py takes no argument (got {arg!r}): use '
-                     '--config=configs/quickstart.py and --config.x=... overrides')
+    raise ValueError(f'the quickstart config takes no argument (got {arg!r}): use '
+                     '--config=quickstart and --config.x=... overrides')
   c = common.get_config()
   c.model_name = 'ViT-Ti_16'
   for name, value in MODEL.items():

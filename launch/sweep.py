@@ -17,7 +17,6 @@ picks the learning rate on the held-out development split.
 import argparse
 import ast
 import csv
-import importlib.util
 import io
 import itertools
 import os
@@ -26,9 +25,10 @@ import shlex
 import subprocess
 import sys
 
-from launch import tpu_vm
+from vit_jax import configs
+from vit_jax import paths
+from vit_jax.launch import tpu_vm
 
-REPO_ROOT = tpu_vm.REPO_ROOT
 COLUMNS = ('point', 'status', 'final_accuracy', 'best_accuracy', 'steps')
 
 
@@ -78,18 +78,11 @@ def parse_set(spec):
 
 
 def load_config(config):
-  """The ConfigDict of 'path.py[:arg]', as vit_jax.main would build it."""
-  path, _, arg = config.partition(':')
-  if not os.path.isfile(path):
-    raise SweepError(f'--config {config!r}: no file {path} (run from the repository root)')
-  root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
-  if root not in sys.path:
-    sys.path.insert(0, root)  # Config files import configs.common.
-  spec = importlib.util.spec_from_file_location('_sweep_config', path)
-  module = importlib.util.module_from_spec(spec)
+  """The ConfigDict of a --config value (file or packaged name), as vit_jax.main builds it."""
   try:
-    spec.loader.exec_module(module)
-    return module.get_config(arg) if arg else module.get_config()
+    return configs.load(config)
+  except configs.ConfigNotFoundError as e:
+    raise SweepError(str(e)) from None
   except Exception as e:  # pylint: disable=broad-except  (the config's own message)
     raise SweepError(f'--config {config!r}: {e}') from None
 
@@ -173,7 +166,7 @@ def tpu_commands(args, config, workdir, sets, points):
 
 def run_local(argv, log_path, env=None):
   """Runs one point, streaming its output to stdout and to log_path; returns the exit code."""
-  with _open(log_path, 'w') as log:
+  with paths.open_file(log_path, 'w') as log:
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
     for line in proc.stdout:
@@ -190,13 +183,13 @@ def run_sweep(config, workdir, sets, points, runner=run_local, out=None):
     argv = point_argv(config, workdir, sets, name, assignments)
     print(f'== sweep point {i + 1}/{len(points)}: {name}\n{shlex.join(argv)}', file=out,
           flush=True)
-    _makedirs(join(workdir, name))
+    paths.makedirs(join(workdir, name))
     try:
       rc = runner(argv, join(join(workdir, name), 'sweep.log'))
     except OSError as e:
       rc = f'{type(e).__name__}: {e}'
     statuses[name] = 'ok' if rc == 0 else f'failed (exit {rc})'
-    with _open(join(join(workdir, name), 'sweep_status'), 'w') as f:
+    with paths.open_file(join(join(workdir, name), 'sweep_status'), 'w') as f:
       f.write(statuses[name] + '\n')
     print(f'== {name}: {statuses[name]}', file=out, flush=True)
   return statuses
@@ -268,13 +261,13 @@ def markdown(rows, winner, config, points, sets):
 def write_summary(workdir, rows, winner, config, points, sets):
   """DIR/summary.md and DIR/summary.csv; returns the markdown."""
   text = markdown(rows, winner, config, points, sets)
-  with _open(join(workdir, 'summary.md'), 'w') as f:
+  with paths.open_file(join(workdir, 'summary.md'), 'w') as f:
     f.write(text)
   buf = io.StringIO()
   writer = csv.DictWriter(buf, COLUMNS, lineterminator='\n')
   writer.writeheader()
   writer.writerows({c: _csv_cell(r[c]) for c in COLUMNS} for r in rows)
-  with _open(join(workdir, 'summary.csv'), 'w') as f:
+  with paths.open_file(join(workdir, 'summary.csv'), 'w') as f:
     f.write(buf.getvalue())
   return text
 
@@ -284,25 +277,10 @@ def _read_status(point_dir):
   if '://' not in path and not os.path.exists(path):
     return None
   try:
-    with _open(path, 'r') as f:
+    with paths.open_file(path, 'r') as f:
       return f.read().strip() or None
   except Exception:  # pylint: disable=broad-except  (missing remote file)
     return None
-
-
-def _open(path, mode):
-  if '://' in path:
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    return tf.io.gfile.GFile(path, mode)
-  return open(path, mode)
-
-
-def _makedirs(path):
-  if '://' in path:
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    tf.io.gfile.makedirs(path)
-  else:
-    os.makedirs(path, exist_ok=True)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -54,12 +54,12 @@ def num_hosts(accelerator_type):
   return max(1, n // 8)  # Counted in TensorCores: 8 per host.
 
 
-def jax_version(setup_py=os.path.join(REPO_ROOT, 'setup.py')):
-  """The jax pin of setup.py, so that jax[tpu] matches the rest of the stack."""
-  with open(setup_py) as f:
-    m = re.search(r'"jax==([^"]+)"', f.read())
+def jax_version(constraints=os.path.join(REPO_ROOT, 'constraints.txt')):
+  """The jax pin of constraints.txt (the tested stack), so that jax[tpu] matches the rest."""
+  with open(constraints) as f:
+    m = re.search(r'^jax==(\S+)$', f.read(), re.MULTILINE)
   if not m:
-    raise LaunchError(f'no "jax==X" pin in {setup_py}: add it, or pin jax[tpu] by hand')
+    raise LaunchError(f'no "jax==X" pin in {constraints}: add it, or pin jax[tpu] by hand')
   return m.group(1)
 
 

@@ -8,9 +8,3 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from vit_jax import xla_cpu_flags  # noqa: E402
 
 xla_cpu_flags.apply()
-
-import pytest  # noqa: E402
-
-
-def pytest_configure(config):
-  config.addinivalue_line("markers", "slow: long runs, not in the default suite (run with -m slow)")

@@ -1,29 +1,14 @@
 """Tests of configs/: every Table 3 and Table 4 row against the paper's values written out here."""
-import importlib.util
-import pathlib
-import sys
-
 from absl import flags
 from ml_collections import config_flags
 import pytest
 
+from vit_jax import configs
 from vit_jax import optim
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # The config files import configs.common.
-  sys.path.insert(0, str(ROOT))
-
-
-def _load(name):
-  spec = importlib.util.spec_from_file_location(f'_cfg_{name}', ROOT / 'configs' / f'{name}.py')
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-PRETRAIN = _load('pretrain')
-FINETUNE = _load('finetune')
-QUICKSTART = _load('quickstart')
+from vit_jax.configs import finetune as FINETUNE
+from vit_jax.configs import pretrain as PRETRAIN
+from vit_jax.configs import quickstart as QUICKSTART
 
 # Table 3 of the paper, one line per model: (model, dataset, epochs, base LR, LR decay, weight decay, dropout).
 TABLE3 = [
@@ -224,7 +209,7 @@ def _parse(argv):
 
 def test_command_line_overrides():
   c = _parse([
-      'prog', f'--config={ROOT / "configs" / "pretrain.py"}:ViT-L_16,imagenet21k,30',
+      'prog', f'--config={configs.resolve("pretrain:ViT-L_16,imagenet21k,30")}',
       '--config.base_lr=0.002', '--config.weight_decay=0',  # int literal into a float field.
       '--config.num_epochs=10', '--config.model.dropout_rate=0', '--config.grad_clip_norm=1',
       '--config.lr_decay=cosine', '--config.end_lr=0',
@@ -234,7 +219,7 @@ def test_command_line_overrides():
   assert (c.grad_clip_norm, c.lr_decay) == (1.0, 'cosine')
   optim.validate(c)
 
-  c = _parse(['prog', f'--config={ROOT / "configs" / "finetune.py"}:ViT-B_16,cifar10',
+  c = _parse(['prog', f'--config={configs.resolve("finetune:ViT-B_16,cifar10")}',
               '--config.base_lr=0.03', '--config.lr_grid=(0.01,0.03)',
               '--config.total_steps=500'])
   assert c.base_lr == 0.03 and tuple(c.lr_grid) == (0.01, 0.03) and c.total_steps == 500

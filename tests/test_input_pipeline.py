@@ -9,7 +9,7 @@ from PIL import Image
 import pytest
 import tensorflow as tf
 
-from configs import common
+from vit_jax.configs import common
 from tests import data_fixtures as fx
 from vit_jax import input_pipeline as ip
 

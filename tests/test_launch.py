@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from launch import tpu_vm
+from vit_jax.launch import tpu_vm
 
 GCLOUD = ['gcloud', 'compute', 'tpus', 'tpu-vm']
 NAME, ZONE = 'vit', 'europe-west4-a'
@@ -62,7 +62,7 @@ def test_setup_copies_the_working_tree():
   script = ssh[-1]
   assert 'tar -xzf vit_jax.tar.gz -C vit_jax' in script
   pin = f'jax[tpu]=={tpu_vm.jax_version()}'
-  assert re.fullmatch(r'\d+\.\d+\.\d+', tpu_vm.jax_version())  # setup.py's pin
+  assert re.fullmatch(r'\d+\.\d+\.\d+', tpu_vm.jax_version())  # constraints.txt's pin
   assert f"pip install -q -e ./vit_jax '{pin}' -f {tpu_vm.LIBTPU_URL}" in script
   assert 'python3.11 -m venv vit_jax_venv' in script
   _bash_syntax_ok(script)

@@ -15,7 +15,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.util import tensor_util
 
-from configs import quickstart
+from vit_jax.configs import quickstart
 from tests import data_fixtures
 from vit_jax import train
 

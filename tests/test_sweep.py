@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from launch import sweep
+from vit_jax.launch import sweep
 from tests import data_fixtures
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -106,7 +106,7 @@ def test_tpu_sweep_chains_the_points(capsys):
 
 @pytest.mark.parametrize('argv,message', [
     (['--config=configs/quickstart.py', '--workdir=w'], 'no lr_grid'),
-    (['--config=configs/nope.py', '--workdir=w'], 'no file configs/nope.py'),
+    (['--config=configs/nope.py', '--workdir=w'], 'no config file configs/nope.py'),
     ([f'--config={FINETUNE}', '--workdir=w', '--sweep', 'config.base_lrr=[1]'],
      'config.base_lrr is not a field'),
     ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.total_steps'], "--set"),

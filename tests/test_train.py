@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import quickstart
+from vit_jax.configs import quickstart
 from tests import data_fixtures
 from vit_jax import checkpoint
 from vit_jax import models

@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 import scipy.ndimage
 
 from vit_jax import models
+from vit_jax import paths
 
 # BiT unit sub-layers: TF name prefix -> (our norm, our conv).
 _BIT_LAYERS = {'a': ('gn1', 'conv1'), 'b': ('gn2', 'conv2'), 'c': ('gn3', 'conv3')}
@@ -27,17 +28,9 @@ _BIT_NORM_PARAMS = {'gamma': 'scale', 'beta': 'bias'}
 _GN_NAME = re.compile(r'(^|/)gn(_root|_proj|\d)/(scale|bias)$')
 
 
-def _open(path, mode):
-  """Local files with open(); gs:// and other remote paths through TensorFlow's gfile."""
-  if '://' in str(path):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top  (only for remote paths)
-    return tf.io.gfile.GFile(str(path), mode)
-  return open(path, mode)
-
-
 def _read_npz(path):
   try:
-    f = _open(path, 'rb')
+    f = paths.open_file(path, 'rb')
   except (OSError, IOError) as e:
     raise ValueError(f'Cannot open checkpoint {path} ({e}): check the path and download') from None
   with f:
@@ -136,10 +129,10 @@ def save_npz(path, params):
       if key == 'head/kernel':
         value = value.reshape(1, 1, *value.shape)
       out[_bit_key_to_file(key)] = value
-  if '://' in str(path):  # object stores replace whole objects: no partial file to fear
+  if paths.is_remote(path):  # object stores replace whole objects: no partial file to fear
     buf = io.BytesIO()
     np.savez(buf, **out)
-    with _open(path, 'wb') as f:
+    with paths.open_file(path, 'wb') as f:
       f.write(buf.getvalue())
     return
   directory = os.path.dirname(os.path.abspath(path))

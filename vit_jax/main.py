@@ -1,4 +1,4 @@
-r"""Entry point: python -m vit_jax.main --config=configs/<file>.py[:<args>] --workdir=DIR.
+r"""Entry point: vit-train (python -m vit_jax.main) --config=NAME[:<args>] --workdir=DIR.
 
 Any config field can be overridden: --config.base_lr=0.01 --config.model.dropout_rate=0.1.
 On several hosts the same command runs once per host. On a Cloud TPU VM,
@@ -7,30 +7,26 @@ it is harmless); elsewhere pass --coordinator_address, --num_processes and --pro
 (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID). --workdir may be
 gs://...; the readable log then stays on the local disk (--local_log_dir).
 """
+import difflib
 import glob
 import os
+import re
 import sys
 
-# Config files import `configs.common`: make the repository root importable. Run as a
-# file (python vit_jax/main.py), vit_jax/ itself would come first on sys.path and its
-# inspect.py would shadow the standard library's; the root replaces it.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
-if sys.path and os.path.abspath(sys.path[0]) == _HERE:
-  sys.path[0] = _ROOT
-else:
-  sys.path.insert(0, _ROOT)
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+from ml_collections import config_flags
 
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
-from absl import logging  # noqa: E402
-import jax  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from vit_jax import configs
+from vit_jax import paths
+from vit_jax import xla_cpu_flags
 
-from vit_jax import xla_cpu_flags  # noqa: E402
-
-config_flags.DEFINE_config_file('config', None, 'A config file, with its argument after ":".',
-                                lock_config=True)
+config_flags.DEFINE_config_file(
+    'config', None, 'A packaged config (quickstart, finetune:<model>,<dataset>, '
+    'pretrain:<model>,<dataset>) or a config file, with its argument after ":".',
+    lock_config=True)
 flags.DEFINE_string('workdir', None, 'Checkpoints, TensorBoard logs and the log go here.')
 flags.DEFINE_string('coordinator_address', os.environ.get('JAX_COORDINATOR_ADDRESS'),
                     'host:port of process 0, for runs on several hosts outside Cloud TPU.')
@@ -78,14 +74,71 @@ class _QuietLibraries:
         part in record.pathname for part in self._NOISY)
 
 
+def _config_value_index(argv):
+  """Index of the --config value in argv ('--config=V' or '--config V'), or None."""
+  for i, arg in enumerate(argv):
+    if arg.startswith(('--config=', '-config=')):
+      return i
+    if arg in ('--config', '-config') and i + 1 < len(argv):
+      return i + 1
+  return None
+
+
+def parse_flags(argv):
+  """absl's flag parsing, with a packaged --config name resolved to its file and every
+  mistake (unknown field, bad value, missing file or flag) reported as one line."""
+  argv = list(argv)
+  try:
+    i = _config_value_index(argv)
+    if i is not None:
+      prefix, eq, value = argv[i].partition('=') if argv[i].startswith('-') else ('', '', argv[i])
+      argv[i] = prefix + eq + configs.resolve(value)
+      sys.argv[:] = argv  # the config flag reads its --config.x overrides from sys.argv
+      _check_override_names(configs.load(value), argv)
+    rest = FLAGS(argv)
+    FLAGS.config  # pylint: disable=pointless-statement  (raises if the file failed to load)
+    return rest
+  except (flags.Error, ValueError, TypeError, OSError, AttributeError, KeyError) as e:
+    sys.exit(f'{os.path.basename(argv[0])}: {_one_line(e)} (see --help)')
+
+
+def _check_override_names(config, argv):
+  """--config.<path>=... must name a field of the config: one line with near names if not."""
+  for arg in argv:
+    match = re.match(r'^--?(?:no)?config\.([\w.]+)', arg)
+    if not match:
+      continue
+    node, done = config, []
+    for part in match.group(1).split('.'):
+      fields = list(node.keys()) if hasattr(node, 'keys') else []
+      if part not in fields:
+        close = difflib.get_close_matches(part, fields, n=3)
+        hint = f' (did you mean {", ".join(close)}?)' if close else ''
+        where = 'config' if not done else 'config.' + '.'.join(done)
+        raise ValueError(f'--config.{match.group(1)}: the {where} has no field {part!r}{hint}; '
+                         'every field is listed with its meaning in configs/common.py')
+      node, done = node[part], done + [part]
+
+
+def _one_line(error):
+  """The line of an error message that says what is wrong (config errors carry a traceback)."""
+  lines = [l.strip() for l in str(error).strip().splitlines() if l.strip()]
+  if not lines:
+    return type(error).__name__
+  if 'Traceback' in str(error):  # ml_collections wraps the config's own error
+    return re.sub(r'^\w+Error: ', '', lines[-1])
+  return lines[0] if len(lines) == 1 else ' '.join(lines[:2])
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  workdir = paths.resolve(FLAGS.workdir)  # once: orbax refuses relative paths
   added_xla_flags = xla_cpu_flags.apply()  # before the first backend starts
   initialize_distributed()
   from vit_jax import train  # pylint: disable=g-import-not-at-top  (after distributed init)
   # The readable log: train.INFO (process 0), train.process<i>.INFO (the others).
-  log_dir = FLAGS.local_log_dir if '://' in FLAGS.workdir else FLAGS.workdir
+  log_dir = FLAGS.local_log_dir if paths.is_remote(workdir) else workdir
   os.makedirs(log_dir, exist_ok=True)
   name = 'train' if jax.process_index() == 0 else f'train.process{jax.process_index()}'
   logging.get_absl_handler().use_absl_log_file(name, log_dir)
@@ -98,10 +151,15 @@ def main(argv):
     logging.info('XLA:CPU flags added (VIT_JAX_XLA_CPU_FLAGS=0 to leave out): %s',
                  ' '.join(added_xla_flags))
   try:
-    train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    train.train_and_evaluate(FLAGS.config, workdir)
   except train.ConfigError as e:
     sys.exit(f'vit_jax: {e}')
 
 
+def run():
+  """The `vit-train` console script."""
+  app.run(main, flags_parser=parse_flags)
+
+
 if __name__ == '__main__':
-  app.run(main)
+  run()

@@ -25,6 +25,7 @@ from vit_jax import evaluate as evaluate_lib
 from vit_jax import input_pipeline
 from vit_jax import models
 from vit_jax import optim
+from vit_jax import paths
 from vit_jax import sharding
 
 DTYPES = ('float32', 'bfloat16')
@@ -178,8 +179,9 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None):
   """Trains `config` in `workdir`, resuming from its latest checkpoint; returns metrics.
 
   `stop_after_steps` ends the run early at that step (with a checkpoint), as a
-  preemption would, without changing the schedule.
+  preemption would, without changing the schedule. A local `workdir` may be relative.
   """
+  workdir = paths.resolve(workdir)  # orbax refuses relative checkpoint paths
   try:
     info = input_pipeline.get_info(config)
     num_classes = config.num_classes if config.num_classes > 0 else info.num_classes
