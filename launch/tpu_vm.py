@@ -1,57 +1,111 @@
-r"""Cloud TPU VMs: create, set up, run vit_jax on every worker, read logs, delete.
+r"""Cloud TPU VMs: check, create, set up, run vit_jax on every worker, watch, resume, delete.
 
-  python -m launch.tpu_vm create --name vit --zone europe-west4-a --accelerator_type v3-8
-  python -m launch.tpu_vm setup  --name vit --zone europe-west4-a
-  python -m launch.tpu_vm run    --name vit --zone europe-west4-a --accelerator_type v3-8 \
-      --config=configs/finetune.py:ViT-B_16,cifar10 --workdir=gs://BUCKET/vit/cifar10 \
-      --config.data_dir=gs://BUCKET/tfds
-  python -m launch.tpu_vm logs   --name vit --zone europe-west4-a [--worker all] [--follow]
-  python -m launch.tpu_vm stop   --name vit --zone europe-west4-a
-  python -m launch.tpu_vm delete --name vit --zone europe-west4-a
-  python -m launch.tpu_vm all    ...  (create, setup, run)
+  vit-tpu preflight --name vit --zone us-central2-b --accelerator_type v4-8 \
+      --config=finetune:ViT-B_16,cifar10 --workdir=gs://BUCKET/vit/cifar10 \
+      --config.data_dir=gs://BUCKET/tensorflow_datasets
+  vit-tpu create --name vit --zone us-central2-b --accelerator_type v4-8 [--spot]
+  vit-tpu setup  --name vit --zone us-central2-b
+  vit-tpu run    --name vit --zone us-central2-b --accelerator_type v4-8 --config=... --workdir=...
+  vit-tpu all    ...  (preflight, create, setup, run)
+  vit-tpu logs   --name vit --zone us-central2-b [--worker all] [--follow]
+  vit-tpu watch  ...  (as `all`: re-creates a preempted Spot VM until final.npz exists)
+  vit-tpu resume ...  (as `all`: once; re-creates the VM only if it was preempted)
+  vit-tpu stop   --name vit --zone us-central2-b
+  vit-tpu delete --name vit --zone us-central2-b
 
---dry-run prints the commands (one per line, shell-quoted) and runs nothing.
-On every worker, in the home directory: the code in vit_jax/, a Python >= 3.11 venv in
-vit_jax_venv/ (jax 0.10 needs 3.11; the TPU images ship 3.10), logs in vit_jax_logs/.
-A run starts the same command on all workers in the background (setsid nohup), so the ssh
-returns; jax.distributed.initialize() finds the other workers on a TPU VM slice.
+(python -m vit_jax.launch.tpu_vm is the same.) --dry-run prints the commands (one per line,
+shell-quoted; waits, checks and choices as `#` comments) and runs nothing.
+
+Creation goes through a queued resource (`gcloud compute tpus queued-resources`) for v5e,
+v5p, v6e and Spot, as Google's docs recommend, and `tpu-vm create` otherwise; --api picks.
+A preempted Spot VM cannot be restarted: `resume`/`watch` delete it and create it again,
+set it up and start the same command on the same workdir, which resumes from the last
+checkpoint. `watch` knows the run is done when WORKDIR/final.npz exists (process 0 writes
+it after the last step; a preempted run saves a checkpoint and exits without it).
+
+On every worker, in the home directory: the code in vit_jax/, a venv in vit_jax_venv/ with
+the Python that setup.py's python_requires names (the TPU images ship an older one), logs
+in vit_jax_logs/ (<log>.log, and <log>.status with the exit status once the run ended).
 """
 import argparse
+import ast
+import copy
+import functools
+import importlib.metadata
 import os
 import re
 import shlex
 import subprocess
 import sys
 import tempfile
+import time
 
-ACTIONS = ('create', 'setup', 'run', 'logs', 'stop', 'delete', 'all')
+ACTIONS = ('preflight', 'create', 'setup', 'run', 'logs', 'stop', 'delete', 'all', 'resume',
+           'watch')
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LIBTPU_URL = 'https://storage.googleapis.com/jax-releases/libtpu_releases.html'
 # On each worker, relative to the home directory.
 CODE_DIR, VENV_DIR, LOG_DIR = 'vit_jax', 'vit_jax_venv', 'vit_jax_logs'
 PID_FILE = f'{LOG_DIR}/run.pid'
 # Left out of the tarball of the working tree.
 TAR_EXCLUDES = ('.git', '.venv', 'workdirs', '__pycache__', '*.egg-info', '.pytest_cache',
-                '*.npz')  # Checkpoints: read them from gs:// instead.
+                'build', 'dist', '*.npz')  # Checkpoints: read them from gs:// instead.
 # Runtime images per TPU generation (gcloud compute tpus versions list --zone Z).
 RUNTIME_VERSIONS = {'v2': 'tpu-ubuntu2204-base', 'v3': 'tpu-ubuntu2204-base',
                     'v4': 'tpu-ubuntu2204-base', 'v5litepod': 'v2-alpha-tpuv5-lite',
                     'v5p': 'v2-alpha-tpuv5', 'v6e': 'v2-alpha-tpuv6e'}
+# Generations whose docs create them through queued resources (Spot too, any generation).
+QUEUED_GENERATIONS = ('v5litepod', 'v5p', 'v6e')
+# Zones that offer each generation, AS OF 2026-11 (Google Cloud "TPU regions and zones",
+# https://cloud.google.com/tpu/docs/regions-zones). Incomplete and changing: only a warning
+# comes of it; check the docs (or `gcloud compute tpus accelerator-types list --zone Z`).
+TPU_ZONES = {
+    'v2': ('us-central1-a', 'us-central1-b', 'us-central1-c', 'us-central1-f',
+           'europe-west4-a', 'asia-east1-c'),
+    'v3': ('us-central1-a', 'us-central1-b', 'us-central1-f', 'europe-west4-a'),
+    'v4': ('us-central2-b',),
+    'v5litepod': ('us-central1-a', 'us-south1-a', 'us-west1-c', 'us-west4-a', 'us-east1-c',
+                  'us-east5-a', 'us-east5-b', 'us-east5-c', 'europe-west4-b',
+                  'asia-southeast1-b'),
+    'v5p': ('us-central1-a', 'us-east5-a', 'us-east5-b', 'us-east5-c', 'us-south1-a',
+            'europe-west4-b'),
+    'v6e': ('us-central1-b', 'us-central2-b', 'us-east1-d', 'us-east4-a', 'us-east4-b',
+            'us-east5-a', 'us-east5-b', 'us-east5-c', 'us-west1-c', 'europe-west4-a',
+            'asia-northeast1-b'),
+}
+# States (tpu-vm describe: state; queued-resources describe: state.state).
+GONE = ('PREEMPTED', 'TERMINATED', 'SUSPENDED', 'FAILED', 'MISSING')  # delete, create again
+PENDING = ('CREATING', 'STARTING', 'RESTARTING', 'REPAIRING', 'ACCEPTED', 'PROVISIONING',
+           'WAITING_FOR_RESOURCES', 'SUSPENDING', 'DELETING')  # wait
+READY = 'READY'
 
 
 class LaunchError(Exception):
   """A bad argument or a failed command; main prints it as one line."""
 
 
+def _parse_type(accelerator_type):
+  m = re.fullmatch(r'(v\d+[a-z]*)-(\d+)', accelerator_type or '')
+  return (m.group(1), int(m.group(2))) if m else (None, None)
+
+
 def num_hosts(accelerator_type):
   """Workers (hosts) of a slice: v3-8 -> 1, v3-32 -> 4, v4-32 -> 4; None if unknown."""
-  m = re.fullmatch(r'(v\d+[a-z]*)-(\d+)', accelerator_type or '')
-  if not m:
+  generation, n = _parse_type(accelerator_type)
+  if generation is None:
     return None
-  generation, n = m.group(1), int(m.group(2))
   if generation in ('v5litepod', 'v5e', 'v6e'):  # Counted in chips: 8 on one host, else 4 per host.
     return 1 if n <= 8 else n // 4
   return max(1, n // 8)  # Counted in TensorCores: 8 per host.
+
+
+def num_devices(accelerator_type):
+  """jax.device_count() on a slice: v3-8 -> 8 (a device per core), v4-8 -> 4 (per chip)."""
+  generation, n = _parse_type(accelerator_type)
+  if generation in ('v2', 'v3', 'v5litepod', 'v5e', 'v6e'):  # One device per core / per chip.
+    return n
+  if generation in ('v4', 'v5p'):  # Counted in TensorCores, two per chip (megacore device).
+    return max(1, n // 2)
+  return None
 
 
 def jax_version(constraints=os.path.join(REPO_ROOT, 'constraints.txt')):
@@ -63,20 +117,58 @@ def jax_version(constraints=os.path.join(REPO_ROOT, 'constraints.txt')):
   return m.group(1)
 
 
+def in_checkout():
+  """True when this module runs from a working tree (not from an installed wheel)."""
+  return all(os.path.exists(os.path.join(REPO_ROOT, p))
+             for p in ('setup.py', 'constraints.txt', 'vit_jax'))
+
+
+def python_requires():
+  """setup.py's python_requires (a checkout), else the installed package's Requires-Python."""
+  setup_py = os.path.join(REPO_ROOT, 'setup.py')
+  if os.path.isfile(setup_py):
+    with open(setup_py) as f:
+      m = re.search(r'python_requires\s*=\s*["\']([^"\']+)["\']', f.read())
+    if m:
+      return m.group(1)
+  try:
+    return importlib.metadata.metadata('vit_jax').get('Requires-Python') or ''
+  except importlib.metadata.PackageNotFoundError:
+    return ''
+
+
+def default_python():
+  """'>=3.11' -> 'python3.11': the interpreter the venv on the VM is made with."""
+  m = re.search(r'>=\s*3\.(\d+)', python_requires())
+  return f'python3.{m.group(1)}' if m else 'python3'
+
+
 def tarball_path(name):
   return os.path.join(tempfile.gettempdir(), f'vit_jax-{name}.tar.gz')
 
 
+def _project(args):
+  return ['--project', args.project] if getattr(args, 'project', None) else []
+
+
 def gcloud(verb, args, *rest):
   """gcloud compute tpus tpu-vm VERB NAME --zone Z [--project P] REST..."""
-  cmd = ['gcloud', 'compute', 'tpus', 'tpu-vm', verb, args.name, '--zone', args.zone]
-  if args.project:
-    cmd += ['--project', args.project]
-  return cmd + list(rest)
+  return (['gcloud', 'compute', 'tpus', 'tpu-vm', verb, args.name, '--zone', args.zone]
+          + _project(args) + list(rest))
+
+
+def queued(verb, args, *rest):
+  """gcloud compute tpus queued-resources VERB NAME --zone Z [--project P] REST..."""
+  return (['gcloud', 'compute', 'tpus', 'queued-resources', verb, args.name, '--zone',
+           args.zone] + _project(args) + list(rest))
+
+
+def _internal_ip(args):
+  return ['--internal-ip'] if getattr(args, 'internal_ips', False) else []
 
 
 def ssh(args, worker, command):
-  return gcloud('ssh', args, f'--worker={worker}', '--command', command)
+  return gcloud('ssh', args, f'--worker={worker}', *_internal_ip(args), '--command', command)
 
 
 def train_argv(config, workdir, overrides=()):
@@ -88,25 +180,38 @@ def train_argv(config, workdir, overrides=()):
 def start_script(jobs):
   """Remote shell: runs the (argv, log name) jobs one after another in the background.
 
-  Each job writes ~/vit_jax_logs/<log>.log; a failing job does not stop the next. The
-  process group id goes to ~/vit_jax_logs/run.pid (for `stop`); a second start while one
-  is running is refused.
+  Each job writes ~/vit_jax_logs/<log>.log, then its exit status to <log>.status; a failing
+  job does not stop the next. The process group id goes to ~/vit_jax_logs/run.pid (for
+  `stop`); a second start while one is running is refused.
   """
-  body = '; '.join(f'{shlex.join(argv)} > "$HOME"/{LOG_DIR}/{shlex.quote(log + ".log")} 2>&1'
-                   for argv, log in jobs)
+  def status(log):
+    return f'"$HOME"/{LOG_DIR}/{shlex.quote(log + ".status")}'
+  body = '; '.join(f'{shlex.join(argv)} > "$HOME"/{LOG_DIR}/{shlex.quote(log + ".log")} 2>&1; '
+                   f'echo $? > {status(log)}' for argv, log in jobs)
   pid = f'"$HOME"/{PID_FILE}'
   return '; '.join([
       'set -e', f'cd "$HOME"/{CODE_DIR}', f'. "$HOME"/{VENV_DIR}/bin/activate',
+      # The installed package, not ./vit_jax (which lacks vit_jax.configs): no cwd on sys.path.
+      'export PYTHONSAFEPATH=1',
       f'mkdir -p "$HOME"/{LOG_DIR}',
       f'if [ -f {pid} ] && kill -0 -- -"$(cat {pid})" 2>/dev/null; then echo "$(hostname): a '
-      'run is still going: python -m launch.tpu_vm stop ... first" >&2; exit 1; fi',
+      'run is still going: vit-tpu stop ... first" >&2; exit 1; fi',
+      'rm -f ' + ' '.join(status(log) for _, log in jobs),
       f'setsid nohup sh -c {shlex.quote(body)} > /dev/null 2>&1 < /dev/null & echo $! > {pid}',
       'echo "$(hostname): started, logs in ~/' + LOG_DIR + '/: ' +
       ' '.join(f'{log}.log' for _, log in jobs) + '"'])
 
 
+def status_script(log):
+  """Remote shell printing one line: `exit N` (the run ended), `running`, or `none`."""
+  status, pid = f'"$HOME"/{LOG_DIR}/{shlex.quote(log + ".status")}', f'"$HOME"/{PID_FILE}'
+  return (f'if [ -f {status} ]; then echo "exit $(cat {status})"; '
+          f'elif [ -f {pid} ] && kill -0 -- -"$(cat {pid})" 2>/dev/null; then echo running; '
+          'else echo none; fi')
+
+
 def setup_script(args):
-  """Remote shell: fresh code in ~/vit_jax, then the package and jax[tpu] into the venv."""
+  """Remote shell: fresh code in ~/vit_jax, then the package with jax[tpu] into the venv."""
   if args.repo_url:
     branch = ['--branch', args.branch] if args.branch else []
     fetch = f'rm -rf {CODE_DIR}; ' + shlex.join(
@@ -114,28 +219,208 @@ def setup_script(args):
   else:
     fetch = (f'rm -rf {CODE_DIR}; mkdir {CODE_DIR}; tar -xzf {CODE_DIR}.tar.gz -C {CODE_DIR}; '
              f'rm {CODE_DIR}.tar.gz')
-  py = shlex.quote(args.python)
+  py = shlex.quote(args.python or default_python())
   apt = 'sudo DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 -qq'
-  pip = f'{VENV_DIR}/bin/python -m pip install -q'
+  pip = f'"$HOME"/{VENV_DIR}/bin/python -m pip install -q'
   return '; '.join([
       'set -e', fetch,
-      # The TPU images have Python 3.10; jax 0.10 needs >= 3.11 (with its venv module).
+      # The TPU images ship an older Python than setup.py's python_requires (with its venv).
       f'if ! {py} -c "import ensurepip" 2>/dev/null; then {apt} update; '
       f'{apt} install -y {py} {py}-venv; fi',
       f'{py} -m venv {VENV_DIR}',
       f'{pip} --upgrade pip',
-      f'{pip} -e ./{CODE_DIR} ' + shlex.quote(f'jax[tpu]=={jax_version()}') + f' -f {LIBTPU_URL}',
+      # constraints.txt pins the tested stack, jax included; jax[tpu] brings libtpu (PyPI).
+      f'(cd {CODE_DIR} && {pip} -c constraints.txt ' + shlex.quote('.[tpu]') + ')',
       f'echo "$(hostname): ready, $({VENV_DIR}/bin/python -c "import jax; print(\'jax\', '
       f'jax.__version__)")"'])
 
 
-def create_commands(args):
-  _require(args, 'create', 'accelerator_type')
-  if args.spot and args.preemptible:
-    raise LaunchError('--spot and --preemptible exclude each other: keep one')
-  cmd = gcloud('create', args, '--accelerator-type', args.accelerator_type,
-               '--version', runtime_version(args))
-  return [cmd + ['--spot'] * args.spot + ['--preemptible'] * args.preemptible]
+# ---------------------------------------------------------------- steps besides commands
+
+
+class Wait:
+  """Polls a describe command until the state is one of `until`; fails on `fail` states."""
+
+  def __init__(self, cmd, until, fail, what, poll):
+    self.cmd, self.until, self.fail, self.what, self.poll = cmd, until, fail, what, poll
+
+  def show(self):
+    return f'{shlex.join(self.cmd)}  # every {self.poll:g} s until {" or ".join(self.until)}'
+
+  def run(self, runner):
+    start, last, polls = time.monotonic(), None, 0
+    while True:
+      state = runner.state(self.cmd)
+      elapsed = int(time.monotonic() - start)
+      if state != last or polls % 10 == 0:
+        runner.say(f'{self.what}: {state} ({elapsed // 60} min {elapsed % 60} s)')
+      if state in self.until:
+        return
+      if state in self.fail:
+        raise LaunchError(f'{self.what} is {state}: `{" ".join(self.cmd[:7])}` shows why; '
+                          'delete it and create it again (or try another zone)')
+      last, polls = state, polls + 1
+      runner.sleep(self.poll)
+
+
+class Check:
+  """A preflight check that needs the network: run it, or (dry run) say what it checks."""
+
+  def __init__(self, what, fn):
+    self.what, self.fn = what, fn
+
+  def show(self):
+    return f'# preflight: would check that {self.what}'
+
+  def run(self, runner):
+    runner.say(f'preflight: {self.fn()}')
+
+
+class DeleteEither:
+  """Deletes the queued resource NAME if there is one, else the TPU VM NAME."""
+
+  def __init__(self, args, yes):
+    self.queued = queued('delete', args, '--force', *(['--quiet'] * yes))
+    self.node = gcloud('delete', args, *(['--quiet'] * yes))
+    self.describe = queued('describe', args, '--format=value(state.state)')
+
+  def show(self):
+    return (f'{shlex.join(self.queued)}  # if `queued-resources describe` finds it, else:\n'
+            f'{shlex.join(self.node)}')
+
+  def run(self, runner):
+    runner.call(self.node if runner.state(self.describe) == 'MISSING' else self.queued)
+
+
+class Resume:
+  """Once: a preempted (or missing) slice is deleted and created again, then set up; the
+  run is started again on it (a READY slice: only the run)."""
+
+  def __init__(self, args):
+    self.args = args
+
+  def show(self):
+    describe = state_commands(self.args)
+    lines = [f'{shlex.join(describe[0])}  # {"/".join(GONE)}: every line below; {READY}: '
+             'only the last']
+    lines += [f'{shlex.join(c)}  # ACTIVE: then' for c in describe[1:]]
+    return '\n'.join(lines + [_show(s) for s in recreate_steps(self.args)])
+
+  def run(self, runner):
+    state = slice_state(self.args, runner)
+    if state == READY:
+      runner.say(f'{self.args.name} is {READY}: starting the run again on it')
+      runner.execute(run_commands(self.args, preflight=False))
+      return
+    if state in PENDING:
+      runner.say(f'{self.args.name} is {state}: waiting for it, then setting it up')
+      runner.execute(wait_steps(self.args) + setup_commands(self.args)
+                     + run_commands(self.args, preflight=False))
+      return
+    if state not in GONE:
+      raise LaunchError(f'{self.args.name} is {state}, which resume does not handle: start or '
+                        'delete it with gcloud compute tpus tpu-vm, then resume')
+    runner.say(f'{self.args.name} is {state}: a preempted TPU VM cannot be restarted; '
+               'deleting it and creating it again')
+    runner.execute(recreate_steps(self.args, exists=state != 'MISSING'))
+
+
+class Watch:
+  """Polls until WORKDIR/final.npz exists, resuming after each preemption (at most N)."""
+
+  def __init__(self, args):
+    self.args = args
+
+  def show(self):
+    a = self.args
+    return '\n'.join([
+        f'# watch: every {a.poll:g} s until {final_path(a.workdir)} exists, at most '
+        f'{a.max_recoveries} recoveries; each poll:',
+        *[f'{shlex.join(c)}' for c in state_commands(a)],
+        f'{shlex.join(ssh(a, 0, status_script(a.log)))}  # running, or exit N of the run',
+        f'# preempted/missing: as `vit-tpu resume`; READY but the run ended without '
+        f'final.npz: only the run again'])
+
+  def run(self, runner):
+    a, recoveries, ended = self.args, 0, None
+    final = final_path(a.workdir)
+
+    def recover(why, steps):
+      nonlocal recoveries
+      if recoveries >= a.max_recoveries:
+        raise LaunchError(f'{why}, and {recoveries} recoveries are done (--max_recoveries): '
+                          f'giving up; `vit-tpu resume` with the same flags goes on')
+      recoveries += 1
+      runner.say(f'{why}: recovery {recoveries}/{a.max_recoveries}')
+      runner.execute(steps)
+
+    while True:
+      if path_exists(final):
+        runner.say(f'the run finished: {final} ({recoveries} recoveries)')
+        return
+      state = slice_state(a, runner)
+      if state in GONE:
+        ended = None
+        recover(f'{a.name} is {state}', recreate_steps(a, exists=state != 'MISSING'))
+        continue
+      if state == READY:
+        status = runner.run_status(ssh(a, 0, status_script(a.log)))
+        if status is None:
+          runner.say(f'{a.name}: no answer from worker 0 over ssh; asking again')
+        elif status == 'running':
+          ended = None
+          runner.say(f'{a.name}: running')
+        elif path_exists(final):
+          continue
+        elif ended != status:  # Ended: wait a poll, a preemption may be on its way.
+          ended = status
+          runner.say(f'{a.name}: the run ended ({status}) without {final}')
+        elif status.startswith('exit') and status != 'exit 0':
+          raise LaunchError(f'the run on worker 0 ended with {status} and the VM is {READY}, '
+                            f'not a preemption: read vit-tpu logs --name {a.name} --zone '
+                            f'{a.zone}; fix it, then vit-tpu resume with the same flags')
+        else:
+          ended = None
+          recover(f'{a.name} is {READY} but the run stopped ({status})',
+                  run_commands(a, preflight=False))
+          continue
+      elif state in PENDING:
+        runner.say(f'{a.name}: {state}')
+      else:
+        raise LaunchError(f'{a.name} is {state}, which watch does not handle: start or delete '
+                          'it with gcloud compute tpus tpu-vm, then watch again')
+      runner.sleep(a.poll)
+
+
+def _show(step):
+  return shlex.join(step) if isinstance(step, list) else step.show()
+
+
+def final_path(workdir):
+  return workdir.rstrip('/') + '/final.npz'
+
+
+def path_exists(path):
+  """os.path.exists, or tf.io.gfile.exists for gs:// (tests replace it)."""
+  if '://' not in path:
+    return os.path.exists(path)
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (slow; gs:// only)
+  return tf.io.gfile.exists(path)
+
+
+# ---------------------------------------------------------------- choices
+
+
+def api(args):
+  """'queued' or 'node' (the --api flag, else by generation and Spot); None if unknown."""
+  if args.api:
+    return args.api
+  if args.preemptible:
+    return 'node'  # Queued resources have no preemptible kind.
+  generation, _ = _parse_type(args.accelerator_type)
+  if args.spot or generation in QUEUED_GENERATIONS:
+    return 'queued'
+  return 'node' if generation else None
 
 
 def runtime_version(args):
@@ -148,15 +433,88 @@ def runtime_version(args):
   return RUNTIME_VERSIONS[generation]
 
 
+def zone_warning(accelerator_type, zone):
+  generation, _ = _parse_type(accelerator_type)
+  zones = TPU_ZONES.get(generation)
+  if zones and zone not in zones:
+    return (f'{accelerator_type} in {zone}: {generation} is offered in {", ".join(zones)} '
+            '(a table as of 2026-11; check https://cloud.google.com/tpu/docs/regions-zones)')
+  return None
+
+
+# ---------------------------------------------------------------- the actions' steps
+
+
+def create_commands(args):
+  _require(args, 'create', 'accelerator_type')
+  if args.spot and args.preemptible:
+    raise LaunchError('--spot and --preemptible exclude each other: keep one')
+  if api(args) == 'queued':
+    if args.preemptible:
+      raise LaunchError('queued resources have no --preemptible: use --spot, or --api=node')
+    cmd = queued('create', args, '--node-id', args.name, '--accelerator-type',
+                 args.accelerator_type, '--runtime-version', runtime_version(args))
+  else:
+    cmd = gcloud('create', args, '--accelerator-type', args.accelerator_type,
+                 '--version', runtime_version(args))
+  extra = ['--spot'] * args.spot + ['--preemptible'] * args.preemptible
+  return [cmd + extra + ['--internal-ips'] * args.internal_ips] + wait_steps(args)
+
+
+def wait_steps(args):
+  if api(args) == 'queued':
+    return [Wait(queued('describe', args, '--format=value(state.state)'), ('ACTIVE',),
+                 ('FAILED', 'SUSPENDED', 'SUSPENDING', 'MISSING'), f'queued resource {args.name}', args.poll)]
+  return [Wait(gcloud('describe', args, '--format=value(state)'), (READY,),
+               ('PREEMPTED', 'TERMINATED', 'STOPPED', 'MISSING'), f'TPU VM {args.name}', args.poll)]
+
+
+def state_commands(args):
+  """The describe commands slice_state runs: the queued resource's first (queued API)."""
+  node = gcloud('describe', args, '--format=value(state)')
+  if api(args) == 'queued':
+    return [queued('describe', args, '--format=value(state.state)'), node]
+  return [node]
+
+
+def slice_state(args, runner):
+  """READY, a PENDING state, a GONE state (MISSING: no such resource), or another."""
+  commands = state_commands(args)
+  if len(commands) == 2:
+    state = runner.state(commands[0])
+    if state != 'ACTIVE':
+      return state
+  return runner.state(commands[-1])
+
+
+def delete_commands(args, yes=None):
+  yes = args.yes if yes is None else yes
+  which = api(args)
+  if which is None:
+    return [DeleteEither(args, yes)]
+  if which == 'queued':  # --force: its TPU VM too.
+    return [queued('delete', args, '--force', *(['--quiet'] * yes))]
+  return [gcloud('delete', args, *(['--quiet'] * yes))]
+
+
+def recreate_steps(args, exists=True):
+  return ((delete_commands(args, yes=True) if exists else []) + create_commands(args)
+          + setup_commands(args) + run_commands(args, preflight=False))
+
+
 def setup_commands(args):
   commands = []
   if not args.repo_url:  # Ship the working tree, uncommitted changes included.
+    if not in_checkout():
+      raise LaunchError(f'vit_jax is installed from a wheel ({REPO_ROOT} is no working tree '
+                        'to copy): pass --repo_url=https://github.com/OWNER/vit_jax.git '
+                        '[--branch B]')
     tarball = tarball_path(args.name)
     commands.append(['tar', '-czf', tarball, *(f'--exclude={p}' for p in TAR_EXCLUDES),
                      '-C', REPO_ROOT, '.'])
     commands.append(['gcloud', 'compute', 'tpus', 'tpu-vm', 'scp', tarball,
                      f'{args.name}:{CODE_DIR}.tar.gz', '--zone', args.zone]
-                    + (['--project', args.project] if args.project else []) + ['--worker=all'])
+                    + _project(args) + ['--worker=all'] + _internal_ip(args))
   commands.append(ssh(args, 'all', setup_script(args)))
   return commands
 
@@ -169,20 +527,20 @@ def check_workdir(args):
     if hosts and hosts > 1:
       raise LaunchError(f'{args.accelerator_type} has {hosts} hosts, which must share the '
                         f'workdir: use --workdir=gs://BUCKET/...')
+    if args.action in ('watch', 'resume'):
+      raise LaunchError(f'{args.action} creates the TPU VM again, which loses a workdir on its '
+                        'disk: use --workdir=gs://BUCKET/...')
     where = 'a single host' if hosts == 1 else 'the TPU VM (pass --accelerator_type to check)'
     warnings.append(f'--workdir {args.workdir} is on the disk of {where} and goes away with '
                     '`delete`: gs://BUCKET/... keeps it')
-  data_dir = [o.split('=', 1)[1] for o in args.overrides if o.startswith('--config.data_dir=')]
-  if data_dir and data_dir[-1] and not data_dir[-1].startswith('gs://') and (hosts or 0) > 1:
-    warnings.append(f'--config.data_dir={data_dir[-1]} must exist on every host: gs:// is simpler')
   return warnings
 
 
-def run_commands(args):
-  _require(args, 'run', 'config', 'workdir')
-  args.warnings = check_workdir(args)
+def run_commands(args, preflight=True):
+  _require(args, args.action, 'config', 'workdir')
+  steps = preflight_steps(args) if preflight else []
   job = (train_argv(args.config, args.workdir, args.overrides), args.log)
-  return [ssh(args, 'all', start_script([job]))]
+  return steps + [ssh(args, 'all', start_script([job]))]
 
 
 def logs_commands(args):
@@ -200,21 +558,185 @@ def stop_commands(args):
   return [ssh(args, 'all', script)]
 
 
-def delete_commands(args):
-  return [gcloud('delete', args, *(['--quiet'] if args.yes else []))]
+# ---------------------------------------------------------------- preflight
+
+
+def _one_line(error):
+  lines = [l.strip() for l in str(error).strip().splitlines() if l.strip()]
+  return lines[0] if lines else type(error).__name__
+
+
+def load_config(spec, overrides=()):
+  """The config of --config with the --config.x=value overrides applied (as vit_jax.main)."""
+  from vit_jax import configs  # pylint: disable=g-import-not-at-top
+  try:
+    config = configs.load(spec)
+  except configs.ConfigNotFoundError as e:
+    raise LaunchError(str(e)) from None
+  except Exception as e:  # pylint: disable=broad-except  (the config's own message)
+    raise LaunchError(f'--config {spec!r}: {type(e).__name__}: {_one_line(e)}') from None
+  for override in overrides:
+    key, _, text = override[len('--config.'):].partition('=')
+    node, parts = config, key.split('.')
+    for i, part in enumerate(parts):
+      if not hasattr(node, 'keys') or part not in node.keys():
+        where = '.'.join(['config'] + parts[:i])
+        raise LaunchError(f'{override.split("=")[0]}: {where} has no field {part!r}; the '
+                          'fields are listed in configs/common.py')
+      if i < len(parts) - 1:
+        node = node[part]
+    try:
+      setattr(node, parts[-1], _value(node[parts[-1]], text))
+    except (ValueError, TypeError, SyntaxError) as e:
+      raise LaunchError(f'{override}: {_one_line(e)}') from None
+  return config
+
+
+def _value(old, text):
+  """A --config.x=text value in the type of the field's current value."""
+  if isinstance(old, bool):
+    if text.lower() not in ('true', 'false', '1', '0'):
+      raise ValueError(f'expected true or false, not {text!r}')
+    return text.lower() in ('true', '1')
+  if isinstance(old, (int, float, str)):
+    return type(old)(text)
+  value = ast.literal_eval(text)
+  return tuple(value) if isinstance(old, (tuple, list)) else value
+
+
+def validate_for_slice(config, accelerator_type):
+  """vit_jax's start-up checks (train.validate_config) as they will run on the slice.
+
+  jax.device_count() and jax.process_count() answer the slice's numbers meanwhile; for an
+  unknown accelerator type the device checks are left out (mesh_data -1 on one device).
+  """
+  from unittest import mock  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from vit_jax import train  # pylint: disable=g-import-not-at-top  (imports TF too)
+  devices, hosts = num_devices(accelerator_type), num_hosts(accelerator_type)
+  config = copy.deepcopy(config)
+  if devices:
+    where = f'{accelerator_type}: {devices} devices on {hosts} host{"s" * (hosts > 1)}'
+  else:
+    where, devices, hosts = 'devices not checked', 1, 1
+    config.mesh_data = -1
+  n_train = config.num_train_examples if config.num_train_examples > 0 else None
+  try:
+    with mock.patch.object(jax, 'device_count', lambda *_, **__: devices), \
+         mock.patch.object(jax, 'process_count', lambda *_, **__: hosts):
+      train.validate_config(config, n_train)
+  except ValueError as e:
+    raise LaunchError(f'preflight ({where}): {_one_line(e)}') from None
+
+
+def check_tfds(name, data_dir):
+  """One line if `name` is prepared in data_dir; LaunchError naming the tfds build if not."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  try:
+    builder = tfds.builder(name, data_dir=data_dir)
+    prepared = builder.is_prepared()
+  except Exception as e:  # pylint: disable=broad-except
+    if type(e).__name__ == 'DatasetNotFoundError':
+      raise LaunchError(f'config.dataset {name!r} is not a TFDS dataset: check the name '
+                        '(tfds.list_builders())') from None
+    raise LaunchError(f'cannot read {data_dir}: {_one_line(e)}: check that the bucket exists '
+                      'and your credentials (gcloud auth application-default login)') from None
+  if not prepared:
+    raise LaunchError(f'TFDS dataset {name} is not prepared in {data_dir}: run '
+                      f'`tfds build {name} --data_dir={data_dir}` once, then this again')
+  return f'TFDS {name} {builder.info.version} is prepared in {data_dir}'
+
+
+def check_writable(workdir):
+  """Writes and deletes a small object under the workdir; LaunchError if that fails."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (slow)
+  probe = f'{workdir.rstrip("/")}/.vit-tpu-probe-{os.getpid()}'
+  try:
+    tf.io.gfile.makedirs(workdir)
+    with tf.io.gfile.GFile(probe, 'w') as f:
+      f.write('vit-tpu preflight\n')
+    tf.io.gfile.remove(probe)
+  except Exception as e:  # pylint: disable=broad-except
+    raise LaunchError(f'cannot write to --workdir {workdir}: {_one_line(e)}: check that the '
+                      'bucket exists and that you and the TPU VM service account may write '
+                      'to it') from None
+  return f'--workdir {workdir} is writable'
+
+
+def preflight_steps(args):
+  """Checks everything it can before anything is created.
+
+  Raises LaunchError now for what is wrong in the flags or the config (the config is loaded
+  and validated for the slice's device count); appends warnings to args.warnings; returns
+  the Check steps that need the network (data prepared, workdir writable).
+  """
+  _require(args, args.action, 'config', 'workdir')
+  args.warnings += check_workdir(args)
+  if args.skip_preflight:
+    return []
+  config = load_config(args.config, args.overrides)
+  if not args.accelerator_type:
+    args.warnings.append('no --accelerator_type: the batch sizes are not checked against the '
+                         "slice's devices")
+  validate_for_slice(config, args.accelerator_type)
+  hosts = num_hosts(args.accelerator_type) or 1
+  datasets = [(config.dataset, config.data_dir, 'data_dir')]
+  if config.fewshot_every_steps:
+    datasets.append((config.fewshot_dataset or config.dataset,
+                     config.fewshot_data_dir or config.data_dir,
+                     'fewshot_data_dir' if config.fewshot_data_dir else 'data_dir'))
+  checks = []
+  for name, data_dir, field in dict.fromkeys(datasets):
+    if name == 'fashion_mnist_local' or name.startswith('folder:'):
+      path = name[len('folder:'):] if name.startswith('folder:') else (
+          data_dir or '/usr/share/datasets/fashion-mnist')
+      if not path.startswith('gs://'):
+        args.warnings.append(f'dataset {name} is read from {path} on the TPU VM: it must be '
+                             'there on every host')
+      continue
+    if not data_dir:
+      raise LaunchError(f'config.dataset {name!r} comes from TFDS and config.{field} is empty, '
+                        'which on a TPU VM is an empty ~/tensorflow_datasets: pass '
+                        f'--config.{field}=gs://BUCKET/tensorflow_datasets (prepared with '
+                        f'`tfds build {name} --data_dir=gs://BUCKET/tensorflow_datasets`)')
+    if data_dir.startswith('gs://'):
+      checks.append(Check(f'TFDS {name} is prepared in {data_dir}',
+                          functools.partial(check_tfds, name, data_dir)))
+    else:
+      args.warnings.append(f'--config.{field}={data_dir} is not checked from here: it must hold '
+                           f'a prepared {name} on every host; gs:// is simpler')
+  if args.workdir.startswith('gs://'):
+    checks.append(Check(f'--workdir {args.workdir} is writable (a probe object is written and '
+                        'deleted)', functools.partial(check_writable, args.workdir)))
+  return checks
+
+
+# ---------------------------------------------------------------- the command line
 
 
 def build_commands(action, args):
-  """The commands of an action, each an argv list; `all` is create + setup + run."""
+  """The steps of an action: argv lists, and Wait/Check/... objects (dry run: .show())."""
   if action not in ACTIONS:
     raise LaunchError(f'unknown action {action!r}: use one of {", ".join(ACTIONS)}')
   _require(args, action, 'name', 'zone')
   if not re.fullmatch(r'[a-z]([-a-z0-9]{0,61}[a-z0-9])?', args.name):
     raise LaunchError(f'--name {args.name!r}: use lowercase letters, digits and hyphens, '
                       'starting with a letter')
-  if action == 'all':
-    run = run_commands(args)  # Checked first: nothing is created for a run that cannot start.
-    return create_commands(args) + setup_commands(args) + run
+  if action in ('create', 'all', 'preflight', 'resume', 'watch'):
+    _require(args, action, 'accelerator_type')
+  if args.accelerator_type:
+    warning = zone_warning(args.accelerator_type, args.zone)
+    if warning:
+      args.warnings.append(warning)
+  if action == 'preflight':
+    return preflight_steps(args)
+  if action in ('all', 'resume', 'watch'):
+    steps = run_commands(args)[:-1]  # The preflight: nothing is created for a bad run.
+    create_commands(args)  # Its argument errors, before anything runs.
+    if action == 'all':
+      return steps + create_commands(args) + setup_commands(args) + run_commands(
+          args, preflight=False)
+    return steps + [Resume(args) if action == 'resume' else Watch(args)]
   return {'create': create_commands, 'setup': setup_commands, 'run': run_commands,
           'logs': logs_commands, 'stop': stop_commands, 'delete': delete_commands}[action](args)
 
@@ -232,27 +754,39 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser():
-  p = _Parser(prog='python -m launch.tpu_vm', description=__doc__.split('\n')[0])
+  p = _Parser(prog='vit-tpu', description=__doc__.split('\n')[0])
   p.add_argument('action', help=' | '.join(ACTIONS))
-  p.add_argument('--name', help='TPU VM name')
+  p.add_argument('--name', help='TPU VM name (and queued resource name)')
   p.add_argument('--zone', help='e.g. europe-west4-a, us-central2-b')
   p.add_argument('--project', help='Google Cloud project (default: gcloud config)')
-  p.add_argument('--accelerator_type', '--accelerator-type', help='v3-8, v3-256, v4-32, ...')
+  p.add_argument('--accelerator_type', '--accelerator-type',
+                 help='v3-8, v4-32, v5litepod-8 (v5e-8), v5p-8, v6e-8, ...')
   p.add_argument('--runtime_version', '--runtime-version', '--version',
                  help='TPU VM image (default per generation, e.g. tpu-ubuntu2204-base)')
+  p.add_argument('--api', choices=('queued', 'node'), help='create through a queued resource '
+                 '(default for v5e, v5p, v6e and Spot) or tpu-vm create (node)')
   p.add_argument('--spot', action='store_true', help='create a Spot TPU VM')
   p.add_argument('--preemptible', action='store_true', help='create a preemptible TPU VM')
+  p.add_argument('--internal_ips', '--internal-ips', action='store_true',
+                 help='no external IPs: create with --internal-ips, ssh/scp with --internal-ip')
   p.add_argument('--repo_url', '--repo-url', help='git clone this URL instead of copying '
                  'the local working tree')
   p.add_argument('--branch', help='branch or tag for --repo_url')
-  p.add_argument('--python', default='python3.11', help='Python >= 3.11 for the venv on the VM')
-  p.add_argument('--config', help='as for vit_jax.main, e.g. configs/finetune.py:ViT-B_16,cifar10')
+  p.add_argument('--python', default=None, help='Python for the venv on the VM (default: '
+                 "setup.py's python_requires, e.g. python3.11)")
+  p.add_argument('--config', help='as for vit-train, e.g. finetune:ViT-B_16,cifar10')
   p.add_argument('--workdir', help='gs://BUCKET/DIR (required on several hosts)')
   p.add_argument('--worker', default=None, help='logs: 0 (default), another index, or all')
   p.add_argument('--log', default='train', help='log name under ~/vit_jax_logs/ (run, logs)')
   p.add_argument('--follow', '-f', action='store_true', help='logs: keep streaming')
   p.add_argument('--lines', type=int, default=100, help='logs: lines to show')
   p.add_argument('--yes', '-y', action='store_true', help='delete without asking')
+  p.add_argument('--poll', type=float, default=60.0,
+                 help='seconds between state polls (create, resume, watch)')
+  p.add_argument('--max_recoveries', '--max-recoveries', type=int, default=20,
+                 help='watch: give up after this many re-creations / restarts')
+  p.add_argument('--skip_preflight', '--skip-preflight', action='store_true',
+                 help='run, all, resume, watch: leave out the config/data/workdir checks')
   p.add_argument('--dry-run', '--dry_run', dest='dry_run', action='store_true',
                  help='print the commands, run nothing')
   return p
@@ -266,43 +800,102 @@ def parse_args(argv):
       raise LaunchError(f'unknown argument {arg!r}: config overrides look like '
                         '--config.base_lr=0.01')
   args.overrides = rest
+  args.warnings = []
+  m = re.fullmatch(r'v5e-(\d+)', args.accelerator_type or '')
+  if m:
+    args.accelerator_type = f'v5litepod-{m.group(1)}'
+    args.warnings.append(f'v5e-{m.group(1)} is called {args.accelerator_type} by Cloud TPU: '
+                         f'using --accelerator_type {args.accelerator_type}')
   args.worker = args.worker or ('0' if args.action == 'logs' else 'all')
   if args.worker != 'all' and not args.worker.isdigit():
     raise LaunchError(f'--worker {args.worker!r}: use a worker index (0, 1, ...) or all')
   if args.lines < 0:
     raise LaunchError('--lines must be >= 0')
+  if not args.poll > 0 or args.max_recoveries < 0:
+    raise LaunchError('--poll must be > 0 and --max_recoveries >= 0')
   return args
 
 
-def execute(commands, dry_run=False, call=subprocess.call, out=None):
-  """Prints (dry run) or runs the commands in order; stops at the first failure."""
-  out = out or sys.stdout
-  for cmd in commands:
-    if dry_run:
-      print(shlex.join(cmd), file=out)
-      continue
-    print(f'+ {shlex.join(cmd)[:300]}', file=out, flush=True)
+class Runner:
+  """Runs commands (echoing them), reads states, sleeps: what the steps need."""
+
+  def __init__(self, call=subprocess.call, out=None, sleep=time.sleep):
+    self._call, self.out, self.sleep = call, out or sys.stdout, sleep
+
+  def say(self, line):
+    print(f'tpu_vm: {line}', file=self.out, flush=True)
+
+  def call(self, cmd):
+    print(f'+ {shlex.join(cmd)[:300]}', file=self.out, flush=True)
     try:
-      rc = call(cmd)
+      rc = self._call(cmd)
     except FileNotFoundError:
-      raise LaunchError(f'{cmd[0]} not found: install the Google Cloud CLI '
-                        '(https://cloud.google.com/sdk/docs/install) and run gcloud auth login'
-                        ) from None
+      raise _not_found(cmd) from None
     if rc:
       raise LaunchError(f'`{" ".join(cmd[:6])} ...` failed (exit {rc}): see its output above, '
                         'fix it and run the action again')
 
+  def query(self, cmd):
+    """(exit code, stdout, stderr) of a command whose output is read, not shown."""
+    try:
+      p = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+      raise _not_found(cmd) from None
+    return p.returncode, p.stdout, p.stderr
+
+  def state(self, cmd):
+    """The state a describe command prints; MISSING when the resource does not exist."""
+    rc, out, err = self.query(cmd)
+    if rc:
+      if re.search(r'NOT_FOUND|not found', err, re.I):
+        return 'MISSING'
+      raise LaunchError(f'`{" ".join(cmd[:6])} ...` failed (exit {rc}): '
+                        f'{_one_line(err) if err.strip() else "no message"}')
+    return (out.strip().splitlines() or ['UNKNOWN'])[-1].strip()
+
+  def run_status(self, cmd):
+    """`running`, `exit N` or `none` from status_script over ssh; None if ssh failed."""
+    rc, out, _ = self.query(cmd)
+    found = re.findall(r'^(running|none|exit -?\d+)$', out, re.M)
+    return found[-1] if rc == 0 and found else None
+
+  def execute(self, steps):
+    for step in steps:
+      if isinstance(step, list):
+        self.call(step)
+      else:
+        step.run(self)
+
+
+def _not_found(cmd):
+  return LaunchError(f'{cmd[0]} not found: install the Google Cloud CLI '
+                     '(https://cloud.google.com/sdk/docs/install) and run gcloud auth login')
+
+
+def execute(commands, dry_run=False, call=subprocess.call, out=None):
+  """Prints (dry run) or runs the steps in order; stops at the first failure."""
+  out = out or sys.stdout
+  if dry_run:
+    for step in commands:
+      print(_show(step), file=out)
+    return
+  Runner(call=call, out=out).execute(commands)
+
 
 def main(argv=None):
+  """The vit-tpu console script; returns 0, or exits with a one-line error."""
   try:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     commands = build_commands(args.action, args)
-    for warning in getattr(args, 'warnings', []):
+    for warning in args.warnings:
       print(f'tpu_vm: warning: {warning}', file=sys.stderr)
     execute(commands, args.dry_run)
   except LaunchError as e:
     sys.exit(f'tpu_vm: error: {e}')
+  except KeyboardInterrupt:
+    sys.exit('tpu_vm: interrupted (what was created stays: vit-tpu delete ... removes it)')
+  return 0
 
 
 if __name__ == '__main__':
-  main()
+  sys.exit(main())

@@ -1,9 +1,11 @@
 """launch/tpu_vm.py: the gcloud commands of each action, quoting, dry runs, errors."""
+import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 
 import pytest
@@ -11,8 +13,11 @@ import pytest
 from vit_jax.launch import tpu_vm
 
 GCLOUD = ['gcloud', 'compute', 'tpus', 'tpu-vm']
+QUEUED = ['gcloud', 'compute', 'tpus', 'queued-resources']
 NAME, ZONE = 'vit', 'europe-west4-a'
-CONFIG = 'configs/finetune.py:R50+ViT-B_16,cifar10'  # A '+' and a ','.
+CONFIG = 'finetune:R50+ViT-B_16,cifar10'  # A '+' and a ','.
+DATA = '--config.data_dir=gs://b/tfds'
+FAKE_GCLOUD = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fake_gcloud.py')
 
 
 def args(action, *extra):
@@ -24,7 +29,12 @@ def build(action, *extra):
 
 
 def run_args(*extra):
-  return ('--accelerator_type', 'v3-8', f'--config={CONFIG}', '--workdir=gs://b/w', *extra)
+  return ('--accelerator_type', 'v3-8', f'--config={CONFIG}', '--workdir=gs://b/w', DATA, *extra)
+
+
+def commands(steps):
+  """The argv lists of a plan (the steps that are no command left out)."""
+  return [s for s in steps if isinstance(s, list)]
 
 
 def ssh_prefix(worker='all'):
@@ -32,15 +42,62 @@ def ssh_prefix(worker='all'):
 
 
 def test_create():
-  assert build('create', '--accelerator_type', 'v3-8') == [
+  assert build('create', '--accelerator_type', 'v3-8')[0] == (
       GCLOUD + ['create', NAME, '--zone', ZONE, '--accelerator-type', 'v3-8',
-                '--version', 'tpu-ubuntu2204-base']]
-  [cmd] = build('create', '--accelerator-type', 'v4-32', '--runtime_version', 'tpu-vm-v4-base',
-                '--spot', '--project', 'p')
+                '--version', 'tpu-ubuntu2204-base'])
+  cmd, wait = build('create', '--accelerator-type', 'v4-32', '--runtime_version',
+                    'tpu-vm-v4-base', '--api', 'node', '--spot', '--project', 'p',
+                    '--internal-ips')
   assert cmd == GCLOUD + ['create', NAME, '--zone', ZONE, '--project', 'p', '--accelerator-type',
-                          'v4-32', '--version', 'tpu-vm-v4-base', '--spot']
+                          'v4-32', '--version', 'tpu-vm-v4-base', '--spot', '--internal-ips']
+  assert wait.cmd == GCLOUD + ['describe', NAME, '--zone', ZONE, '--project', 'p',
+                               '--format=value(state)'] and wait.until == ('READY',)
   assert build('create', '--accelerator_type', 'v5litepod-16', '--preemptible')[0][-3:] == [
-      '--version', 'v2-alpha-tpuv5-lite', '--preemptible']
+      '--version', 'v2-alpha-tpuv5-lite', '--preemptible']  # Preemptible: no queued resource.
+
+
+@pytest.mark.parametrize('extra', [('--accelerator_type', 'v5litepod-8'),
+                                   ('--accelerator_type', 'v6e-8'),
+                                   ('--accelerator_type', 'v3-8', '--spot'),
+                                   ('--accelerator_type', 'v3-8', '--api', 'queued')])
+def test_create_queued_resource(extra):
+  cmd, wait = build('create', *extra)
+  accel = extra[1]
+  assert cmd[:13] == QUEUED + ['create', NAME, '--zone', ZONE, '--node-id', NAME,
+                               '--accelerator-type', accel, '--runtime-version']
+  assert cmd[14:] == (['--spot'] if '--spot' in extra else [])
+  assert wait.cmd == QUEUED + ['describe', NAME, '--zone', ZONE, '--format=value(state.state)']
+  assert wait.until == ('ACTIVE',) and 'FAILED' in wait.fail
+  [delete] = build('delete', *extra)
+  assert delete == QUEUED + ['delete', NAME, '--zone', ZONE, '--force']
+
+
+def test_v5e_is_v5litepod(capsys):
+  a = args('create', '--accelerator_type', 'v5e-8')
+  assert a.accelerator_type == 'v5litepod-8'
+  assert tpu_vm.build_commands('create', a)[0][11] == 'v5litepod-8'
+  tpu_vm.main(['create', '--name', NAME, '--zone', 'us-west4-a', '--accelerator_type', 'v5e-8',
+               '--dry-run'])
+  err = capsys.readouterr().err
+  assert 'v5e-8 is called v5litepod-8' in err and len(err.strip().splitlines()) == 1
+
+
+def test_zone_warning():
+  assert tpu_vm.zone_warning('v3-8', 'europe-west4-a') is None
+  assert tpu_vm.zone_warning('v4-8', 'us-central2-b') is None
+  warning = tpu_vm.zone_warning('v4-8', 'europe-west4-a')
+  assert 'us-central2-b' in warning and '2026-11' in warning
+  assert tpu_vm.zone_warning('v9-8', 'anywhere') is None  # Unknown: no opinion.
+  a = args('create', '--accelerator_type', 'v5p-8')  # ZONE is europe-west4-a.
+  tpu_vm.build_commands('create', a)
+  assert len(a.warnings) == 1 and 'us-east5-a' in a.warnings[0]
+
+
+@pytest.mark.parametrize('accel,devices', [('v2-8', 8), ('v3-32', 32), ('v4-8', 4),
+                                           ('v4-32', 16), ('v5p-8', 4), ('v5litepod-8', 8),
+                                           ('v6e-16', 16), ('x1', None)])
+def test_num_devices(accel, devices):
+  assert tpu_vm.num_devices(accel) == devices
 
 
 @pytest.mark.parametrize('accel,hosts', [('v2-8', 1), ('v3-8', 1), ('v3-32', 4), ('v3-256', 32),
@@ -61,11 +118,25 @@ def test_setup_copies_the_working_tree():
   assert ssh[:-1] == ssh_prefix()
   script = ssh[-1]
   assert 'tar -xzf vit_jax.tar.gz -C vit_jax' in script
-  pin = f'jax[tpu]=={tpu_vm.jax_version()}'
   assert re.fullmatch(r'\d+\.\d+\.\d+', tpu_vm.jax_version())  # constraints.txt's pin
-  assert f"pip install -q -e ./vit_jax '{pin}' -f {tpu_vm.LIBTPU_URL}" in script
+  # The tested stack: constraints.txt pins jax; jax[tpu] brings libtpu from PyPI.
+  assert "pip install -q -c constraints.txt '.[tpu]'" in script and 'libtpu' not in script
+  assert tpu_vm.default_python() == 'python3.11'  # setup.py: python_requires=">=3.11"
   assert 'python3.11 -m venv vit_jax_venv' in script
   _bash_syntax_ok(script)
+  # --internal-ips: ssh and scp reach the workers by their internal addresses.
+  _, scp, ssh = build('setup', '--internal-ips', '--python', 'python3.12')
+  assert scp[-2:] == ['--worker=all', '--internal-ip']
+  assert ssh[:-1] == ssh_prefix()[:-1] + ['--internal-ip', '--command']
+  assert 'python3.12 -m venv' in ssh[-1]
+
+
+def test_setup_from_a_wheel_needs_repo_url(monkeypatch):
+  monkeypatch.setattr(tpu_vm, 'REPO_ROOT', '/usr/lib/python3/site-packages/vit_jax')
+  with pytest.raises(tpu_vm.LaunchError, match='installed from a wheel.*--repo_url'):
+    build('setup')
+  [ssh] = build('setup', '--repo_url', 'https://github.com/me/vit_jax.git')
+  assert 'git clone' in ssh[-1]
 
 
 def test_setup_from_git():
@@ -77,60 +148,135 @@ def test_setup_from_git():
   _bash_syntax_ok(ssh[-1])
 
 
+def _body(cmd):
+  """The background body of a start script: `sh -c BODY`, each job `ARGV > LOG 2>&1; ...`."""
+  words = shlex.split(cmd[-1])
+  return shlex.split(words[words.index('-c') + 1])
+
+
 def test_run_quotes_the_training_command():
   override = "--config.pp.train_crop=it's a test"
-  a = args('run', *run_args('--config.data_dir=gs://b/tfds', override))
-  [cmd] = tpu_vm.build_commands('run', a)
+  a = args('run', *run_args(override))
+  *checks, cmd = tpu_vm.build_commands('run', a)
   assert cmd[:-1] == ssh_prefix()
   assert a.warnings == []
-  # The background body: `sh -c BODY`, each job `ARGV > LOG 2>&1`.
-  words = shlex.split(cmd[-1])
-  body = shlex.split(words[words.index('-c') + 1])
+  assert [c.what.split()[0] for c in checks] == ['TFDS', '--workdir']
+  body = _body(cmd)
   expected = ['python3', '-m', 'vit_jax.main', f'--config={CONFIG}', '--workdir=gs://b/w',
-              '--config.data_dir=gs://b/tfds', override]
+              DATA, override]
   assert body[:len(expected)] == expected
-  assert body[len(expected):] == ['>', '$HOME/vit_jax_logs/train.log', '2>&1']
+  assert body[len(expected):] == ['>', '$HOME/vit_jax_logs/train.log', '2>&1;', 'echo', '$?',
+                                  '>', '$HOME/vit_jax_logs/train.status']
   assert tpu_vm.train_argv(CONFIG, 'gs://b/w') == expected[:5]
+  assert commands(build('run', *run_args(override, '--skip_preflight'))) == [cmd]
 
 
 @pytest.mark.skipif(not all(shutil.which(c) for c in ('bash', 'setsid', 'nohup')),
                     reason='needs bash, setsid and nohup')
 def test_run_script_in_a_shell(tmp_path):
-  """The remote script itself, with HOME, the venv and python3 faked: argv arrives intact."""
+  """The remote scripts themselves, with HOME, the venv and python3 faked: argv arrives
+  intact, the exit status lands in train.status, and status_script reports it."""
   venv_bin = tmp_path / 'vit_jax_venv' / 'bin'
   venv_bin.mkdir(parents=True)
   (tmp_path / 'vit_jax').mkdir()
   (venv_bin / 'activate').write_text(f'PATH={venv_bin}:$PATH\n')
   fake = venv_bin / 'python3'
-  fake.write_text('#!/bin/sh\nprintf "%s\\0" "$PWD" "$@" > "$HOME/argv"\n')
+  fake.write_text('#!/bin/sh\nprintf "%s\\0" "$PWD" "$PYTHONSAFEPATH" "$@" > "$HOME/argv"\n'
+                  'exit 3\n')
   fake.chmod(0o755)
   override = "--config.pp.train_crop=it's \"a\" $test"
-  [cmd] = build('run', *run_args(override))
+  [cmd] = commands(build('run', *run_args(override)))
   env = {**os.environ, 'HOME': str(tmp_path)}
   out = subprocess.run(['bash', '-c', cmd[-1]], env=env, capture_output=True, text=True,
                        check=True)
   assert 'started' in out.stdout
-  argv_file = tmp_path / 'argv'
-  for _ in range(100):
-    if argv_file.exists() and argv_file.read_bytes().endswith(b'\0'):
+  status = tmp_path / 'vit_jax_logs' / 'train.status'
+  for _ in range(200):
+    if status.exists() and status.read_text().endswith('\n'):
       break
     time.sleep(0.02)
-  cwd, *argv = argv_file.read_bytes().decode().rstrip('\0').split('\0')
+  cwd, safe_path, *argv = (tmp_path / 'argv').read_bytes().decode().rstrip('\0').split('\0')
   assert os.path.realpath(cwd) == os.path.realpath(tmp_path / 'vit_jax')
-  assert argv == ['-m', 'vit_jax.main', f'--config={CONFIG}', '--workdir=gs://b/w', override]
+  assert safe_path == '1'  # The installed vit_jax, not ./vit_jax.
+  assert argv == ['-m', 'vit_jax.main', f'--config={CONFIG}', '--workdir=gs://b/w', DATA,
+                  override]
   assert (tmp_path / 'vit_jax_logs' / 'run.pid').read_text().strip().isdigit()
+  assert status.read_text() == '3\n'
+  check = subprocess.run(['bash', '-c', tpu_vm.status_script('train')], env=env,
+                         capture_output=True, text=True, check=True)
+  assert check.stdout == 'exit 3\n'
+  status.unlink()
+  for _ in range(200):  # `sh -c` exits just after it wrote the status: then none.
+    check = subprocess.run(['bash', '-c', tpu_vm.status_script('train')], env=env,
+                           capture_output=True, text=True, check=True)
+    if check.stdout != 'running\n':
+      break
+    time.sleep(0.02)
+  assert check.stdout == 'none\n'
 
 
 def test_workdir_checks():
   with pytest.raises(tpu_vm.LaunchError, match='v3-256 has 32 hosts.*gs://'):
-    build('run', '--accelerator_type', 'v3-256', '--config=c', '--workdir=/tmp/w')
-  a = args('run', '--accelerator_type', 'v3-8', '--config=c', '--workdir=/tmp/w')
+    build('run', '--accelerator_type', 'v3-256', f'--config={CONFIG}', DATA, '--workdir=/tmp/w')
+  a = args('run', '--accelerator_type', 'v3-8', f'--config={CONFIG}', DATA, '--workdir=/tmp/w')
   tpu_vm.build_commands('run', a)
   assert len(a.warnings) == 1 and 'single host' in a.warnings[0]
-  a = args('run', '--accelerator_type', 'v3-32', '--config=c', '--workdir=gs://b/w',
+  a = args('run', '--accelerator_type', 'v3-32', f'--config={CONFIG}', '--workdir=gs://b/w',
            '--config.data_dir=/data')
   tpu_vm.build_commands('run', a)
   assert len(a.warnings) == 1 and 'every host' in a.warnings[0]
+  with pytest.raises(tpu_vm.LaunchError, match='watch creates the TPU VM again.*gs://'):
+    build('watch', '--accelerator_type', 'v3-8', f'--config={CONFIG}', DATA, '--workdir=/tmp/w')
+
+
+def test_preflight_validates_the_config_for_the_slice():
+  steps = build('preflight', *run_args())
+  assert [type(s).__name__ for s in steps] == ['Check', 'Check']
+  assert 'gs://b/tfds' in steps[0].what and 'gs://b/w' in steps[1].what
+  # 512 is a multiple of v3-8's 8 devices, not of v3-2048's 2048.
+  with pytest.raises(tpu_vm.LaunchError, match=r'v3-2048: 2048 devices.*batch_size 512'):
+    build('preflight', *run_args('--accelerator_type', 'v3-2048'))
+  with pytest.raises(tpu_vm.LaunchError, match='batch_size 12 .* 8 devices'):
+    build('preflight', *run_args('--config.batch_size=12'))
+  # v4-8 has 4 devices: 12 fits there (eval_batch_size 512 too).
+  build('preflight', *run_args('--config.batch_size=12', '--accelerator_type', 'v4-8'))
+  with pytest.raises(tpu_vm.LaunchError, match="config has no field 'base_lrr'"):
+    build('preflight', *run_args('--config.base_lrr=1'))
+  with pytest.raises(tpu_vm.LaunchError, match='no config file'):
+    build('preflight', *run_args('--config=nope:x'))
+
+
+def test_preflight_data_dir():
+  no_data = ('--accelerator_type', 'v3-8', f'--config={CONFIG}', '--workdir=gs://b/w')
+  with pytest.raises(tpu_vm.LaunchError) as e:
+    build('preflight', *no_data)
+  assert ('--config.data_dir=gs://BUCKET/tensorflow_datasets' in str(e.value)
+          and 'tfds build cifar10' in str(e.value) and '\n' not in str(e.value))
+  a = args('preflight', *no_data, '--config.data_dir=/mnt/tfds')  # On the VM: a warning.
+  assert [s.what.split()[0] for s in tpu_vm.build_commands('preflight', a)] == ['--workdir']
+  assert 'every host' in a.warnings[0]
+
+
+def test_check_tfds(tmp_path):
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  with pytest.raises(tpu_vm.LaunchError) as e:
+    tpu_vm.check_tfds('cifar10', str(tmp_path))
+  assert str(e.value) == (f'TFDS dataset cifar10 is not prepared in {tmp_path}: run '
+                          f'`tfds build cifar10 --data_dir={tmp_path}` once, then this again')
+  builder = tfds.builder('cifar10', data_dir=str(tmp_path))
+  os.makedirs(builder.data_dir)
+  builder.info.write_to_directory(builder.data_dir)  # What `tfds build` leaves, less the data.
+  assert 'cifar10 3.0.2 is prepared' in tpu_vm.check_tfds('cifar10', str(tmp_path))
+  with pytest.raises(tpu_vm.LaunchError, match='not a TFDS dataset'):
+    tpu_vm.check_tfds('cifar10000', str(tmp_path))
+
+
+def test_check_writable(tmp_path):
+  assert 'writable' in tpu_vm.check_writable(str(tmp_path / 'w'))
+  assert os.listdir(tmp_path / 'w') == []  # The probe is deleted.
+  (tmp_path / 'file').write_text('')
+  with pytest.raises(tpu_vm.LaunchError, match='cannot write to --workdir'):
+    tpu_vm.check_writable(str(tmp_path / 'file' / 'w'))
 
 
 def test_logs_stop_delete():
@@ -141,18 +287,31 @@ def test_logs_stop_delete():
   [cmd] = build('stop')
   assert cmd[:-1] == ssh_prefix('all') and 'kill -- -' in cmd[-1]
   _bash_syntax_ok(cmd[-1])
-  assert build('delete') == [GCLOUD + ['delete', NAME, '--zone', ZONE]]
-  assert build('delete', '--yes') == [GCLOUD + ['delete', NAME, '--zone', ZONE, '--quiet']]
+  assert build('delete', '--api', 'node') == [GCLOUD + ['delete', NAME, '--zone', ZONE]]
+  assert build('delete', '--accelerator_type', 'v3-8', '--yes') == [
+      GCLOUD + ['delete', NAME, '--zone', ZONE, '--quiet']]
+  [either] = build('delete')  # Which API made it is asked at run time.
+  assert either.queued == QUEUED + ['delete', NAME, '--zone', ZONE, '--force']
+  assert either.node == GCLOUD + ['delete', NAME, '--zone', ZONE]
 
 
-def test_all_is_create_setup_run():
-  commands = build('all', *run_args())
-  assert [c[4] for c in commands[:1]] == ['create']
-  assert commands[1][0] == 'tar' and commands[2][4] == 'scp'
-  assert commands[3][-1] == build('setup')[-1][-1]
-  assert commands[4] == build('run', *run_args())[0]
-  with pytest.raises(tpu_vm.LaunchError, match='run needs --workdir'):
+def test_all_is_preflight_create_setup_run():
+  steps = build('all', *run_args())
+  assert [type(s).__name__ for s in steps[:2]] == ['Check', 'Check']
+  assert steps[2] == build('create', '--accelerator_type', 'v3-8')[0]
+  assert steps[3].cmd == build('create', '--accelerator_type', 'v3-8')[1].cmd
+  assert steps[4][0] == 'tar' and steps[5][4] == 'scp'
+  assert steps[6][-1] == build('setup')[-1][-1]
+  assert steps[7] == build('run', *run_args())[-1]
+  assert len(steps) == 8
+  with pytest.raises(tpu_vm.LaunchError, match='all needs --workdir'):
     build('all', '--accelerator_type', 'v3-8', '--config=c')  # Nothing is created.
+  with pytest.raises(tpu_vm.LaunchError, match='batch_size'):
+    build('all', *run_args('--config.batch_size=3'))
+
+
+DRY_RUN_ACTIONS = ('preflight', 'create', 'setup', 'run', 'logs', 'stop', 'delete', 'all',
+                   'resume', 'watch')
 
 
 def test_dry_run_prints_and_runs_nothing(monkeypatch, capsys):
@@ -161,11 +320,18 @@ def test_dry_run_prints_and_runs_nothing(monkeypatch, capsys):
   for fn in ('call', 'run', 'Popen', 'check_call', 'check_output'):
     monkeypatch.setattr(subprocess, fn, forbidden)
   monkeypatch.setattr(os, 'system', forbidden)
-  for action in ('create', 'setup', 'run', 'logs', 'stop', 'delete', 'all'):
-    tpu_vm.main([action, '--name', NAME, '--zone', ZONE, *run_args(), '--dry-run'])
-    lines = capsys.readouterr().out.splitlines()
-    expected = build(action, *run_args())
-    assert [shlex.split(line) for line in lines] == expected
+  monkeypatch.setattr(tpu_vm, 'path_exists', forbidden)
+  assert tuple(tpu_vm.ACTIONS) == DRY_RUN_ACTIONS
+  for action in DRY_RUN_ACTIONS:
+    for extra in ((), ('--spot',)):
+      assert tpu_vm.main([action, '--name', NAME, '--zone', ZONE, *run_args(*extra),
+                          '--dry-run']) == 0
+      out = capsys.readouterr().out
+      steps = build(action, *run_args(*extra))
+      assert out == ''.join(tpu_vm._show(s) + '\n' for s in steps)  # pylint: disable=protected-access
+      # Every line is a command, or a comment: the output reads as a shell script.
+      lines = [shlex.split(l, comments=True) for l in out.splitlines()]
+      assert [l for l in lines if l] == [l for l in lines if l and l[0] in ('gcloud', 'tar')]
 
 
 def test_execute_stops_at_the_first_failure(capsys):
@@ -190,11 +356,20 @@ def test_execute_stops_at_the_first_failure(capsys):
     (['delete', '--name', 'My_TPU', '--zone', 'z'], 'lowercase letters'),
     (['create', '--name', 'vit', '--zone', 'z', '--accelerator_type', 'v3-8', '--spot',
       '--preemptible'], 'exclude each other'),
+    (['create', '--name', 'vit', '--zone', 'z', '--accelerator_type', 'v3-8', '--api', 'queued',
+      '--preemptible'], 'use --spot, or --api=node'),
     (['create', '--name', 'vit', '--zone', 'z', '--accelerator_type', 'x9-8'], '--runtime_version'),
+    (['create', '--name', 'vit', '--zone', 'z', '--accelerator_type', 'v3-8', '--api', 'tpu'],
+     "invalid choice: 'tpu'"),
     (['run', '--name', 'vit', '--zone', 'z', '--config=c', '--workdir=gs://b', '--lr=1'],
      'unknown argument'),
+    (['run', '--name', 'vit', '--zone', 'z', '--config=quickstart:x', '--workdir=gs://b'],
+     "--config 'quickstart:x'"),
     (['logs', '--name', 'vit', '--zone', 'z', '--worker', 'first'], 'worker index'),
     (['logs', '--name', 'vit', '--zone', 'z', '--lines', 'many'], 'invalid int'),
+    (['watch', '--name', 'vit', '--zone', 'z', '--poll', '0'], '--poll must be > 0'),
+    (['watch', '--name', 'vit', '--zone', 'z', '--config=c', '--workdir=gs://b'],
+     'watch needs --accelerator_type'),
 ])
 def test_bad_arguments_give_one_line(argv, message, capsys):
   with pytest.raises(SystemExit) as e:
@@ -202,6 +377,167 @@ def test_bad_arguments_give_one_line(argv, message, capsys):
   assert message in str(e.value) and '\n' not in str(e.value)
   assert str(e.value).startswith('tpu_vm: error: ')
   assert capsys.readouterr().out == ''
+
+
+# ---------------------------------------------------------------- against a fake gcloud
+
+
+@pytest.fixture
+def fake_gcloud(tmp_path, monkeypatch):
+  """A `gcloud` first on PATH (tests/fake_gcloud.py); returns (write, read) of its state."""
+  bin_dir = tmp_path / 'bin'
+  bin_dir.mkdir()
+  gcloud = bin_dir / 'gcloud'
+  gcloud.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} '
+                    f'{shlex.quote(FAKE_GCLOUD)} "$@"\n')
+  gcloud.chmod(0o755)
+  state_file, final = tmp_path / 'gcloud.json', tmp_path / 'final.npz'
+  monkeypatch.setenv('PATH', f'{bin_dir}{os.pathsep}{os.environ["PATH"]}')
+  monkeypatch.setenv('FAKE_GCLOUD_STATE', str(state_file))
+  monkeypatch.setenv('FAKE_GCLOUD_FINAL', str(final))
+  # The workdir is gs://b/w; its final.npz is the file the fake's "done" creates.
+  monkeypatch.setattr(tpu_vm, 'path_exists', lambda p: p == 'gs://b/w/final.npz'
+                      and final.exists())
+
+  def write(**state):
+    state_file.write_text(json.dumps(state))
+
+  def read():
+    return json.loads(state_file.read_text())
+  return write, read
+
+
+def _verbs(calls):
+  """'tpu-vm create', 'queued-resources describe', 'ssh:start', 'ssh:setup', 'ssh:status'."""
+  out = []
+  for c in calls:
+    verb = f'{c[2]} {c[3]}'
+    if c[3] == 'ssh':
+      command = c[c.index('--command') + 1]
+      verb = 'ssh:' + ('start' if 'vit_jax.main' in command else
+                       'status' if 'echo running' in command else 'setup')
+    out.append(verb)
+  return out
+
+
+FAKE_RUN = ('--accelerator_type', 'v3-8', f'--config={CONFIG}', '--workdir=gs://b/w', DATA,
+            '--repo_url', 'https://github.com/me/vit_jax.git', '--poll', '0.01',
+            '--skip_preflight')
+
+
+def test_create_waits_for_the_queued_resource(fake_gcloud, capsys):
+  write, read = fake_gcloud
+  write(create_states={'queued': ['WAITING_FOR_RESOURCES', 'WAITING_FOR_RESOURCES',
+                                  'PROVISIONING', 'ACTIVE']})
+  assert tpu_vm.main(['create', '--name', NAME, '--zone', 'us-east5-b', '--accelerator_type',
+                      'v6e-8', '--poll', '0.01']) == 0
+  out = capsys.readouterr().out
+  progress = [l.split(': ')[2].split()[0] for l in out.splitlines()
+              if l.startswith('tpu_vm: queued resource vit:')]
+  assert progress == ['WAITING_FOR_RESOURCES', 'PROVISIONING', 'ACTIVE']
+  assert _verbs(read()['calls']) == ['queued-resources create'] + [
+      'queued-resources describe'] * 4
+  assert read()['nodes'] == {NAME: {'states': ['READY']}}
+  # A queued resource that fails: one line, naming the describe command.
+  write(create_states={'queued': ['WAITING_FOR_RESOURCES', 'FAILED']})
+  with pytest.raises(SystemExit, match='queued resource vit is FAILED: `gcloud compute tpus '
+                     'queued-resources describe'):
+    tpu_vm.main(['create', '--name', NAME, '--zone', 'us-east5-b', '--accelerator_type',
+                 'v6e-8', '--poll', '0.01'])
+
+
+def test_all_creates_a_node_and_waits_for_ready(fake_gcloud, capsys):
+  write, read = fake_gcloud
+  write(create_states={'node': ['CREATING', 'CREATING', 'READY']})
+  assert tpu_vm.main(['all', '--name', NAME, '--zone', ZONE, *FAKE_RUN]) == 0
+  assert _verbs(read()['calls']) == ['tpu-vm create'] + ['tpu-vm describe'] * 3 + [
+      'ssh:setup', 'ssh:start']
+  assert 'TPU VM vit: READY' in capsys.readouterr().out
+
+
+def test_delete_finds_which_api_made_it(fake_gcloud):
+  write, read = fake_gcloud
+  write(queued={NAME: {'states': ['ACTIVE']}}, nodes={NAME: {'states': ['READY']}})
+  tpu_vm.main(['delete', '--name', NAME, '--zone', ZONE, '--yes'])
+  assert read()['calls'][-1] == QUEUED[1:] + ['delete', NAME, '--zone', ZONE, '--force',
+                                              '--quiet']
+  assert read()['nodes'] == {} and read()['queued'] == {}
+  write(nodes={NAME: {'states': ['READY']}})
+  tpu_vm.main(['delete', '--name', NAME, '--zone', ZONE, '--yes'])
+  assert read()['calls'][-1] == GCLOUD[1:] + ['delete', NAME, '--zone', ZONE, '--quiet']
+
+
+def test_resume_recreates_a_preempted_node(fake_gcloud, capsys):
+  write, read = fake_gcloud
+  write(nodes={NAME: {'states': ['PREEMPTED']}}, create_states={'node': ['CREATING', 'READY']})
+  assert tpu_vm.main(['resume', '--name', NAME, '--zone', ZONE, *FAKE_RUN, '--api', 'node']) == 0
+  assert _verbs(read()['calls']) == [
+      'tpu-vm describe', 'tpu-vm delete', 'tpu-vm create', 'tpu-vm describe', 'tpu-vm describe',
+      'ssh:setup', 'ssh:start']
+  assert 'vit is PREEMPTED: a preempted TPU VM cannot be restarted' in capsys.readouterr().out
+  start = read()['calls'][-1]
+  assert 'python3 -m vit_jax.main' in start[-1] and '--workdir=gs://b/w' in start[-1]
+  # A READY VM: only the run is started again.
+  write(nodes={NAME: {'states': ['READY']}})
+  assert tpu_vm.main(['resume', '--name', NAME, '--zone', ZONE, *FAKE_RUN, '--api', 'node']) == 0
+  assert _verbs(read()['calls']) == ['tpu-vm describe', 'ssh:start']
+
+
+def test_watch_recovers_from_preemption_node(fake_gcloud, capsys):
+  write, read = fake_gcloud
+  write(nodes={NAME: {'states': ['READY']}}, run_status=['running', 'preempt'],
+        on_start=[{'run_status': ['running', 'done']}])
+  assert tpu_vm.main(['watch', '--name', NAME, '--zone', ZONE, *FAKE_RUN, '--api', 'node']) == 0
+  assert _verbs(read()['calls']) == [
+      'tpu-vm describe', 'ssh:status', 'tpu-vm describe', 'ssh:status',
+      'tpu-vm describe', 'tpu-vm delete', 'tpu-vm create', 'tpu-vm describe', 'ssh:setup',
+      'ssh:start',
+      'tpu-vm describe', 'ssh:status', 'tpu-vm describe', 'ssh:status']
+  out = capsys.readouterr().out
+  assert 'vit is PREEMPTED: recovery 1/20' in out
+  assert 'the run finished: gs://b/w/final.npz (1 recoveries)' in out
+
+
+def test_watch_recovers_from_preemption_queued(fake_gcloud, capsys):
+  write, read = fake_gcloud
+  write(queued={NAME: {'states': ['ACTIVE']}}, nodes={NAME: {'states': ['READY']}},
+        run_status=['preempt'], on_start=[{'run_status': ['running', 'done']}],
+        create_states={'queued': ['WAITING_FOR_RESOURCES', 'PROVISIONING', 'ACTIVE']})
+  assert tpu_vm.main(['watch', '--name', NAME, '--zone', 'us-east5-b', *FAKE_RUN,
+                      '--accelerator_type', 'v6e-8']) == 0
+  verbs = _verbs(read()['calls'])
+  i = verbs.index('queued-resources delete')
+  assert verbs[i - 1] == 'queued-resources describe'  # SUSPENDED
+  assert verbs[i:i + 5] == ['queued-resources delete', 'queued-resources create'] + [
+      'queued-resources describe'] * 3
+  assert verbs[i + 5:i + 7] == ['ssh:setup', 'ssh:start'] and read()['starts'] == 1
+  out = capsys.readouterr().out
+  assert 'vit is SUSPENDED: recovery 1/20' in out and 'the run finished' in out
+
+
+def test_watch_restarts_a_run_that_stopped_on_a_ready_vm(fake_gcloud, capsys):
+  write, read = fake_gcloud
+  write(nodes={NAME: {'states': ['READY']}}, run_status=['none'],
+        on_start=[{'run_status': ['running', 'done']}])
+  assert tpu_vm.main(['watch', '--name', NAME, '--zone', ZONE, *FAKE_RUN, '--api', 'node']) == 0
+  verbs = _verbs(read()['calls'])
+  assert 'tpu-vm delete' not in verbs and verbs.count('ssh:start') == 1
+  assert 'the run stopped (none): recovery 1/20' in capsys.readouterr().out
+
+
+def test_watch_stops_on_a_failed_run_and_at_max_recoveries(fake_gcloud):
+  write, read = fake_gcloud
+  write(nodes={NAME: {'states': ['READY']}}, run_status=['running', 'exit 1'])
+  with pytest.raises(SystemExit, match='ended with exit 1 and the VM is READY, not a '
+                     'preemption: read vit-tpu logs'):
+    tpu_vm.main(['watch', '--name', NAME, '--zone', ZONE, *FAKE_RUN, '--api', 'node'])
+  assert _verbs(read()['calls']).count('ssh:status') == 3  # Ended: one more poll to be sure.
+  # Preempted after every start: two recoveries, then it gives up.
+  write(nodes={NAME: {'states': ['PREEMPTED']}}, run_status=['preempt'])
+  with pytest.raises(SystemExit, match=r'2 recoveries are done \(--max_recoveries\)'):
+    tpu_vm.main(['watch', '--name', NAME, '--zone', ZONE, *FAKE_RUN, '--api', 'node',
+                 '--max_recoveries', '2'])
+  assert read()['starts'] == 2
 
 
 def _bash_syntax_ok(script):
