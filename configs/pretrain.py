@@ -2,6 +2,10 @@ r"""Pre-training, every row of the paper's Table 3 (Appendix B.1).
 
   --config=configs/pretrain.py:<model>,<dataset>[,<epochs>]
   e.g. configs/pretrain.py:ViT-B_16,jft300m   configs/pretrain.py:ViT-L_16,imagenet21k,30
+       configs/pretrain.py:ViT-H_14,imagenet2012
+
+Table 3's "ViT-*" ImageNet row takes any plain ViT name, ViT-<Ti|S|B|L|H>_<8|14|16|32>;
+IMAGENET_MODELS are the five that Table 5 pre-trains on ImageNet.
 
 All rows: batch 4096, 10k warm-up steps, Adam (0.9, 0.999), resolution 224,
 total_steps = ceil(epochs * num_train_examples / batch) (vit_jax.optim.total_steps).
@@ -43,11 +47,18 @@ TABLE3 = (
     (('ViT-*',), 'imagenet2012', (300,), 3e-3, 'cosine', 0.3, 0.1),
 )
 
-# ImageNet-21k: 14,197,122 images (image-net.org, fall 2011 release, 21,841
-# synsets; the paper's "14M"). The split layout is the public big_vision
-# 'imagenet21k' builder's (a single 'full' split; the first 51,200 images are
-# held out, 25,600 of them as minival), which is not subtracted from the count.
-I21K_IMAGES = 14_197_122
+# ImageNet-21k images per epoch: 12.4M. The paper says "14M images" (14,197,122 in
+# the fall 2011 release, 21,841 synsets), but the maintainers state that the set they
+# pre-trained on has approximately 12.4M images, because duplicate images were merged
+# (google-research/vision_transformer issue #28, 2020-11-24; repeated in #237), so the
+# paper's epochs are epochs of 12.4M. The split layout is the public big_vision
+# 'imagenet21k' builder's (a single 'full' split; the first 51,200 images are held
+# out, 25,600 of them as minival), which is not subtracted from the count. A user
+# whose builder has another size sets --config.num_train_examples.
+I21K_IMAGES = 12_400_000
+
+# Table 5: the ViTs pre-trained on ImageNet (the "ViT-*" row names no list).
+IMAGENET_MODELS = ('ViT-B_16', 'ViT-B_32', 'ViT-L_16', 'ViT-L_32', 'ViT-H_14')
 
 # Per dataset: TFDS name, splits, size (Sec. 4.1 / B.1), loss, head bias, end_lr, clip.
 DATASETS = {
@@ -67,8 +78,16 @@ DATASETS = {
 HIDDEN_SIZE = {'Ti': 192, 'S': 384, 'B': 768, 'L': 1024, 'H': 1280}
 
 
-def _rows():
-  return [f'{m},{row[1]}' for row in TABLE3 for m in row[0]]
+def rows():
+  """Every (model, dataset) of Table 3, the "ViT-*" row as IMAGENET_MODELS."""
+  return [(m, row[1]) for row in TABLE3
+          for m in (IMAGENET_MODELS if row[0] == ('ViT-*',) else row[0])]
+
+
+def _usage_rows():
+  names = [f'{m},{d}' for m, d in rows() if d != 'imagenet2012']
+  sizes, patches = '|'.join(HIDDEN_SIZE), '|'.join(str(p) for p in VIT_PATCHES)
+  return names + [f'ViT-<{sizes}>_<{patches}>,imagenet2012']
 
 
 def _find_row(model, dataset):
@@ -76,16 +95,19 @@ def _find_row(model, dataset):
     if row[1] != dataset:
       continue
     for pattern in row[0]:
-      if model == pattern or (pattern == 'ViT-*' and _is_plain_vit(model)):
+      if _is_plain_vit(model) if pattern == 'ViT-*' else model == pattern:
         return row
   return None
+
+
+VIT_PATCHES = (8, 14, 16, 32)  # Patch sizes of vit_jax.models.VARIANTS; all divide 224.
 
 
 def _is_plain_vit(model):
   if not model.startswith('ViT-') or '_' not in model:
     return False
   width, patch = model[len('ViT-'):].split('_', 1)
-  return width in HIDDEN_SIZE and patch.isdigit()
+  return width in HIDDEN_SIZE and patch.isdigit() and int(patch) in VIT_PATCHES
 
 
 def _hidden_size(model):
@@ -99,7 +121,7 @@ def get_config(arg=None):
   """Config of one Table 3 row; arg is '<model>,<dataset>[,<epochs>]'."""
   parts = [p.strip() for p in (arg or '').split(',')]
   usage = ('configs/pretrain.py:<model>,<dataset>[,<epochs>] with one of the rows: '
-           + ' '.join(_rows()))
+           + ' '.join(_usage_rows()))
   if len(parts) not in (2, 3):
     raise ValueError(f'Bad pretrain argument {arg!r}: use {usage}')
   model, dataset = parts[:2]

@@ -1,10 +1,20 @@
-"""Tests of configs/: every Table 3 and Table 4 row against the paper's values written out here."""
+"""Tests of configs/: every Table 3 and Table 4 row against the paper's values written out
+here, and every row started (config checks, model, optimizer, position embeddings) for every
+model it names, as shapes only (jax.eval_shape: no parameters are made)."""
+import functools
+
 from absl import flags
+import flax
+import jax
+import jax.numpy as jnp
 from ml_collections import config_flags
+import numpy as np
 import pytest
 
+from vit_jax import checkpoint
 from vit_jax import configs
 from vit_jax import optim
+from vit_jax import train
 
 from vit_jax.configs import finetune as FINETUNE
 from vit_jax.configs import pretrain as PRETRAIN
@@ -36,7 +46,7 @@ TABLE3 = [
 # (TFDS name, training images) per pre-training dataset.
 PRETRAIN_DATA = {
     'jft300m': ('jft', 303_000_000),
-    'imagenet21k': ('imagenet21k', 14_197_122),
+    'imagenet21k': ('imagenet21k', 12_400_000),  # De-duplicated (issue #28), not 14.2M.
     'imagenet2012': ('imagenet2012', 1_281_167),
 }
 HIDDEN = {'Ti': 192, 'S': 384, 'B': 768, 'L': 1024, 'H': 1280}
@@ -83,14 +93,24 @@ def test_pretrain_total_steps_example():
 
 @pytest.mark.parametrize('arg', [
     None, '', 'ViT-B_16', 'ViT-B_16,foo', 'R200x3,jft300m', 'ViT-H_14,imagenet21k',
-    'R50x1,imagenet2012', 'ViT-B_16,jft300m,14', 'ViT-L_16,jft300m,ten', 'a,b,c,d'])
+    'R50x1,imagenet2012', 'ViT-B_16,jft300m,14', 'ViT-L_16,jft300m,ten', 'a,b,c,d',
+    'ViT-*,imagenet2012', 'ViT-B_10,imagenet2012', 'ViT-X_16,imagenet2012'])
 def test_pretrain_bad_row(arg):
   with pytest.raises(ValueError) as e:
     PRETRAIN.get_config(arg)
   msg = str(e.value)
   assert '\n' not in msg
-  if arg and arg.count(',') == 1:
-    assert 'ViT-B_16,jft300m' in msg and 'ViT-*,imagenet2012' in msg  # Lists the rows.
+  if arg and arg.count(',') == 1:  # Lists the rows, the ViT-* row as a name pattern.
+    assert 'ViT-B_16,jft300m' in msg and 'ViT-<Ti|S|B|L|H>_<8|14|16|32>,imagenet2012' in msg
+    assert 'ViT-*' not in msg.split('use ', 1)[1]
+
+
+def test_pretrain_rows_are_table3():
+  assert sorted(PRETRAIN.rows()) == sorted(
+      (m, d) for m, d, *_ in TABLE3 if m not in ('ViT-S_16', 'ViT-Ti_16'))
+  # Every model the usage text shows, as written, is accepted.
+  for m, d in PRETRAIN.rows():
+    assert PRETRAIN.get_config(f'{m},{d}').model_name == m
 
 
 # Table 4 of the paper: dataset -> (steps, LR grid); VTAB-1k tasks: 2500 steps, LR 0.01.
@@ -127,7 +147,8 @@ VTAB = {
 def _check_finetune_common(c, model, steps, grid):
   assert c.model_name == model
   assert (c.batch_size, c.optimizer, c.momentum, c.lr_decay) == (512, 'sgd', 0.9, 'cosine')
-  assert (c.weight_decay, c.grad_clip_norm, c.image_size, c.end_lr) == (0.0, 1.0, 384, 0.0)
+  assert (c.weight_decay, c.grad_clip_norm, c.end_lr) == (0.0, 1.0, 0.0)
+  assert c.image_size == 384 or '_14' in model  # Table 4; /14: test_finetune_resolution.
   assert c.total_steps == steps and optim.total_steps(c) == steps
   assert c.lr_grid == pytest.approx(grid) and c.base_lr in c.lr_grid
   assert 0 < c.warmup_steps < steps
@@ -223,3 +244,155 @@ def test_command_line_overrides():
               '--config.base_lr=0.03', '--config.lr_grid=(0.01,0.03)',
               '--config.total_steps=500'])
   assert c.base_lr == 0.03 and tuple(c.lr_grid) == (0.01, 0.03) and c.total_steps == 500
+
+
+# --- Choices settled against the paper and the official repository (finetune.py docstring).
+
+
+@pytest.mark.parametrize('model,dataset,size', [
+    ('ViT-B_16', 'cifar10', 384), ('ViT-B_32', 'imagenet2012', 384),
+    ('ViT-L_16', 'imagenet2012', 384), ('R50+ViT-B_16', 'oxford_iiit_pet', 384),
+    ('R50x1', 'cifar100', 384), ('ViT-B_8', 'cifar10', 384),
+    ('ViT-H_14', 'cifar10', 378), ('ViT-H_14', 'vtab/dmlab', 378),  # 27 x 14, grid 27 x 27.
+    ('ViT-H_14', 'imagenet2012', 518),  # B.1.1 / Table 2: 37 x 14.
+])
+def test_finetune_resolution(model, dataset, size):
+  assert FINETUNE.get_config(f'{model},{dataset}').image_size == size
+  assert FINETUNE.get_config(f'{model},{dataset},dev').image_size == size
+
+
+@pytest.mark.parametrize('model,dropout', [
+    ('ViT-Ti_16', 0.0), ('ViT-S_16', 0.0), ('ViT-B_16', 0.0), ('ViT-B_32', 0.0),
+    ('ViT-L_32', 0.0), ('ViT-L_16', 0.1), ('ViT-H_14', 0.1), ('R50+ViT-B_16', 0.1),
+    ('R50+ViT-L_32', 0.1)])
+def test_finetune_dropout_is_the_official_model_configs(model, dropout):
+  c = FINETUNE.get_config(f'{model},cifar10')
+  assert (c.model.dropout_rate, c.model.attention_dropout_rate) == (dropout, 0.0)
+
+
+def test_finetune_crops():
+  for dataset in TABLE4:  # The official input pipeline's Inception crop, CIFAR included.
+    c = FINETUNE.get_config(f'ViT-B_16,{dataset}')
+    assert (c.pp.train_crop, c.pp.flip, c.pp.eval_crop) == ('inception', True, 'resize')
+  for task in VTAB:  # Whole image: a crop changes counts, positions and distances.
+    assert FINETUNE.get_config(f'ViT-B_16,vtab/{task}').pp.train_crop == 'resize'
+
+
+def test_finetune_bit_paths():
+  assert FINETUNE.get_config('R50x1,cifar10').pretrained_path == 'gs://bit_models/BiT-M-R50x1.npz'
+  assert FINETUNE.pretrained_path('BiT-M-R50x3') == 'gs://bit_models/BiT-M-R50x3.npz'
+
+
+# --- Every row started, as shapes: config checks, model init, optimizer init, and for
+# fine-tuning the position-embedding interpolation from the 224 pre-training grid.
+
+PRETRAIN_CLASSES = {'jft300m': 18_291, 'imagenet21k': 21_843, 'imagenet2012': 1000}
+PRETRAIN_RESOLUTION = 224
+@functools.lru_cache(maxsize=None)
+def _trunk_shapes(model_name, image_size, overrides, head_bias_init, num_classes):
+  """Parameter shapes of a model traced once per (model, resolution, overrides)."""
+  config = PRETRAIN.common.get_config()
+  config.model_name, config.head_bias_init = model_name, head_bias_init
+  config.model.update(dict(overrides))
+  model = train.build_model(config, num_classes)
+  images = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
+  variables = jax.eval_shape(
+      lambda x: model.init(jax.random.PRNGKey(0), x, train=False), images)
+  return variables['params']
+
+
+_TRUNKS = {}  # (model, resolution, overrides, head bias) -> num_classes of the trace.
+
+
+def _param_shapes(c, num_classes):
+  """The row's parameter shapes. Tracing dominates this file's run time and is per
+  module, so one trace (model.init under jax.eval_shape at the row's resolution) serves
+  every row of the same model, resolution and overrides; rows with another class count
+  differ only in the head, whose (D, K) kernel and (K,) bias are set here."""
+  key = (c.model_name, c.image_size, tuple(sorted(c.model.to_dict().items())),
+         c.head_bias_init)
+  traced_classes = _TRUNKS.setdefault(key, num_classes)
+  params = _trunk_shapes(*key, traced_classes)
+  head = params['head']
+  assert head['kernel'].shape[-1] == head['bias'].shape[-1] == traced_classes
+  assert train.build_model(c, num_classes).num_classes == num_classes
+  if traced_classes != num_classes:
+    params = dict(params, head={
+        'kernel': jax.ShapeDtypeStruct(head['kernel'].shape[:-1] + (num_classes,), jnp.float32),
+        'bias': jax.ShapeDtypeStruct((num_classes,), jnp.float32)})
+  return params, key + (num_classes,)
+
+
+_OPTIMIZER_FIELDS = ('optimizer', 'adam_b1', 'adam_b2', 'momentum', 'weight_decay',
+                     'grad_clip_norm', 'base_lr', 'lr_decay', 'end_lr', 'warmup_steps')
+_OPT_STATES = {}
+
+
+def _start(c, num_classes, num_train_examples=None):
+  """What train_and_evaluate does before its first step, as shapes; returns the params.
+
+  A row's 'dev' twin (other splits only) reuses its optimizer-state trace.
+  """
+  if c.vtab_task in train._DERIVED_LABEL_TASKS:  # pylint: disable=protected-access
+    with pytest.raises(ValueError, match='derived from other features'):
+      train.validate_config(c, num_train_examples)
+  else:
+    train.validate_config(c, num_train_examples)
+  params, params_key = _param_shapes(c, num_classes)
+  assert params['head']['kernel'].shape[-1] == num_classes
+  steps = optim.total_steps(c, num_train_examples)
+  assert 0 < c.warmup_steps < steps
+  opt_key = (params_key, tuple((f, c[f]) for f in _OPTIMIZER_FIELDS), steps)
+  if opt_key not in _OPT_STATES:
+    _OPT_STATES[opt_key] = jax.eval_shape(optim.make_optimizer(c, steps).init, params)
+  opt_state = _OPT_STATES[opt_key]
+  assert len(jax.tree_util.tree_leaves(opt_state)) >= len(jax.tree_util.tree_leaves(params))
+  return params
+
+
+@functools.lru_cache(maxsize=None)
+def _interpolated_shape(num_pretrained, num_tokens, width, has_cls):
+  pretrained = np.zeros((1, num_pretrained, width), np.float32)
+  return checkpoint.interpolate_posemb(pretrained, num_tokens, has_cls).shape
+
+
+def _check_posemb(c, params):
+  """The 224 pre-training grid of the published checkpoint interpolates onto this row's."""
+  flat = flax.traverse_util.flatten_dict(params, sep='/')
+  keys = [k for k in flat if k.endswith('pos_embedding')]
+  if not keys:  # BiT ResNets: no position embeddings.
+    assert 'ViT-' not in c.model_name
+    return
+  target = flat[keys[0]].shape
+  has_cls = 'cls' in flat
+  stride = train._stride(c)  # pylint: disable=protected-access
+  g0, g1 = PRETRAIN_RESOLUTION // stride, c.image_size // stride
+  assert target[1] == g1 * g1 + has_cls
+  assert _interpolated_shape(g0 * g0 + has_cls, target[1], target[2], has_cls) == target
+
+
+@pytest.mark.parametrize('model,dataset', PRETRAIN.rows() + [
+    ('ViT-S_16', 'imagenet2012'), ('ViT-Ti_16', 'imagenet2012')])
+def test_pretrain_row_starts(model, dataset):
+  epochs = next(row[2] for row in PRETRAIN.TABLE3 if row[1] == dataset and (
+      model in row[0] or row[0] == ('ViT-*',)))
+  for arg in [f'{model},{dataset}'] + [f'{model},{dataset},{e}' for e in epochs]:
+    c = PRETRAIN.get_config(arg)
+    assert c.image_size == PRETRAIN_RESOLUTION
+    _start(c, PRETRAIN_CLASSES[dataset])
+
+
+@pytest.mark.parametrize('dataset', list(TABLE4))
+@pytest.mark.parametrize('model', FINETUNE.MODELS)
+def test_finetune_row_starts(model, dataset):
+  for arg in (f'{model},{dataset}', f'{model},{dataset},dev'):
+    c = FINETUNE.get_config(arg)
+    _check_posemb(c, _start(c, c.num_classes))
+
+
+@pytest.mark.parametrize('task', list(VTAB))
+@pytest.mark.parametrize('model', FINETUNE.MODELS)
+def test_finetune_vtab_row_starts(model, task):
+  for arg in (f'{model},vtab/{task}', f'{model},vtab/{task},dev'):
+    c = FINETUNE.get_config(arg)
+    _check_posemb(c, _start(c, c.num_classes))
