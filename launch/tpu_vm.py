@@ -338,11 +338,11 @@ class Watch:
         f'{a.max_recoveries} recoveries; each poll:',
         *[f'{shlex.join(c)}' for c in state_commands(a)],
         f'{shlex.join(ssh(a, 0, status_script(a.log)))}  # running, or exit N of the run',
-        f'# preempted/missing: as `vit-tpu resume`; READY but the run ended without '
-        f'final.npz: only the run again'])
+        f'# missing at the start: created; preempted/missing later: as `vit-tpu resume`; '
+        'READY but the run ended without final.npz: only the run again'])
 
   def run(self, runner):
-    a, recoveries, ended = self.args, 0, None
+    a, recoveries, ended, polls = self.args, 0, None, 0
     final = final_path(a.workdir)
 
     def recover(why, steps):
@@ -359,9 +359,14 @@ class Watch:
         runner.say(f'the run finished: {final} ({recoveries} recoveries)')
         return
       state = slice_state(a, runner)
-      if state in GONE:
+      if state == 'MISSING' and not polls:  # Nothing to recover yet: create it.
+        runner.say(f'{a.name} does not exist: creating it')
+        runner.execute(recreate_steps(a, exists=False))
+      elif state in GONE:
         ended = None
         recover(f'{a.name} is {state}', recreate_steps(a, exists=state != 'MISSING'))
+      polls += 1
+      if state in GONE:
         continue
       if state == READY:
         status = runner.run_status(ssh(a, 0, status_script(a.log)))

@@ -525,6 +525,17 @@ def test_watch_restarts_a_run_that_stopped_on_a_ready_vm(fake_gcloud, capsys):
   assert 'the run stopped (none): recovery 1/20' in capsys.readouterr().out
 
 
+def test_watch_creates_a_missing_slice_without_counting_it(fake_gcloud, capsys):
+  write, read = fake_gcloud
+  write(run_status=['running', 'done'])
+  assert tpu_vm.main(['watch', '--name', NAME, '--zone', ZONE, *FAKE_RUN, '--spot']) == 0
+  assert _verbs(read()['calls'])[:6] == [
+      'queued-resources describe', 'queued-resources create', 'queued-resources describe',
+      'ssh:setup', 'ssh:start', 'queued-resources describe']
+  out = capsys.readouterr().out
+  assert 'vit does not exist: creating it' in out and '(0 recoveries)' in out
+
+
 def test_watch_stops_on_a_failed_run_and_at_max_recoveries(fake_gcloud):
   write, read = fake_gcloud
   write(nodes={NAME: {'states': ['READY']}}, run_status=['running', 'exit 1'])
