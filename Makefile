@@ -24,7 +24,7 @@ fashion-mnist:
 	fi
 
 quickstart: $(VENV)/installed fashion-mnist
-	$(PY) -m vit_jax.main --config=configs/quickstart.py --workdir=workdirs/quickstart
+	$(VENV)/bin/vit-train --config=quickstart --workdir=workdirs/quickstart
 
 test: $(VENV)/installed
 	$(PY) -m pytest -q

@@ -8,3 +8,42 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from vit_jax import xla_cpu_flags  # noqa: E402
 
 xla_cpu_flags.apply()
+
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What a copy of the checkout leaves out: local state that a wheel build must not see.
+_NOT_SOURCE = shutil.ignore_patterns('.venv', '.git', 'workdirs', 'build', '*.egg-info',
+                                     '__pycache__', '.pytest_cache')
+
+
+@pytest.fixture(scope='session')
+def wheel_venv(tmp_path_factory):
+  """A fresh venv holding only the wheel built from this checkout (with its `test` extra),
+  installed with the tested constraints: what a user gets from `pip install`."""
+  tmp = tmp_path_factory.mktemp('wheel')
+  src = tmp / 'src'
+  shutil.copytree(ROOT, src, ignore=_NOT_SOURCE)  # build from a copy: no build/ in the checkout
+  subprocess.run([sys.executable, '-m', 'pip', 'wheel', '-q', '--no-deps', '-w',
+                  str(tmp / 'dist'), str(src)], check=True, capture_output=True)
+  wheel, = (tmp / 'dist').glob('vit_jax-*.whl')
+  venv = tmp / 'venv'
+  subprocess.run([sys.executable, '-m', 'venv', str(venv)], check=True)
+  out = subprocess.run([str(venv / 'bin' / 'python'), '-m', 'pip', 'install', '-q', '-c',
+                        os.path.join(ROOT, 'constraints.txt'), f'{wheel}[test]'],
+                       capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return venv
+
+
+def user_env(venv, devices=1):
+  """The environment of a user whose shell has `venv` activated (and nothing of ours)."""
+  env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'VIRTUAL_ENV')}
+  env['PATH'] = f'{venv}/bin:' + env.get('PATH', '')
+  env['VIRTUAL_ENV'] = str(venv)
+  env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
+  return env

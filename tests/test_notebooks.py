@@ -1,51 +1,77 @@
-"""Executes the Colab notebooks end to end with nbclient, tiny and offline.
+"""The Colab notebooks, executed as a user opens them: the kernel is the Python of a fresh
+venv holding only the installed wheel, and the working directory is outside the checkout.
 
-The cell tagged 'parameters' keeps its defaults and gets overrides appended (as
-papermill injects them): TINY, OFFLINE, a DATA_DIR that does not exist yet (so the
-synthetic Fashion-MNIST stand-in is written) and a temporary WORKDIR.
+The cell tagged 'parameters' keeps its defaults and gets overrides appended (as papermill
+injects them): TINY, OFFLINE, a DATA_DIR that does not exist yet (so the synthetic
+Fashion-MNIST stand-in is written) and a temporary WORKDIR. REPO_URL stays unset: with the
+package installed the set-up cell must not need it.
 """
+import json
 import os
+import subprocess
 
+from tests.conftest import ROOT, user_env
+
+# Runs inside the wheel's venv: nbclient executes the notebook with that venv's kernel.
+_EXECUTE = '''
+import json, sys
 import nbformat
 from nbclient import NotebookClient
+source, target, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+nb = nbformat.read(source, as_version=4)
+cells = [c for c in nb.cells if 'parameters' in c.metadata.get('tags', [])]
+assert len(cells) == 1, 'the notebook needs exactly one cell tagged "parameters"'
+cells[0].source += '\\n# Injected by tests/test_notebooks.py\\n' + ''.join(
+    f'{k} = {v!r}\\n' for k, v in overrides.items())
+NotebookClient(nb, timeout=300, kernel_name='python3',
+               resources={'metadata': {'path': '.'}}).execute()
+nbformat.write(nb, target)
+'''
 
-NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         'notebooks')
 
-
-def _run(name, tmp_path, monkeypatch, **params):
-  # One CPU device in the kernel: the notebooks' defaults are for Colab; here
-  # fewer simulated devices means less to compile.
-  monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=1')
-  nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
-  cells = [c for c in nb.cells if 'parameters' in c.metadata.get('tags', [])]
-  assert len(cells) == 1, f'{name} needs exactly one cell tagged "parameters"'
+def _run(name, wheel_venv, tmp_path, **params):
   overrides = {'TINY': True, 'OFFLINE': True, 'DATA_DIR': str(tmp_path / 'data'),
                'WORKDIR': str(tmp_path / 'work'), **params}
-  cells[0].source += '\n# Injected by tests/test_notebooks.py\n' + ''.join(
-      f'{k} = {v!r}\n' for k, v in overrides.items())
-  client = NotebookClient(nb, timeout=300, kernel_name='python3',
-                          resources={'metadata': {'path': NOTEBOOKS}})
-  client.execute()  # raises CellExecutionError naming the failing cell
-  return nb
+  executed = tmp_path / f'executed-{name}'
+  out = subprocess.run(
+      [str(wheel_venv / 'bin' / 'python'), '-c', _EXECUTE, os.path.join(ROOT, 'notebooks', name),
+       str(executed), json.dumps(overrides)],
+      cwd=tmp_path, env=user_env(wheel_venv), capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stderr[-4000:]
+  with open(executed) as f:
+    nb = json.load(f)
+  outputs = [o for c in nb['cells'] if c['cell_type'] == 'code' for o in c.get('outputs', [])]
+  text = ''.join(''.join(o.get('text', '')) for o in outputs)
+  return outputs, text
 
 
-def _outputs(nb):
-  return [o for c in nb.cells if c.cell_type == 'code' for o in c.get('outputs', [])]
-
-
-def test_quickstart_notebook(tmp_path, monkeypatch):
-  nb = _run('quickstart.ipynb', tmp_path, monkeypatch, FINETUNE_STEPS=4)
-  text = ''.join(o.get('text', '') for o in _outputs(nb))
+def test_quickstart_notebook(wheel_venv, tmp_path):
+  outputs, text = _run('quickstart.ipynb', wheel_venv, tmp_path, FINETUNE_STEPS=4)
+  assert f'vit_jax from {wheel_venv}' in text  # the installed package, not the checkout
   assert 'synthetic stand-in' in text
   assert 'step 4: loss' in text and 'top-1 accuracy' in text
   assert os.path.exists(tmp_path / 'work' / 'finetune' / 'final.npz')
-  assert any('image/png' in o.get('data', {}) for o in _outputs(nb))
+  assert any('image/png' in o.get('data', {}) for o in outputs)
 
 
-def test_inspect_notebook(tmp_path, monkeypatch):
-  nb = _run('inspect.ipynb', tmp_path, monkeypatch, NUM_IMAGES=16)
-  pngs = [o for o in _outputs(nb) if 'image/png' in o.get('data', {})]
+def test_inspect_notebook(wheel_venv, tmp_path):
+  outputs, text = _run('inspect.ipynb', wheel_venv, tmp_path, NUM_IMAGES=16)
+  assert f'vit_jax from {wheel_venv}' in text
+  pngs = [o for o in outputs if 'image/png' in o.get('data', {})]
   assert len(pngs) == 4  # rollout, filters, position embeddings, attention distance
-  text = ''.join(o.get('text', '') for o in _outputs(nb))
   assert '(2, 16, 2, 17, 17)' in text  # layers, images, heads, q, k
+
+
+def test_unset_repo_url_stops_with_one_line(wheel_venv, tmp_path):
+  """Where vit_jax is not installed and no checkout is near, the set-up cell says what to set."""
+  venv = tmp_path / 'bare'
+  subprocess.run([str(wheel_venv / 'bin' / 'python'), '-m', 'venv', '--without-pip', str(venv)],
+                 check=True)
+  with open(os.path.join(ROOT, 'notebooks', 'quickstart.ipynb')) as f:
+    cells = [''.join(c['source']) for c in json.load(f)['cells'] if c['cell_type'] == 'code']
+  params, setup = cells[0], cells[1]
+  out = subprocess.run([str(venv / 'bin' / 'python'), '-c', params + '\n' + setup],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+  assert out.returncode != 0
+  assert out.stderr.strip().splitlines()[-1].startswith(
+      'vit_jax is not installed: set REPO_URL in the first code cell')

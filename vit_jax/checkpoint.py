@@ -6,6 +6,7 @@ TF names ('resnet/block1/unit01/a/group_norm/gamma'); the mapping lives here and
 here. Files are read with allow_pickle=False: an object array is refused.
 """
 import io
+import json
 import os
 import re
 import tempfile
@@ -16,6 +17,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+import ml_collections
 import orbax.checkpoint as ocp
 import scipy.ndimage
 
@@ -267,6 +269,27 @@ def train_state_manager(directory, keep):
 
   Saves are asynchronous (the loop goes on while files are written) and atomic: a
   step directory appears under its final name only once complete, so a run killed
+def load_run(workdir):
+  """(config, model, params) of a finished `vit-train` run: its config.json and final.npz."""
+  workdir = paths.resolve(workdir)
+  config_path = os.path.join(workdir, 'config.json')
+  final_path = os.path.join(workdir, 'final.npz')
+  try:
+    with paths.open_file(config_path, 'r') as f:
+      config = ml_collections.ConfigDict(json.load(f))
+  except (OSError, IOError):
+    raise ValueError(f'{workdir} has no config.json: pass the --workdir of a vit-train '
+                     'run') from None
+  if not paths.exists(final_path):
+    raise ValueError(f'{workdir} has no final.npz: the run has not finished; run vit-train '
+                     'again with the same --workdir to finish it') from None
+  params = load_npz(final_path)
+  flat = flax.traverse_util.flatten_dict(params, sep='/')
+  num_classes = flat['head/kernel'].shape[-1] if 'head/kernel' in flat else 0
+  model = models.from_config(config, num_classes)
+  return config, model, jax.tree.map(jnp.asarray, params)
+
+
   mid-save resumes from the previous complete step.
   """
   # cleanup_tmp_directories: a save cut short by kill -9 leaves a temporary directory,

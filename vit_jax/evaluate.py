@@ -17,11 +17,10 @@ details open; the choices here:
 Pure functions: fit_linear, predict, sample_k_shot, fewshot_accuracy. Features come
 from extract_features; FewShotEvaluator caches images for periodic use in training.
 
-CLI:
-  python -m vit_jax.evaluate --checkpoint ViT-B_16.npz --model ViT-B_16 \
-      --dataset cifar10 --image_size 224 --mode fewshot
+CLI (vit-evaluate = python -m vit_jax.evaluate):
+  vit-evaluate --workdir workdirs/quickstart      # a finished run: top-1 and few-shot
+  vit-evaluate --checkpoint ViT-B_16.npz --model ViT-B_16 --dataset cifar10 --mode fewshot
 """
-import ast
 import functools
 import math
 import sys
@@ -34,8 +33,8 @@ from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 
-from vit_jax import checkpoint
 from vit_jax import input_pipeline
+from vit_jax import model_flags
 from vit_jax import sharding
 
 DEFAULT_L2_REG = 2.0**10
@@ -337,41 +336,26 @@ class FewShotEvaluator:
     return {f'fewshot/{k}shot': r['mean'] for k, r in results.items()}
 
 
-# ---------------------------------------------------------------- checkpoints
-def parse_overrides(text):
-  """'num_layers=2,hidden_size=32' -> {'num_layers': 2, 'hidden_size': 32}."""
-  out = {}
-  for item in filter(None, (s.strip() for s in (text or '').split(','))):
-    if '=' not in item:
-      raise ValueError(f'Model override {item!r} is not name=value: e.g. num_layers=2')
-    name, value = item.split('=', 1)
-    try:
-      out[name.strip()] = ast.literal_eval(value.strip())
-    except (ValueError, SyntaxError):
-      out[name.strip()] = value.strip()
-  return out
-
-
 # ----------------------------------------------------------------------- CLI
 def _define_flags():
   """The CLI's flags, defined only when run as a program (importing defines none)."""
-  flags.DEFINE_string('checkpoint', None, 'A published-format .npz file.')
-  flags.DEFINE_string('model', 'ViT-B_16', 'Model name from vit_jax.models.VARIANTS.')
-  flags.DEFINE_string('model_overrides', '', 'Variant overrides: name=value,... '
-                      '(e.g. num_layers=2,hidden_size=32).')
-  flags.DEFINE_string('dataset', 'fashion_mnist_local',
-                      "TFDS name, 'folder:<dir>' or 'fashion_mnist_local'.")
-  flags.DEFINE_string('data_dir', '', 'TFDS data_dir or the folder of the IDX files.')
-  flags.DEFINE_integer('image_size', 224, 'Evaluation resolution.')
-  flags.DEFINE_enum('eval_crop', 'resize', ['resize', 'central'], 'Evaluation crop.')
-  flags.DEFINE_enum('mode', 'fewshot', ['fewshot', 'top1', 'all'], 'What to evaluate.')
-  flags.DEFINE_string('train_split', 'train', 'Split the k-shot examples come from.')
-  flags.DEFINE_string('eval_split', 'test', 'Held-out split (top-1 and few-shot).')
+  model_flags.define_flags()
+  flags.DEFINE_string('dataset', None, "TFDS name, 'folder:<dir>' or 'fashion_mnist_local' "
+                      '(default: the run\'s, else fashion_mnist_local).')
+  flags.DEFINE_string('data_dir', None, 'TFDS data_dir or the folder of the IDX files '
+                      '(default: the run\'s).')
+  flags.DEFINE_enum('eval_crop', None, ['resize', 'central'], 'Evaluation crop (default: the '
+                    'run\'s, else resize).')
+  flags.DEFINE_enum('mode', None, ['fewshot', 'top1', 'all'], 'What to evaluate (default: all '
+                    'for --workdir, fewshot for --checkpoint).')
+  flags.DEFINE_string('train_split', None, 'Split the k-shot examples come from (default: the '
+                      'run\'s, else train).')
+  flags.DEFINE_string('eval_split', None, 'Held-out split, top-1 and few-shot (default: the '
+                      'run\'s, else test).')
   flags.DEFINE_list('shots', [str(k) for k in DEFAULT_SHOTS], 'Shots per class.')
   flags.DEFINE_list('seeds', [str(s) for s in DEFAULT_SEEDS], 'Seeds of the k-shot draws.')
   flags.DEFINE_float('l2_reg', DEFAULT_L2_REG, 'Ridge regulariser of the few-shot regression.')
   flags.DEFINE_integer('batch_size', 64, 'Global evaluation batch size.')
-  flags.mark_flag_as_required('checkpoint')
   return flags.FLAGS
 
 
@@ -382,28 +366,40 @@ def format_table(rows):
   return '\n'.join(f'{a:<{widths[0]}}  {b:<{widths[1]}}  {c}' for a, b, c in rows)
 
 
+def _setting(flags_, name, run_config, run_value, default):
+  """A flag given on the command line, else the run's value, else the default."""
+  value = getattr(flags_, name, None)
+  if value is not None:
+    return value
+  return run_value if run_config is not None else default
+
+
 def run(flags_):
   """Evaluates per the flags; returns the table as text."""
-  model, params = checkpoint.load_model(flags_.checkpoint, flags_.model, flags_.image_size,
-                                        **parse_overrides(flags_.model_overrides))
+  run_config, model, params, image_size = model_flags.load(flags_)
+  rc = run_config or {}
+  pp = rc.get('pp', {})
+  get = lambda name, default: _setting(flags_, name, run_config, rc.get(name), default)
   config = ml_collections.ConfigDict(dict(
-      dataset=flags_.dataset, data_dir=flags_.data_dir, image_size=flags_.image_size,
-      pp=dict(eval_crop=flags_.eval_crop, central_crop_fraction=0.875)))
-  num_classes = input_pipeline.get_info(data_config(config, split=flags_.eval_split)).num_classes
+      dataset=get('dataset', 'fashion_mnist_local'), data_dir=get('data_dir', ''),
+      image_size=image_size,
+      pp=dict(eval_crop=_setting(flags_, 'eval_crop', run_config, pp.get('eval_crop'), 'resize'),
+              central_crop_fraction=pp.get('central_crop_fraction', 0.875))))
+  eval_split, train_split = get('eval_split', 'test'), get('train_split', 'train')
+  mode = getattr(flags_, 'mode', None) or ('all' if run_config is not None else 'fewshot')
+  num_classes = input_pipeline.get_info(data_config(config, split=eval_split)).num_classes
   rows = []
-  if flags_.mode in ('top1', 'all'):
+  if mode in ('top1', 'all'):
     if model.num_classes != num_classes:
       raise ValueError(f'The checkpoint head has {model.num_classes} classes but '
-                       f'{flags_.dataset} has {num_classes}: use --mode fewshot')
-    acc, n = top1_accuracy(model, params, config, flags_.eval_split, flags_.batch_size)
-    rows.append(('top1', flags_.eval_split, f'{acc:.4f}  ({n} images)'))
-  if flags_.mode in ('fewshot', 'all'):
+                       f'{config.dataset} has {num_classes}: use --mode fewshot')
+    acc, n = top1_accuracy(model, params, config, eval_split, flags_.batch_size)
+    rows.append(('top1', eval_split, f'{acc:.4f}  ({n} images)'))
+  if mode in ('fewshot', 'all'):
     shots = [int(k) for k in flags_.shots]
     seeds = [int(s) for s in flags_.seeds]
-    train_x, train_y = extract_features(model, params, config, flags_.train_split,
-                                        flags_.batch_size)
-    test_x, test_y = extract_features(model, params, config, flags_.eval_split,
-                                      flags_.batch_size)
+    train_x, train_y = extract_features(model, params, config, train_split, flags_.batch_size)
+    test_x, test_y = extract_features(model, params, config, eval_split, flags_.batch_size)
     results = fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes, shots, seeds,
                                flags_.l2_reg)
     for k, r in results.items():
@@ -417,11 +413,16 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   try:
-    print(run(FLAGS))
+    print(run(flags.FLAGS))
   except (ValueError, FileNotFoundError) as e:
-    sys.exit(f'vit_jax.evaluate: {e}')
+    sys.exit(f'vit-evaluate: {e}')
+
+
+def run_cli():
+  """The `vit-evaluate` console script."""
+  _define_flags()
+  app.run(main)
 
 
 if __name__ == '__main__':
-  FLAGS = _define_flags()
-  app.run(main)
+  run_cli()

@@ -299,7 +299,9 @@ def _read_idx(path: str, magic: int) -> np.ndarray:
 
 class _IdxSource(_LocalSource):
   """Fashion-MNIST from the original IDX files."""
-  num_classes = 10
+  class_names = ('T-shirt/top', 'Trouser', 'Pullover', 'Dress', 'Coat', 'Sandal', 'Shirt',
+                 'Sneaker', 'Bag', 'Ankle boot')
+  num_classes = len(class_names)
 
   def __init__(self, data_dir: str):
     self.data_dir = data_dir or FASHION_MNIST_DIR
@@ -346,6 +348,7 @@ class _FolderSource(_LocalSource):
     if not self.classes:
       raise ValueError(f'Folder dataset {root} has no class folders: expected '
                        '<dir>/<split>/<class>/<image>.')
+    self.class_names = tuple(self.classes)
     self.num_classes = len(self.classes)
 
   @functools.cache
@@ -386,6 +389,7 @@ class _TfdsSource:
     splits = self.builder.info.splits
     if splits:
       return {k: v.num_examples for k, v in splits.items()}
+    self.class_names = tuple(self.builder.info.features['label'].names)
     # tfds.testing.mock_data leaves info.splits empty: count by reading.
     sizes = {}
     for name in ('train', 'validation', 'test'):
@@ -449,6 +453,11 @@ def _decode_batches(ds: tf.data.Dataset, fn, local: int, fallback: dict,
   """(q, record) elements -> batches of `local` fn(q, record), errors survived.
 
   Each batch of records is mapped in its own small dataset whose failing
+def class_names(config) -> tuple[str, ...]:
+  """The dataset's class names, index i naming label i (known without reading the data)."""
+  return _source(config.dataset, config.data_dir).class_names
+
+
   elements are dropped (`ignore_errors`); the survivors are put back at their
   rows (q % local) and the other rows get `fallback`. A bad image thus costs
   its row, never the alignment of the stream. Adds 'mask' (row decoded) and

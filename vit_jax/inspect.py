@@ -17,8 +17,9 @@ Choices where the paper is silent:
     each query's weights over the patch keys are renormalised to sum to 1; distances
     are between patch centres, `pixels_per_token` apart.
 
-  python -m vit_jax.inspect --checkpoint ViT-B_16.npz --model ViT-B_16 \
-      --images a.jpg b.png --outdir figures/
+CLI (vit-inspect = python -m vit_jax.inspect), a finished run or a published file:
+  vit-inspect --workdir workdirs/quickstart --outdir figures/
+  vit-inspect --checkpoint ViT-B_16.npz --model ViT-B_16 --images a.jpg b.png --outdir figures/
 """
 import functools
 import io
@@ -30,6 +31,8 @@ from absl import app
 from absl import flags
 import jax
 import numpy as np
+
+from vit_jax import model_flags
 
 _BLOCK = re.compile(r'encoderblock_(\d+)$')
 
@@ -355,36 +358,37 @@ def inspect_model(model, params, image_size, images=None, names=None, outdir='.'
 
 def _define_flags():
   """The CLI's flags, defined only when run as a program (importing defines none)."""
-  flags.DEFINE_string('checkpoint', None, 'A published-format ViT .npz file.')
-  flags.DEFINE_string('model', 'ViT-B_16', 'Model name from vit_jax.models.VARIANTS.')
-  flags.DEFINE_string('model_overrides', '', 'Variant overrides: name=value,...')
-  flags.DEFINE_integer('image_size', 224, 'Resolution the images are resized to.')
+  model_flags.define_flags()
   flags.DEFINE_list('images', [], 'Image files (comma-separated; more may follow as '
                     'arguments: --images a.jpg b.png).')
   flags.DEFINE_integer('num_components', 28, 'Principal components of the filters shown.')
   flags.DEFINE_string('outdir', 'inspect', 'Folder the PNGs (and arrays.npz) go to.')
-  flags.mark_flag_as_required('checkpoint')
   return flags.FLAGS
 
 
 def main(argv):
-  # pylint: disable=g-import-not-at-top  (they load TF and orbax; the arrays API needs neither)
-  from vit_jax import checkpoint
-  from vit_jax import evaluate
-  paths = list(FLAGS.images) + list(argv[1:])
+  flags_ = flags.FLAGS
+  paths = list(flags_.images) + list(argv[1:])
   try:
-    model, params = checkpoint.load_model(FLAGS.checkpoint, FLAGS.model, FLAGS.image_size,
-                                          **evaluate.parse_overrides(FLAGS.model_overrides))
-    images = load_images(paths, FLAGS.image_size) if paths else None
-    written = inspect_model(model, params, FLAGS.image_size, images, paths, FLAGS.outdir,
-                            FLAGS.num_components)
+    _, model, params, image_size = model_flags.load(flags_)
+    if 'embedding' not in params:
+      raise ValueError('inspect draws Vision Transformer figures: this model has no patch '
+                       'embedding (a BiT ResNet?)')
+    images = load_images(paths, image_size) if paths else None
+    written = inspect_model(model, params, image_size, images, paths, flags_.outdir,
+                            flags_.num_components)
   except (ValueError, FileNotFoundError) as e:
-    sys.exit(f'vit_jax.inspect: {e}')
+    sys.exit(f'vit-inspect: {e}')
   if not paths:
     print('No --images: rollout and attention distance need images.')
   print('\n'.join(written))
 
 
-if __name__ == '__main__':
-  FLAGS = _define_flags()
+def run_cli():
+  """The `vit-inspect` console script."""
+  _define_flags()
   app.run(main)
+
+
+if __name__ == '__main__':
+  run_cli()

@@ -27,6 +27,13 @@ def open_file(path, mode):
   return open(path, mode)
 
 
+def exists(path):
+  if is_remote(path):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    return tf.io.gfile.exists(str(path))
+  return os.path.exists(path)
+
+
 def makedirs(path):
   if is_remote(path):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top

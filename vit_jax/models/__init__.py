@@ -32,4 +32,11 @@ def get_model(name, num_classes, **overrides):
   return cls(num_classes=num_classes, **fields, **options)
 
 
-__all__ = ['VARIANTS', 'get_model', 'get_variant', 'VisionTransformer', 'BiTResNet']
+def from_config(config, num_classes):
+  """The model a training config describes: model_name, model (overrides), dtype, remat,
+  head_bias_init."""
+  return get_model(config.model_name, num_classes, dtype=config.dtype, remat=config.remat,
+                   head_bias_init=config.head_bias_init, **config.model)
+
+
+__all__ = ['VARIANTS', 'from_config', 'get_model', 'get_variant', 'VisionTransformer', 'BiTResNet']

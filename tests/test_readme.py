@@ -1,0 +1,174 @@
+"""Every command of README.md, run as a user types it (relative paths, from a shell, in a
+directory of its own with the venv's commands on PATH): a README edit that breaks a command
+breaks this test.
+
+The two set-up commands (`make quickstart`, `make test`) are run verbatim by .ci/run. Here
+each other shell line is matched by one rule of RULES; a line no rule knows fails the test
+until a rule is added. Where the README's command is large, the rule runs it as written
+with small overrides appended (absl and the sweep take the last value of a flag); commands
+that need the network are only listed. The quickstart run the README's later commands read
+is made by the Makefile's own quickstart command, with small overrides appended.
+"""
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import numpy as np
+from PIL import Image
+import pytest
+
+from tests import data_fixtures
+from tests.conftest import ROOT
+
+README = os.path.join(ROOT, 'README.md')
+BIN = os.path.dirname(sys.executable)  # the venv's console scripts
+SMALL_RUN = ['--config.total_steps=6', '--config.warmup_steps=1', '--config.batch_size=32',
+             '--config.eval_batch_size=32', '--config.log_every_steps=3',
+             '--config.checkpoint_every_steps=3', '--config.eval_every_steps=0',
+             '--config.model.num_layers=1']
+SMALL_SWEEP = ['--set', 'config.total_steps=2', '--set', 'config.batch_size=16',
+               '--set', 'config.eval_batch_size=16', '--set', 'config.log_every_steps=1',
+               '--set', 'config.model.num_layers=1']
+
+
+def fenced_blocks(text):
+  """[(language, body)] of the README's fenced code blocks."""
+  return re.findall(r'^```(\w*)\n(.*?)^```', text, re.MULTILINE | re.DOTALL)
+
+
+def shell_lines(body):
+  """Commands of a shell block: continuations joined, comments and blank lines dropped."""
+  joined = body.replace('\\\n', ' ')
+  return [shlex.split(line, comments=True) for line in joined.splitlines()
+          if shlex.split(line, comments=True)]
+
+
+def readme_commands():
+  with open(README) as f:
+    blocks = fenced_blocks(f.read())
+  shell = [argv for lang, body in blocks if lang in ('bash', 'sh') for argv in shell_lines(body)]
+  python = [body for lang, body in blocks if lang == 'python']
+  return blocks, shell, python
+
+
+def _flag(argv, name):
+  for i, arg in enumerate(argv):
+    if arg.startswith(f'--{name}='):
+      return arg.split('=', 1)[1]
+    if arg == f'--{name}' and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
+def rule(argv):
+  """(action, extra args) for one README command; action None: no rule knows it."""
+  prog = argv[0]
+  if prog == 'make':
+    return 'ci', []  # .ci/run runs the two set-up commands verbatim
+  if prog == 'source' and argv[1:] == ['.venv/bin/activate']:
+    return 'activate', []  # the tests put the venv's commands on PATH themselves
+  if prog in ('curl', 'pip', 'gcloud', 'tfds'):
+    return 'network', []
+  if prog == 'vit-train':
+    if _flag(argv, 'config') == 'quickstart':
+      return 'run', SMALL_RUN
+    return 'parse', []  # its data is not here: the command line must parse and load
+  if prog in ('vit-evaluate', 'vit-predict', 'vit-inspect'):
+    if _flag(argv, 'dataset') not in (None, 'fashion_mnist_local'):
+      return 'run', ['--dataset', 'folder:photos', '--shots', '1', '--seeds', '0',
+                     '--batch_size', '4']  # a folder stands in for the TFDS set
+    return 'run', []
+  if prog == 'vit-sweep':
+    return 'run', (SMALL_SWEEP if _flag(argv, 'config') == 'quickstart' else []) + ['--dry-run']
+  if prog == 'vit-tpu':
+    return 'run', ['--dry-run']
+  return None, []
+
+
+@pytest.fixture(scope='module')
+def user_dir(tmp_path_factory):
+  """A user's directory after `make quickstart` (small) with the files the README names."""
+  home = tmp_path_factory.mktemp('user')
+  data = data_fixtures.write_idx(str(home / 'fashion'), num_train=256, num_test=64)
+  with open(os.path.join(ROOT, 'Makefile')) as f:
+    recipe = re.search(r'^quickstart:.*\n\t(.+)$', f.read(), re.MULTILINE).group(1)
+  argv = shlex.split(recipe.replace('$(VENV)/bin/', ''))
+  _shell(argv + SMALL_RUN + [f'--config.data_dir={data}'], home)
+  photos = home / 'photos'
+  for name, index in (('shoe.png', 0), ('cat.jpg', 1), ('a.jpg', 2), ('b.png', 3)):
+    Image.fromarray(data_fixtures.id_image(index)).convert('RGB').save(home / name)
+    for split in ('train', 'test'):
+      os.makedirs(photos / split / f'class{index % 2}', exist_ok=True)
+      Image.fromarray(data_fixtures.id_image(index)).convert('RGB').save(
+          photos / split / f'class{index % 2}' / name.replace('.jpg', '.png'))
+  _write_published_vit_b16(home / 'ViT-B_16.npz')
+  with open(home / 'names.txt', 'w') as f:
+    f.write(''.join(f'class {i}\n' for i in range(1000)))
+  return home
+
+
+def _write_published_vit_b16(path):
+  """A published-format ViT-B/16 file with a 1000-class head (random values, real shapes)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from vit_jax import checkpoint, models  # pylint: disable=import-outside-toplevel
+  model = models.get_model('ViT-B_16', num_classes=1000)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
+                                             np.zeros((1, 224, 224, 3), np.float32)))['params']
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(np.float32),
+                        shapes)
+  checkpoint.save_npz(str(path), params)
+
+
+def _shell(argv, cwd):
+  env = dict(os.environ, PATH=f'{BIN}:' + os.environ.get('PATH', ''),
+             XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  out = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, (f'{shlex.join(argv)} exited {out.returncode}:\n'
+                               f'{out.stdout[-1500:]}\n{out.stderr[-3000:]}')
+  return out
+
+
+def test_every_shell_line_has_a_rule():
+  _, shell, _ = readme_commands()
+  unknown = [shlex.join(argv) for argv in shell if rule(argv)[0] is None]
+  assert not unknown, f'README commands no rule in tests/test_readme.py runs: {unknown}'
+
+
+def test_the_two_setup_commands_come_first():
+  blocks, _, _ = readme_commands()
+  assert blocks[0][0] == 'bash'
+  assert [shlex.join(a) for a in shell_lines(blocks[0][1])] == ['make quickstart', 'make test']
+
+
+@pytest.mark.parametrize('argv', [a for a in readme_commands()[1] if rule(a)[0] == 'run'],
+                         ids=lambda a: shlex.join(a)[:60])
+def test_runs_as_written(argv, user_dir):
+  out = _shell(argv + rule(argv)[1], user_dir)
+  if argv[0] == 'vit-evaluate':
+    assert out.stdout.splitlines()[0].split() == ['mode', 'metric', 'value']
+  if argv[0] == 'vit-predict':
+    assert len([l for l in out.stdout.splitlines() if l.startswith('  ')]) % 5 == 0
+  if argv[0] == 'vit-inspect':
+    assert os.path.exists(user_dir / _flag(argv, 'outdir') / 'position_embedding_similarity.png')
+
+
+@pytest.mark.parametrize('argv', [a for a in readme_commands()[1] if rule(a)[0] == 'parse'],
+                         ids=lambda a: shlex.join(a)[:60])
+def test_training_commands_parse(argv, tmp_path):
+  """The command line of a run whose data is not here loads its config and overrides."""
+  code = ('import sys; from vit_jax import main; main.parse_flags(sys.argv);'
+          'print(main.FLAGS.config.model_name)')
+  out = _shell([sys.executable, '-c', code, *argv[1:]], tmp_path)
+  assert out.stdout.strip()
+
+
+@pytest.mark.parametrize('index', range(len(readme_commands()[2])))
+def test_python_blocks(index, user_dir, monkeypatch):
+  monkeypatch.chdir(user_dir)
+  namespace = {'images': np.zeros((2, 224, 224, 3), np.float32)}
+  exec(readme_commands()[2][index], namespace)  # pylint: disable=exec-used
+  if 'logits' in namespace:
+    assert namespace['logits'].shape == (2, 1000)

@@ -1,0 +1,61 @@
+"""The flags that name a model in the evaluate, inspect and predict programs, and loading it.
+
+Either a finished training run, `--workdir DIR` (its config.json and final.npz: model,
+resolution and data come from the run), or a published-format file, `--checkpoint F.npz
+--model NAME [--model_overrides ...] [--image_size N]`.
+"""
+import ast
+import sys
+
+from absl import flags
+import flax
+import numpy as np
+
+
+def define_flags():
+  """Defines the model flags on absl's global FLAGS (only when a program runs)."""
+  flags.DEFINE_string('workdir', None, 'A finished vit-train run: reads its config.json and '
+                      'final.npz (model, resolution and dataset come from the run).')
+  flags.DEFINE_string('checkpoint', None, 'A published-format .npz file (instead of --workdir).')
+  flags.DEFINE_string('model', 'ViT-B_16', 'With --checkpoint: a name from '
+                      'vit_jax.models.VARIANTS.')
+  flags.DEFINE_string('model_overrides', '', 'With --checkpoint: variant overrides, '
+                      'name=value,... (e.g. num_layers=2,hidden_size=32).')
+  flags.DEFINE_integer('image_size', None, 'With --checkpoint: the resolution (default 224).')
+
+
+def parse_overrides(text):
+  """'num_layers=2,hidden_size=32' -> {'num_layers': 2, 'hidden_size': 32}."""
+  out = {}
+  for item in filter(None, (s.strip() for s in (text or '').split(','))):
+    if '=' not in item:
+      raise ValueError(f'Model override {item!r} is not name=value: e.g. num_layers=2')
+    name, value = item.split('=', 1)
+    try:
+      out[name.strip()] = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+      out[name.strip()] = value.strip()
+  return out
+
+
+def load(flags_):
+  """(run config or None, model, params, image_size) named by the flags."""
+  # pylint: disable-next=g-import-not-at-top  (orbax: only when a model is loaded)
+  from vit_jax import checkpoint
+  workdir = getattr(flags_, 'workdir', None)
+  if bool(workdir) == bool(flags_.checkpoint):
+    raise ValueError('Name one model: --workdir DIR (a finished vit-train run) or '
+                     '--checkpoint FILE.npz with --model NAME')
+  if workdir:
+    config, model, params = checkpoint.load_run(workdir)
+    image_size = config.image_size
+  else:
+    config, image_size = None, flags_.image_size or 224
+    model, params = checkpoint.load_model(flags_.checkpoint, flags_.model, image_size,
+                                          **parse_overrides(flags_.model_overrides))
+  bad = [k for k, v in flax.traverse_util.flatten_dict(params, sep='/').items()
+         if not np.all(np.isfinite(np.asarray(v)))]
+  if bad:
+    print(f'warning: {len(bad)} parameter arrays hold NaN or Inf (e.g. {bad[0]}): the run '
+          'diverged and every output below is meaningless', file=sys.stderr)
+  return config, model, params, image_size
