@@ -279,6 +279,38 @@ def test_check_writable(tmp_path):
     tpu_vm.check_writable(str(tmp_path / 'file' / 'w'))
 
 
+def test_preflight_runs_its_checks(monkeypatch, capsys):
+  monkeypatch.setattr(tpu_vm, 'check_tfds', lambda name, d: f'TFDS {name} is prepared in {d}')
+  monkeypatch.setattr(tpu_vm, 'check_writable', lambda w: f'--workdir {w} is writable')
+  assert tpu_vm.main(['preflight', '--name', NAME, '--zone', ZONE, *run_args()]) == 0
+  assert capsys.readouterr().out.splitlines() == [
+      'tpu_vm: preflight: TFDS cifar10 is prepared in gs://b/tfds',
+      'tpu_vm: preflight: --workdir gs://b/w is writable']
+  def not_prepared(name, data_dir):
+    raise tpu_vm.LaunchError(f'run `tfds build {name} --data_dir={data_dir}`')
+  monkeypatch.setattr(tpu_vm, 'check_tfds', not_prepared)
+  with pytest.raises(SystemExit, match='tfds build cifar10 --data_dir=gs://b/tfds'):
+    tpu_vm.main(['all', '--name', NAME, '--zone', ZONE, *run_args()])
+  assert 'create' not in capsys.readouterr().out  # Nothing was created.
+
+
+def test_readme_commands_build(monkeypatch, capsys):
+  """Each `vit-tpu` line of README's Cloud TPU section, as a dry run (tests/test_readme.py
+  runs them as a user would)."""
+  with open(os.path.join(tpu_vm.REPO_ROOT, 'README.md')) as f:
+    text = f.read()
+  section = text[text.index('## Run on Cloud TPU'):]
+  section = section[:section.index('\n## ', 1)].replace('\\\n', ' ')
+  lines = [shlex.split(l) for l in section.splitlines() if l.startswith('vit-tpu ')]
+  actions = {argv[1] for argv in lines}
+  assert actions >= {'preflight', 'create', 'setup', 'run', 'logs', 'stop', 'delete', 'all',
+                     'watch'}
+  monkeypatch.chdir('/')
+  for argv in lines:
+    assert tpu_vm.main(argv[1:] + ['--dry-run']) == 0, argv
+    assert 'gs://BUCKET' in capsys.readouterr().out or argv[1] not in ('run', 'all')
+
+
 def test_logs_stop_delete():
   assert build('logs') == [ssh_prefix('0') + ['tail -n 100 vit_jax_logs/train.log']]
   [cmd] = build('logs', '--worker', 'all', '--follow', '--lines', '5', '--log', 'sweep-x')
