@@ -332,8 +332,8 @@ def main(argv=None, runner=run_local, out=None):
       commands = tpu_commands(tpu_args, args.config, args.workdir, sets, points)
       tpu_vm.execute(commands, args.dry_run, out=out)
       if not args.dry_run:
-        print(f'Started {len(points)} points on {args.tpu}. Follow one with python -m '
-              f'launch.tpu_vm logs --name {args.tpu} --zone {args.zone} --log sweep-'
+        print(f'Started {len(points)} points on {args.tpu}. Follow one with '
+              f'vit-tpu logs --name {args.tpu} --zone {args.zone} --log sweep-'
               f'{points[0][0]} -f; when all are done, add --summarize-only to this command.',
               file=out)
       return
@@ -346,6 +346,10 @@ def main(argv=None, runner=run_local, out=None):
       statuses = run_sweep(args.config, args.workdir, sets, points, runner, out)
     rows, winner = summarize(args.workdir, points, statuses)
     print(write_summary(args.workdir, rows, winner, args.config, points, sets), file=out)
+    failed = [name for name, status in (statuses or {}).items() if status != 'ok']
+    if failed:
+      sys.exit(f'sweep: {len(failed)} of {len(points)} points failed (the summary lists them): '
+               f'see {join(join(args.workdir, failed[0]), "sweep.log")}')
   except (SweepError, tpu_vm.LaunchError) as e:
     sys.exit(f'sweep: error: {e}')
 

@@ -23,14 +23,16 @@ from tests import data_fixtures
 from tests.conftest import ROOT
 
 README = os.path.join(ROOT, 'README.md')
+USER_DATA = 'fashion'  # the user's Fashion-MNIST IDX folder, relative to their directory
 BIN = os.path.dirname(sys.executable)  # the venv's console scripts
 SMALL_RUN = ['--config.total_steps=6', '--config.warmup_steps=1', '--config.batch_size=32',
              '--config.eval_batch_size=32', '--config.log_every_steps=3',
              '--config.checkpoint_every_steps=3', '--config.eval_every_steps=0',
              '--config.model.num_layers=1']
-SMALL_SWEEP = ['--set', 'config.total_steps=2', '--set', 'config.batch_size=16',
-               '--set', 'config.eval_batch_size=16', '--set', 'config.log_every_steps=1',
-               '--set', 'config.model.num_layers=1']
+SMALL_SWEEP = ['--set', 'config.total_steps=2', '--set', 'config.warmup_steps=1',
+               '--set', 'config.batch_size=16', '--set', 'config.eval_batch_size=16',
+               '--set', 'config.log_every_steps=1', '--set', 'config.model.num_layers=1',
+               '--set', 'config.train_split=train[:64]', '--set', 'config.eval_split=test[:32]']
 
 
 def fenced_blocks(text):
@@ -80,8 +82,10 @@ def rule(argv):
       return 'run', ['--dataset', 'folder:photos', '--shots', '1', '--seeds', '0',
                      '--batch_size', '4']  # a folder stands in for the TFDS set
     return 'run', []
-  if prog == 'vit-sweep':
-    return 'run', (SMALL_SWEEP if _flag(argv, 'config') == 'quickstart' else []) + ['--dry-run']
+  if prog == 'vit-sweep':  # the quickstart's for real (on the user's data), others dry
+    if _flag(argv, 'config') == 'quickstart':
+      return 'run', SMALL_SWEEP + ['--set', f'config.data_dir={USER_DATA}']
+    return 'run', ['--dry-run']
   if prog == 'vit-tpu':
     return 'run', ['--dry-run']
   return None, []
@@ -91,7 +95,7 @@ def rule(argv):
 def user_dir(tmp_path_factory):
   """A user's directory after `make quickstart` (small) with the files the README names."""
   home = tmp_path_factory.mktemp('user')
-  data = data_fixtures.write_idx(str(home / 'fashion'), num_train=256, num_test=64)
+  data = data_fixtures.write_idx(str(home / USER_DATA), num_train=256, num_test=64)
   with open(os.path.join(ROOT, 'Makefile')) as f:
     recipe = re.search(r'^quickstart:.*\n\t(.+)$', f.read(), re.MULTILINE).group(1)
   argv = shlex.split(recipe.replace('$(VENV)/bin/', ''))
@@ -151,6 +155,8 @@ def test_runs_as_written(argv, user_dir):
     assert out.stdout.splitlines()[0].split() == ['mode', 'metric', 'value']
   if argv[0] == 'vit-predict':
     assert len([l for l in out.stdout.splitlines() if l.startswith('  ')]) % 5 == 0
+  if argv[0] == 'vit-sweep' and '--dry-run' not in argv + rule(argv)[1]:
+    assert 'failed (exit' not in out.stdout and 'Winner (best final accuracy): **' in out.stdout
   if argv[0] == 'vit-inspect':
     assert os.path.exists(user_dir / _flag(argv, 'outdir') / 'position_embedding_similarity.png')
 

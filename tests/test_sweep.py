@@ -140,7 +140,9 @@ def test_failing_point_does_not_stop_the_sweep(tmp_path, capsys):
     return 0
 
   workdir = str(tmp_path / 'sw')
-  sweep.main([f'--config={FINETUNE}', f'--workdir={workdir}'], runner=runner)
+  with pytest.raises(SystemExit) as failed:  # the whole sweep exits non-zero, after the summary
+    sweep.main([f'--config={FINETUNE}', f'--workdir={workdir}'], runner=runner)
+  assert str(failed.value).startswith('sweep: 2 of 4 points failed (the summary lists them)')
   assert ran == ['0.001', '0.003', '0.01', '0.03']
   out = capsys.readouterr().out
   with open(os.path.join(workdir, 'summary.csv')) as f:
