@@ -72,8 +72,10 @@ def get_config():
   c.fsdp = False  # Shard parameters and optimizer state over the data axis.
 
   # Loop.
-  c.log_every_steps = 50  # Progress line and training metrics.
+  c.log_every_steps = 50  # Progress line and training metrics; 0 only at the end.
   c.eval_every_steps = 1000  # Evaluation on eval_split; 0 only at the end.
-  c.checkpoint_every_steps = 1000  # Orbax checkpoint period.
-  c.keep_checkpoints = 3  # Checkpoints kept on disk.
+  c.checkpoint_every_steps = 1000  # Orbax checkpoint period; 0 only at the end (and on a signal).
+  c.keep_checkpoints = 3  # Checkpoints kept on disk (1 or more; -1 keeps all).
+  c.on_nonfinite = 'stop'  # Non-finite loss or gradient: 'stop' (exit 1, never saved) or 'skip'.
+  c.resume_changes = ''  # Fields allowed to differ from the workdir's run: 'base_lr,model', '*'.
   return c

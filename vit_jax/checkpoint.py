@@ -10,14 +10,15 @@ import json
 import os
 import re
 import tempfile
+import time
 import zipfile
 
 from absl import logging
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
 import scipy.ndimage
 
@@ -143,10 +144,17 @@ def save_npz(path, params):
   try:
     with os.fdopen(fd, 'wb') as f:
       np.savez(f, **out)
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a published file follows the umask
     os.replace(tmp, path)
   except BaseException:
     os.unlink(tmp)
     raise
+
+
+def _umask():
+  mask = os.umask(0o22)
+  os.umask(mask)
+  return mask
 
 
 def interpolate_posemb(posemb, num_tokens, has_class_token):
@@ -261,14 +269,6 @@ def load_model(path, model_name, image_size, **overrides):
   return model, params
 
 
-# Training state: orbax, asynchronous, written collectively by all hosts.
-
-
-def train_state_manager(directory, keep):
-  """An orbax manager for `directory` that keeps the last `keep` steps.
-
-  Saves are asynchronous (the loop goes on while files are written) and atomic: a
-  step directory appears under its final name only once complete, so a run killed
 def load_run(workdir):
   """(config, model, params) of a finished `vit-train` run: its config.json and final.npz."""
   workdir = paths.resolve(workdir)
@@ -290,23 +290,106 @@ def load_run(workdir):
   return config, model, jax.tree.map(jnp.asarray, params)
 
 
+# Training state: orbax, asynchronous, written collectively by all hosts.
+
+
+class DifferentModelError(ValueError):
+  """The checkpoints in a directory do not fit the model (another model's workdir)."""
+
+
+def train_state_manager(directory, keep):
+  """An orbax manager for `directory` that keeps the last `keep` steps (-1: all).
+
+  Saves are asynchronous (the loop goes on while files are written) and atomic: a
+  step directory appears under its final name only once complete, so a run killed
   mid-save resumes from the previous complete step.
   """
   # cleanup_tmp_directories: a save cut short by kill -9 leaves a temporary directory,
   # removed at the next start (it is never taken for a checkpoint).
-  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+  options = ocp.CheckpointManagerOptions(max_to_keep=None if keep == -1 else keep, create=True,
                                          cleanup_tmp_directories=True)
-  return ocp.CheckpointManager(directory, options=options)
+  return ocp.CheckpointManager(directory, options=options,
+                               item_handlers=ocp.StandardCheckpointHandler())
 
 
 def save_train_state(manager, step, state, force=False):
   return manager.save(step, args=ocp.args.StandardSave(state), force=force)
 
 
-def restore_train_state(manager, abstract_state):
-  """The latest complete state laid out as `abstract_state` (ShapeDtypeStructs with
-  shardings, so it restores onto any mesh), or None when there is none."""
-  step = manager.latest_step()
-  if step is None:
-    return None
-  return manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+def _flat_shapes(tree):
+  return {'/'.join(re.findall(r"\['?([^'\]]+)'?\]", jax.tree_util.keystr(k))): tuple(v.shape)
+          for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def check_fits(manager, step, abstract_state):
+  """Raises DifferentModelError if step's saved shapes differ from `abstract_state`'s.
+
+  Returns False when the step's metadata cannot be read (a damaged checkpoint).
+  """
+  try:
+    saved = _flat_shapes(dict(manager.item_metadata(step)))
+  except Exception:  # pylint: disable=broad-except  (any damage: the caller falls back)
+    return False
+  wanted = _flat_shapes(abstract_state)
+  saved_params = {k: v for k, v in saved.items() if k.startswith('params/')}
+  for key, shape in wanted.items():
+    if key in saved_params and saved_params[key] != shape:
+      raise DifferentModelError(f'{key}: checkpoint {saved_params[key]} vs model {shape}')
+  only = sorted(set(saved_params) ^ {k for k in wanted if k.startswith('params/')})
+  if only:
+    raise DifferentModelError(f'{only[0]} is only in the '
+                              f'{"checkpoint" if only[0] in saved else "model"}')
+  shapes = lambda tree: sorted(tuple(x.shape) for x in jax.tree.leaves(tree))
+  if shapes(dict(manager.item_metadata(step))) != shapes(abstract_state):  # key styles differ
+    raise DifferentModelError('the optimizer state differs (another optimizer?)')
+  return True
+
+
+def move_aside(directory, step):
+  """Renames checkpoint `step` to `<step>.corrupt-<time>` (never deletes); returns the new path."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (local or gs://)
+  src = os.path.join(directory, str(step))
+  dst = f'{src}.corrupt-{time.strftime("%Y%m%d-%H%M%S")}'
+  tf.io.gfile.rename(src, dst)
+  return dst
+
+
+def restore_train_state(manager, abstract_state, *, move_bad=True):
+  """The newest restorable state, laid out as `abstract_state` (ShapeDtypeStructs with
+  shardings, so it restores onto any mesh), or None when there is none.
+
+  A damaged step (truncated files, missing metadata) is moved aside as
+  `<step>.corrupt-<time>` with a one-line warning, and the previous step is tried.
+  Checkpoints of another model raise DifferentModelError naming a parameter.
+  """
+  directory = str(manager.directory)
+  moved = False
+  for step in sorted(manager.all_steps(), reverse=True):
+    error = None
+    if check_fits(manager, step, abstract_state):
+      try:
+        state = manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+        if moved:
+          manager.reload()
+        return state
+      except Exception as e:  # pylint: disable=broad-except  (damage of any kind)
+        error = _one_line(e)
+    else:
+      error = 'its metadata is unreadable'
+    where = 'left in place'
+    if move_bad and jax.process_index() == 0:
+      try:
+        where = 'moved to ' + move_aside(directory, step)
+        moved = True
+      except Exception as e:  # pylint: disable=broad-except
+        where = f'left in place (cannot rename: {_one_line(e)})'
+    logging.warning('Checkpoint of step %d in %s cannot be restored (%s): %s; trying the '
+                    'previous one', step, directory, error, where)
+  manager.reload()
+  return None
+
+
+def _one_line(error):
+  lines = [l.strip() for l in str(error).splitlines() if l.strip()]
+  text = lines[0] if lines else type(error).__name__
+  return text if len(text) < 200 else text[:197] + '...'

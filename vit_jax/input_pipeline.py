@@ -312,13 +312,8 @@ class _IdxSource(_LocalSource):
 
   @functools.cache
   def sizes(self) -> dict[str, int]:
-    sizes = {}
-    for split in _IDX_PREFIX:
-      path = self._path(split, 'labels')
-      _read_idx(path, 2049)  # Checks presence and format.
-      with gzip.open(path, 'rb') as f:
-        sizes[split] = int(np.frombuffer(f.read(8), '>i4')[1])
-    return sizes
+    # Reads (and checks: presence, format, labels) both splits once; cached.
+    return {split: len(self.arrays(split)[1]) for split in _IDX_PREFIX}
 
   @functools.cache
   def arrays(self, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -327,6 +322,10 @@ class _IdxSource(_LocalSource):
     if len(images) != len(labels):
       raise ValueError(f'{self.data_dir}: {len(images)} images but '
                        f'{len(labels)} labels in split {split!r}.')
+    if len(labels) and labels.max() >= self.num_classes:
+      raise ValueError(f'{self._path(split, "labels")} has label {labels.max()}, but '
+                       f'Fashion-MNIST has {self.num_classes} classes: replace it with '
+                       'the original file.')
     return images, labels
 
 
@@ -348,8 +347,8 @@ class _FolderSource(_LocalSource):
     if not self.classes:
       raise ValueError(f'Folder dataset {root} has no class folders: expected '
                        '<dir>/<split>/<class>/<image>.')
-    self.class_names = tuple(self.classes)
     self.num_classes = len(self.classes)
+    self.class_names = tuple(self.classes)
 
   @functools.cache
   def arrays(self, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -358,10 +357,14 @@ class _FolderSource(_LocalSource):
       folder = os.path.join(self.root, split, name)
       if not tf.io.gfile.isdir(folder):
         continue
-      for f in sorted(tf.io.gfile.listdir(folder)):
-        if not f.startswith('.') and f.lower().endswith(IMAGE_EXTENSIONS):
-          paths.append(os.path.join(folder, f))
-          labels.append(label)
+      found = [f for f in sorted(tf.io.gfile.listdir(folder))
+               if not f.startswith('.') and f.lower().endswith(IMAGE_EXTENSIONS)]
+      if not found:  # would still count as a class: a head unit never trained
+        raise ValueError(f'class folder {folder} holds no images '
+                         f'({"/".join(IMAGE_EXTENSIONS)}): add its images or '
+                         'remove the folder.')
+      paths += [os.path.join(folder, f) for f in found]
+      labels += [label] * len(found)
     return np.array(paths, dtype=object), np.array(labels, np.int32)
 
   @functools.cache
@@ -375,8 +378,18 @@ class _FolderSource(_LocalSource):
 class _TfdsSource:
   """A TFDS dataset; images stay encoded until after shuffling."""
   def __init__(self, name: str, data_dir: str):
-    self.builder = tfds.builder(name, data_dir=data_dir or None)
+    self.name = name
+    try:
+      self.builder = tfds.builder(name, data_dir=data_dir or None)
+    except tfds.core.registered.DatasetNotFoundError:
+      raise ValueError(f"dataset {name!r} is not a TFDS dataset: set --config.dataset "
+                       "to a TFDS name, 'folder:<dir>' or 'fashion_mnist_local'"
+                       ) from None
+    # The data_dir root, as a user would pass it to `tfds build --data_dir`.
+    self.data_dir = data_dir or os.path.dirname(os.path.dirname(
+        self.builder.data_dir))
     self.num_classes = self.builder.info.features['label'].num_classes
+    self.class_names = tuple(self.builder.info.features['label'].names)
 
   def _read(self, split) -> tf.data.Dataset:
     ds = self.builder.as_dataset(
@@ -389,7 +402,6 @@ class _TfdsSource:
     splits = self.builder.info.splits
     if splits:
       return {k: v.num_examples for k, v in splits.items()}
-    self.class_names = tuple(self.builder.info.features['label'].names)
     # tfds.testing.mock_data leaves info.splits empty: count by reading.
     sizes = {}
     for name in ('train', 'validation', 'test'):
@@ -398,6 +410,11 @@ class _TfdsSource:
       except (ValueError, KeyError, AssertionError):
         continue
       sizes[name] = int(ds.reduce(np.int64(0), lambda c, _: c + 1))
+    if not sizes:
+      raise FileNotFoundError(
+          f'dataset {self.name} is not prepared in data_dir {self.data_dir}: run '
+          f'`tfds build {self.name} --data_dir={self.data_dir}` or set '
+          '--config.data_dir to where it is prepared.')
     return sizes
 
   def count(self, spec: str) -> int:
@@ -436,6 +453,11 @@ def get_info(config) -> DatasetInfo:
                      num_eval_examples=src.count(config.eval_split))
 
 
+def class_names(config) -> tuple[str, ...]:
+  """The dataset's class names, index i naming label i (known without reading the data)."""
+  return _source(config.dataset, config.data_dir).class_names
+
+
 # ---------------------------------------------------------------- pipelines
 def _hosts(global_batch: int, process_index, process_count):
   index = jax.process_index() if process_index is None else process_index
@@ -453,11 +475,6 @@ def _decode_batches(ds: tf.data.Dataset, fn, local: int, fallback: dict,
   """(q, record) elements -> batches of `local` fn(q, record), errors survived.
 
   Each batch of records is mapped in its own small dataset whose failing
-def class_names(config) -> tuple[str, ...]:
-  """The dataset's class names, index i naming label i (known without reading the data)."""
-  return _source(config.dataset, config.data_dir).class_names
-
-
   elements are dropped (`ignore_errors`); the survivors are put back at their
   rows (q % local) and the other rows get `fallback`. A bad image thus costs
   its row, never the alignment of the stream. Adds 'mask' (row decoded) and

@@ -14,17 +14,24 @@ DATA = 'data'
 _FSDP_MIN_SIZE = 2**14
 
 
+def mesh_size(config):
+  """Devices on the data axis; one-line ValueError naming mesh_data when it cannot be."""
+  devices = jax.device_count()
+  n = devices if config.mesh_data == -1 else config.mesh_data
+  if n < 1 or n > devices or devices % n:
+    divisors = [d for d in range(1, devices + 1) if devices % d == 0]
+    raise ValueError(
+        f'mesh_data {config.mesh_data} does not fit the {devices} devices: set '
+        f'--config.mesh_data to -1 (all) or a divisor of {devices} '
+        f'({", ".join(map(str, divisors))})')
+  if n < devices and jax.process_count() > 1:
+    raise ValueError('mesh_data must be -1 on several hosts: set --config.mesh_data=-1')
+  return n
+
+
 def make_mesh(config):
   """A 1-D mesh over `config.mesh_data` devices (-1: all, in jax.devices() order)."""
-  devices = jax.devices()
-  n = len(devices) if config.mesh_data == -1 else config.mesh_data
-  if n < 1 or n > len(devices) or len(devices) % n:
-    raise ValueError(
-        f'mesh_data {config.mesh_data} does not fit {len(devices)} devices: set '
-        f'--config.mesh_data to -1 or a divisor of {len(devices)}')
-  if n < len(devices) and jax.process_count() > 1:
-    raise ValueError('mesh_data must be -1 on several hosts: set --config.mesh_data=-1')
-  return Mesh(np.array(devices[:n]), (DATA,))
+  return Mesh(np.array(jax.devices()[:mesh_size(config)]), (DATA,))
 
 
 def data_sharding(mesh):

@@ -6,8 +6,13 @@ jax.Arrays. The state is {'step', 'params', 'opt_state'}; everything random in s
 (data order, augmentation, dropout) is a function of (seed, s), so a run resumed from
 its orbax checkpoint continues exactly where it stopped.
 """
+import json
+import logging as std_logging
 import os
+import re
 import signal
+import socket
+import sys
 import threading
 import time
 
@@ -39,6 +44,25 @@ class ConfigError(ValueError):
   """A bad config or data source found at start-up; main prints it as one line."""
 
 
+class TrainingError(ConfigError):
+  """A fault met while training (divergence, a failed save, Ctrl-C): one line, exit 1.
+
+  A subclass of ConfigError so that main prints it the same way.
+  """
+
+
+ON_NONFINITE = ('stop', 'skip')
+# Config fields that do not change the trained parameters: they may differ from the
+# workdir's config.json when a run resumes. Every other field must match, unless it
+# is named in config.resume_changes. (accum_steps: the same mean gradient; mesh_data,
+# fsdp, remat: the same step on another layout; data_dir: the same data, moved.)
+_FREE_FIELDS = ('log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
+                'keep_checkpoints', 'prefetch', 'eval_batch_size', 'eval_split', 'mesh_data',
+                'fsdp', 'remat', 'accum_steps', 'data_dir', 'on_nonfinite', 'resume_changes',
+                'lr_grid', 'pp.eval_crop', 'pp.central_crop_fraction')
+_FREE_PREFIXES = ('fewshot_',)
+
+
 def build_model(config, num_classes):
   return models.get_model(config.model_name, num_classes, dtype=config.dtype,
                           remat=config.remat, head_bias_init=config.head_bias_init,
@@ -55,15 +79,33 @@ def _stride(config):
   return stem * fields['patch_size']
 
 
-def validate_config(config, num_train_examples=None):
+def validate_config(config, num_train_examples=None, dataset_classes=None):
   """Start-up checks; each failure is one line naming the field and the fix."""
+  n_dev = sharding.mesh_size(config)  # first: a bad mesh is not blamed on the batch size
+  for name in ('log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
+               'fewshot_every_steps'):
+    if config[name] < 0:
+      raise ValueError(f'{name} {config[name]} is negative: set --config.{name} to a '
+                       'period in steps, or 0 for only at the end')
+  if config.keep_checkpoints == 0 or config.keep_checkpoints < -1:
+    raise ValueError(f'keep_checkpoints {config.keep_checkpoints} would keep no checkpoint to '
+                     'resume from: set --config.keep_checkpoints to 1 or more (-1 keeps all)')
+  if config.get('on_nonfinite', 'stop') not in ON_NONFINITE:
+    raise ValueError(f'on_nonfinite {config.on_nonfinite!r} is unknown: set '
+                     f'--config.on_nonfinite to one of {ON_NONFINITE}')
+  if config.accum_steps < 1:
+    raise ValueError(f'accum_steps {config.accum_steps} must be 1 or more: set '
+                     '--config.accum_steps')
+  if dataset_classes and 0 < config.num_classes < dataset_classes:
+    raise ValueError(f'num_classes {config.num_classes} is smaller than the dataset\'s '
+                     f'{dataset_classes} classes (labels up to {dataset_classes - 1}): set '
+                     f'--config.num_classes={dataset_classes} or -1 (from the dataset)')
   if config.dtype not in DTYPES:
     raise ValueError(f'dtype {config.dtype!r} is unknown: set --config.dtype to one of {DTYPES}')
   stride = _stride(config)
   if config.image_size % stride:
     raise ValueError(f'image_size {config.image_size} is not divisible by patch size {stride}: '
                      f'set --config.image_size to a multiple of {stride}')
-  n_dev = jax.device_count() if config.mesh_data == -1 else config.mesh_data
   micro = config.batch_size // max(config.accum_steps, 1)
   if config.batch_size % max(config.accum_steps, 1) or micro % n_dev:
     raise ValueError(f'batch_size {config.batch_size} / accum_steps {config.accum_steps} must be a '
@@ -121,9 +163,23 @@ def make_train_step(model, tx, schedule, config, mesh):
           body, zeros, (jnp.arange(accum), split(batch['image']), split(batch['label'])))
       loss, g = jax.tree.map(lambda x: x / accum, (loss, g))
     updates, opt_state = tx.update(g, state['opt_state'], params)
-    new_state = {'step': state['step'] + 1, 'params': optax.apply_updates(params, updates),
-                 'opt_state': opt_state}
-    metrics = {'loss': loss, 'grad_norm': optax.global_norm(g), 'lr': schedule(state['step'])}
+    new_params = optax.apply_updates(params, updates)
+    grad_norm = optax.global_norm(g)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if config.get('on_nonfinite', 'stop') == 'skip':  # the step counts, its update does not
+      keep = lambda new, old: jnp.where(finite, new, old)
+      new_params = jax.tree.map(keep, new_params, params)
+      opt_state = jax.tree.map(keep, opt_state, state['opt_state'])
+    new_state = {'step': state['step'] + 1, 'params': new_params, 'opt_state': opt_state}
+    metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': schedule(state['step'])}
+    if 'guard' in state:  # the loop's divergence guard: the first non-finite step, on device
+      guard = state['guard']
+      first = (guard['first_bad'] == 0) & ~finite
+      new_state['guard'] = metrics['guard'] = {
+          'first_bad': jnp.where(first, state['step'] + 1, guard['first_bad']),
+          'loss': jnp.where(first, loss, guard['loss']),
+          'grad_norm': jnp.where(first, grad_norm, guard['grad_norm']),
+          'skipped': guard['skipped'] + (~finite).astype(jnp.int32)}
     return new_state, metrics
 
   return step
@@ -138,14 +194,32 @@ def make_eval_step(model):
   return step
 
 
-def evaluate(eval_step, params, config, batch_sharding):
+def evaluate(eval_step, params, config, batch_sharding, num_classes=None):
   """Top-1 accuracy over the whole evaluation split (padding masked out)."""
   correct = count = 0.0
   for batch in input_pipeline.eval_batches(config, global_batch=config.eval_batch_size):
+    if num_classes is not None:
+      _check_labels(batch['label'][batch['mask']], num_classes, 'eval_split', config.eval_split)
     out = _local(eval_step(params, input_pipeline.to_global(batch, batch_sharding)))
     correct += float(out['correct'])
     count += float(out['count'])
   return correct / max(count, 1.0), int(count)
+
+
+def _check_labels(labels, num_classes, field, split):
+  if labels.size and (labels.max() >= num_classes or labels.min() < 0):
+    bad = int(labels.max() if labels.max() >= num_classes else labels.min())
+    raise TrainingError(f'{field} {split!r} has label {bad}, outside the head\'s {num_classes} '
+                        f'classes [0, {num_classes - 1}]: set --config.num_classes to at least '
+                        f'{bad + 1} (or -1 to take it from the dataset), or fix the labels')
+
+
+def _checked_labels(batches, num_classes, split):
+  """The training batches, each checked on the host: a label >= num_classes stops the run
+  (jax.nn.one_hot would make it an all-zero target, silently)."""
+  for batch in batches:
+    _check_labels(batch['label'], num_classes, 'train_split', split)
+    yield batch
 
 
 def _local(tree):
@@ -169,10 +243,180 @@ def _abstract(tree, shardings):
                       tree, shardings)
 
 
+def _one_line(error):
+  """One line of an exception's text (the last non-empty one), at most 300 characters."""
+  if isinstance(error, OSError) and error.strerror:
+    return f'{error.strerror} ({error.filename})' if error.filename else error.strerror
+  lines = [l.strip() for l in str(error).splitlines() if l.strip()]
+  text = lines[-1] if lines else type(error).__name__
+  return text if len(text) <= 300 else text[:297] + '...'
+
+
 def _write_config(config, workdir):
   if jax.process_index() == 0:
-    with tf.io.gfile.GFile(os.path.join(workdir, 'config.json'), 'w') as f:
-      f.write(config.to_json_best_effort(indent=2))
+    path = os.path.join(workdir, 'config.json')
+    try:
+      with tf.io.gfile.GFile(path, 'w') as f:
+        f.write(config.to_json_best_effort(indent=2))
+    except (OSError, tf.errors.OpError) as e:
+      raise ConfigError(f'cannot write {path}: {_one_line(e)}: free space or fix permissions, '
+                        'or use another --workdir') from None
+
+
+def _flatten(tree, prefix=''):
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flatten(value, f'{prefix}{key}.'))
+    else:
+      out[prefix + key] = value
+  return out
+
+
+def _has_results(workdir):
+  """Whether `workdir` holds something a run with another config would spoil."""
+  ckpt = os.path.join(workdir, 'checkpoints')
+  steps = tf.io.gfile.isdir(ckpt) and any(
+      d.rstrip('/').isdigit() for d in tf.io.gfile.listdir(ckpt))
+  return steps or tf.io.gfile.exists(os.path.join(workdir, 'final.npz'))
+
+
+def check_resume_config(config, workdir):
+  """Refuses (ConfigError) a config whose result-changing fields differ from the one of
+  the run in `workdir`, unless config.resume_changes names them ('*': any)."""
+  path = os.path.join(workdir, 'config.json')
+  if not tf.io.gfile.exists(path) or not _has_results(workdir):
+    return
+  try:
+    with tf.io.gfile.GFile(path) as f:
+      old = _flatten(json.loads(f.read()))
+  except (ValueError, OSError, tf.errors.OpError) as e:
+    logging.warning('Cannot read %s (%s): resuming without comparing configs', path, e)
+    return
+  new = _flatten(json.loads(config.to_json_best_effort()))
+  allowed = [x.strip() for x in str(config.get('resume_changes', '')).split(',') if x.strip()]
+  if '*' in allowed:
+    return
+
+  def free(key):
+    return (key in _FREE_FIELDS or key.startswith(_FREE_PREFIXES) or
+            any(key == a or key.startswith(a + '.') for a in allowed))
+
+  changed = [k for k in sorted(old) if k in new and old[k] != new[k] and not free(k)]
+  if changed:
+    shown = ', '.join(f'{k} {old[k]!r} -> {new[k]!r}' for k in changed[:4])
+    more = f' and {len(changed) - 4} more' if len(changed) > 4 else ''
+    raise ConfigError(
+        f'workdir {workdir} holds a run with another config ({shown}{more}): use another '
+        f'--workdir, or pass --config.resume_changes={",".join(changed)} if the change is '
+        'intended')
+
+
+def _proc_start(pid):
+  """The start time of process `pid` in clock ticks (tells a reused pid apart), or None."""
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return int(f.read().rsplit(')', 1)[1].split()[19])
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+class WorkdirLock:
+  """One run per workdir: `<workdir>/lock` holds the host, pid and start time of its run.
+
+  Local workdirs: created with O_CREAT|O_EXCL; a lock whose process is gone (same host,
+  pid not running, or running but started at another time) is stale and taken over with
+  a warning. gs:// (no exclusive create on object stores): the lock object is written
+  and a holder found there is only warned about, since a preempted TPU VM cannot remove
+  its lock and must resume. Only process 0 locks.
+  """
+
+  def __init__(self, workdir):
+    self.path = os.path.join(workdir, 'lock')
+    self.held = False
+
+  def _info(self):
+    return {'host': socket.gethostname(), 'pid': os.getpid(),
+            'proc_start': _proc_start(os.getpid()), 'started': time.strftime('%Y-%m-%d %H:%M:%S %Z')}
+
+  def _read(self):
+    try:
+      with tf.io.gfile.GFile(self.path) as f:
+        return json.loads(f.read())
+    except (ValueError, OSError, tf.errors.OpError):
+      return None
+
+  def _stale(self, holder):
+    if holder is None:  # unreadable: stale unless being written right now
+      try:
+        return time.time() - os.path.getmtime(self.path) > 10
+      except OSError:
+        return True
+    if holder.get('host') != socket.gethostname():
+      return False
+    pid = int(holder.get('pid', -1))
+    try:
+      os.kill(pid, 0)
+    except ProcessLookupError:
+      return True
+    except PermissionError:
+      pass
+    start = holder.get('proc_start')
+    return start is not None and _proc_start(pid) not in (None, start)
+
+  def _holder_text(self, holder):
+    if holder is None:
+      return f'an unreadable lock {self.path}'
+    return (f'pid {holder.get("pid")} on {holder.get("host")} (started '
+            f'{holder.get("started")}, lock {self.path})')
+
+  def acquire(self):
+    if jax.process_index() != 0:
+      return
+    data = json.dumps(self._info())
+    try:
+      if paths.is_remote(self.path):
+        if tf.io.gfile.exists(self.path):
+          logging.warning('The workdir may be in use by %s; object stores cannot lock: make '
+                          'sure no other run uses it', self._holder_text(self._read()))
+        with tf.io.gfile.GFile(self.path, 'w') as f:
+          f.write(data)
+        self.held = True
+        return
+      for _ in range(3):
+        try:
+          fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+          holder = self._read()
+          if not self._stale(holder):
+            raise ConfigError(
+                f'workdir {os.path.dirname(self.path)} is in use by {self._holder_text(holder)}: '
+                'wait for that run to end or use another --workdir (delete the lock file only '
+                'if that run is gone)') from None
+          logging.warning('Taking over the stale lock of %s: that process is gone',
+                          self._holder_text(holder))
+          try:
+            os.unlink(self.path)
+          except FileNotFoundError:
+            pass
+          continue
+        self.held = True
+        with os.fdopen(fd, 'w') as f:
+          f.write(data)
+        return
+      raise ConfigError(f'cannot take the lock {self.path}: another run keeps taking it')
+    except (OSError, tf.errors.OpError) as e:
+      self.release()
+      raise ConfigError(f'cannot write to workdir {os.path.dirname(self.path)}: {_one_line(e)}: '
+                        'free space or fix permissions, or use another --workdir') from None
+
+  def release(self):
+    if self.held:
+      self.held = False
+      try:
+        tf.io.gfile.remove(self.path)
+      except (OSError, tf.errors.OpError):
+        pass
 
 
 def train_and_evaluate(config, workdir, *, stop_after_steps=None):
@@ -180,20 +424,84 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None):
 
   `stop_after_steps` ends the run early at that step (with a checkpoint), as a
   preemption would, without changing the schedule. A local `workdir` may be relative.
+  Faults end the run with a one-line ConfigError (TrainingError while training):
+  a non-finite loss or gradient (nothing non-finite is ever saved), a failed
+  checkpoint write, Ctrl-C (after saving), a config that differs from the workdir's
+  run, a workdir in use by another run, checkpoints of another model.
   """
   workdir = paths.resolve(workdir)  # orbax refuses relative checkpoint paths
   try:
     info = input_pipeline.get_info(config)
     num_classes = config.num_classes if config.num_classes > 0 else info.num_classes
-    validate_config(config, info.num_train_examples)
+    validate_config(config, info.num_train_examples, dataset_classes=info.num_classes)
     total_steps = optim.total_steps(config, info.num_train_examples)
     schedule = optim.learning_rate_schedule(config, total_steps)
     tx = optim.make_optimizer(config, total_steps)
     model = build_model(config, num_classes)
   except (ValueError, FileNotFoundError) as e:
     raise ConfigError(str(e)) from None
-  tf.io.gfile.makedirs(workdir)  # local or gs://
+  try:
+    tf.io.gfile.makedirs(workdir)  # local or gs://
+  except (OSError, tf.errors.OpError) as e:
+    raise ConfigError(f'cannot create workdir {workdir}: {_one_line(e)}: choose a writable '
+                      '--workdir') from None
+  lock = WorkdirLock(workdir)
+  lock.acquire()
+  try:
+    check_resume_config(config, workdir)
+    return _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
+                  stop_after_steps)
+  finally:
+    lock.release()
 
+
+def _guard_message(guard, config, last_saved):
+  kept = (f'the checkpoint of step {last_saved} is kept' if last_saved
+          else 'no checkpoint was written')
+  fixes = [f'a lower --config.base_lr (now {config.base_lr:g})']
+  if not config.grad_clip_norm:
+    fixes.append('--config.grad_clip_norm=1')
+  fixes.append(f'a longer --config.warmup_steps (now {config.warmup_steps})')
+  if config.dtype != 'float32':
+    fixes.append('--config.dtype=float32')
+  return (f'loss {float(guard["loss"]):g}, gradient norm {float(guard["grad_norm"]):g} at step '
+          f'{int(guard["first_bad"])}: training diverged, so it stopped ({kept}); try '
+          f'{", ".join(fixes)}')
+
+
+class _ShortLibraryErrors(std_logging.Filter):
+  """orbax logs a failed background write with its whole traceback, several times over;
+  the loop reports the failure itself in one line, so orbax's records keep their message
+  and lose the traceback."""
+
+  def filter(self, record):
+    if record.exc_info and '/orbax/' in record.pathname:
+      record.exc_info, record.exc_text = None, None
+    return True
+
+
+def _quiet_closed_loop(previous):
+  """sys.excepthook without the 'Event loop is closed' tracebacks that tensorstore's
+  callbacks print once orbax has closed the event loop of a failed write."""
+  def hook(kind, value, tb):
+    if kind is RuntimeError and str(value) == 'Event loop is closed':
+      return
+    previous(kind, value, tb)
+  hook.quiet_closed_loop = True
+  return hook
+
+
+def _quiet_library_noise():
+  absl_logger = std_logging.getLogger('absl')
+  if not any(isinstance(f, _ShortLibraryErrors) for f in absl_logger.filters):
+    absl_logger.addFilter(_ShortLibraryErrors())
+  if not getattr(sys.excepthook, 'quiet_closed_loop', False):
+    sys.excepthook = _quiet_closed_loop(sys.excepthook)
+
+
+def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
+           stop_after_steps):
+  _quiet_library_noise()
   mesh = sharding.make_mesh(config)
   batch_sharding = sharding.data_sharding(mesh)
   replicated = sharding.replicated(mesh)
@@ -202,18 +510,32 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None):
       lambda x: model.init(jax.random.PRNGKey(0), x, train=False)['params'], images)
   param_sh = sharding.tree_shardings(abstract_params, mesh, config.fsdp)
   opt_sh = sharding.tree_shardings(jax.eval_shape(tx.init, abstract_params), mesh, config.fsdp)
-  state_sh = {'step': replicated, 'params': param_sh, 'opt_state': opt_sh}
+  guard_sh = {k: replicated for k in ('first_bad', 'loss', 'grad_norm', 'skipped')}
+  state_sh = {'step': replicated, 'params': param_sh, 'opt_state': opt_sh, 'guard': guard_sh}
+  saved_sh = {k: v for k, v in state_sh.items() if k != 'guard'}
 
-  manager = checkpoint.train_state_manager(os.path.join(workdir, 'checkpoints'),
-                                           config.keep_checkpoints)
+  ckpt_dir = os.path.join(workdir, 'checkpoints')
+  try:
+    manager = checkpoint.train_state_manager(ckpt_dir, config.keep_checkpoints)
+  except (OSError, tf.errors.OpError) as e:
+    raise ConfigError(f'cannot create {ckpt_dir}: {_one_line(e)}: free space or fix '
+                      'permissions, or use another --workdir') from None
   abstract_state = _abstract(
       {'step': jax.ShapeDtypeStruct((), jnp.int32), 'params': abstract_params,
-       'opt_state': jax.eval_shape(tx.init, abstract_params)}, state_sh)
-  state = checkpoint.restore_train_state(manager, abstract_state)
+       'opt_state': jax.eval_shape(tx.init, abstract_params)}, saved_sh)
+  try:
+    state = checkpoint.restore_train_state(manager, abstract_state)
+  except checkpoint.DifferentModelError as e:
+    raise ConfigError(
+        f'workdir {workdir} holds checkpoints of another model ({e}): use another --workdir, '
+        f'or fine-tune from that run with --config.pretrained_path={workdir}/final.npz') from None
   if state is None:
     params = _initial_params(config, model, num_classes, param_sh)
     state = {'step': jax.device_put(jnp.int32(0), replicated), 'params': params,
              'opt_state': jax.jit(tx.init, out_shardings=opt_sh)(params)}
+  state['guard'] = jax.device_put(
+      {'first_bad': jnp.int32(0), 'loss': jnp.float32(0), 'grad_norm': jnp.float32(0),
+       'skipped': jnp.int32(0)}, guard_sh)
   start = int(_local(state['step']))
   if start:
     logging.info('Resuming from the checkpoint of step %d in %s', start, workdir)
@@ -224,19 +546,66 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None):
                        out_shardings=(state_sh, replicated), donate_argnums=(0,))
   eval_step = jax.jit(make_eval_step(model), in_shardings=(param_sh, batch_sharding),
                       out_shardings=replicated)
-  writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
-  if start == 0:
-    writer.write_hparams({k: v for k, v in config.to_dict().items()
-                          if isinstance(v, (int, float, str, bool))})
+  try:
+    writer = metric_writers.create_default_writer(workdir,
+                                                  just_logging=jax.process_index() > 0)
+    if start == 0:
+      writer.write_hparams({k: v for k, v in config.to_dict().items()
+                            if isinstance(v, (int, float, str, bool))})
+  except (OSError, tf.errors.OpError) as e:
+    raise ConfigError(f'cannot write the metrics to {workdir}: {_one_line(e)}: free space or '
+                      'fix permissions, or use another --workdir') from None
 
   batches = input_pipeline.prefetch_to_mesh(
-      input_pipeline.train_batches(config, global_batch=config.batch_size, start_step=start),
+      _checked_labels(input_pipeline.train_batches(config, global_batch=config.batch_size,
+                                                   start_step=start),
+                      num_classes, config.train_split),
       batch_sharding, config.prefetch)
   fewshot = evaluate_lib.FewShotEvaluator(config, model) if config.fewshot_every_steps else None
   rng = jax.random.PRNGKey(config.seed)
   last = total_steps if stop_after_steps is None else min(stop_after_steps, total_steps)
   result = {'step': start}
   t_mark, s_mark = None, start
+  stop_on_nonfinite = config.get('on_nonfinite', 'stop') == 'stop'
+  # Cheap checks: the guard of the previous step is read only once it is ready (no
+  # stall); a forced read (a sync) comes before every log line, evaluation and save.
+  peek = stop_on_nonfinite and jax.process_count() == 1
+  saves = {'pending': None, 'last': start or None}
+  prev_guard = None
+  reported_skips = 0
+
+  def check_guard(guard):
+    if stop_on_nonfinite and int(guard['first_bad']):
+      raise TrainingError(_guard_message(guard, config, saves['last']))
+
+  def check_save(block):
+    """Raises TrainingError if the save in flight failed (block: wait for it)."""
+    step = saves['pending']
+    if step is None or (not block and manager.is_saving_in_progress()):
+      return
+    try:
+      manager.wait_until_finished()
+      manager.check_for_errors()
+    except Exception as e:  # pylint: disable=broad-except  (any failure of the write)
+      time.sleep(1.0)  # let the failed write's other callbacks finish (and print) first
+      raise TrainingError(
+          f'the checkpoint of step {step} could not be written to {ckpt_dir}: {_save_cause(e)}: '
+          'free space or fix permissions there, then run the same command to resume'
+          + (f' from step {saves["last"]}' if saves['last'] else '')) from None
+    saves['pending'], saves['last'] = None, step
+
+  def save(step):
+    check_guard(_local(state['guard']))  # a non-finite state is never saved
+    check_save(block=True)
+    saves['pending'] = step
+    try:
+      checkpoint.save_train_state(manager, step, _without_guard(state), force=True)
+    except Exception as e:  # pylint: disable=broad-except
+      saves['pending'] = None
+      raise TrainingError(f'the checkpoint of step {step} could not be written to {ckpt_dir}: '
+                          f'{_save_cause(e)}: free space or fix permissions there, then run '
+                          'the same command to resume') from None
+
   preemption = _Preemption()
   try:
     for step in range(start + 1, last + 1):
@@ -244,8 +613,18 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None):
       if t_mark is None:  # the first step compiled: time from its end
         jax.block_until_ready(metrics)
         t_mark, s_mark = time.perf_counter(), step
-      if step % config.log_every_steps == 0 or step == last:
+      if peek and prev_guard is not None and prev_guard['first_bad'].is_ready():
+        check_guard(_local(prev_guard))
+      prev_guard = metrics['guard']
+      check_save(block=False)
+      if _due(step, config.log_every_steps) or step == last:
         metrics = _local(metrics)
+        guard = metrics.pop('guard')
+        check_guard(guard)
+        if int(guard['skipped']) > reported_skips:
+          reported_skips = int(guard['skipped'])
+          logging.warning('%d step(s) so far had a non-finite loss or gradient; their updates '
+                          'were skipped (on_nonfinite=skip)', reported_skips)
         elapsed = time.perf_counter() - t_mark
         rate = (step - s_mark) * config.batch_size / elapsed if step > s_mark else float('nan')
         eta = (total_steps - step) * config.batch_size / rate if rate == rate and rate > 0 else 0.0
@@ -255,13 +634,14 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None):
         writer.write_scalars(step, {**{k: float(v) for k, v in metrics.items()},
                                     'img_per_sec_per_core': per_core})
         result.update(step=step, loss=float(metrics['loss']))
-      if (config.eval_every_steps and step % config.eval_every_steps == 0) or step == total_steps:
-        accuracy, n = evaluate(eval_step, state['params'], config, batch_sharding)
+      if _due(step, config.eval_every_steps) or step == total_steps:
+        check_guard(_local(state['guard']))
+        accuracy, n = evaluate(eval_step, state['params'], config, batch_sharding, num_classes)
         logging.info('step %d  %s top-1 accuracy %.4f (%d examples)', step, config.eval_split,
                      accuracy, n)
         writer.write_scalars(step, {'accuracy': accuracy})
         result.update(accuracy=accuracy)
-      if fewshot and (step % config.fewshot_every_steps == 0 or step == total_steps):
+      if fewshot and (_due(step, config.fewshot_every_steps) or step == total_steps):
         scores = fewshot(state['params'])
         logging.info('step %d  few-shot linear: %s', step,
                      '  '.join(f'{k.split("/")[1]} {v:.4f}' for k, v in scores.items()))
@@ -269,59 +649,111 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None):
         result.update(scores)
       result['step'] = step
       preempted = preemption.reached(step)
-      if preempted or step % config.checkpoint_every_steps == 0 or step == last:
-        checkpoint.save_train_state(manager, step, state, force=True)
+      if preempted or _due(step, config.checkpoint_every_steps) or step == last:
+        save(step)
       if preempted:
+        if preemption.requested == 'SIGINT':
+          check_save(block=True)
+          raise TrainingError(f'interrupted (Ctrl-C) at step {step}: checkpoint saved in '
+                              f'{ckpt_dir}; run the same command to resume')
         logging.warning('Preempted at step %d: checkpoint saved; the next start resumes there',
                         step)
         result['preempted'] = True
         break
+    check_save(block=True)
+    writer.flush()
+    finished = result['step'] == total_steps
+    if finished:
+      check_guard(_local(state['guard']))
+    if finished and 'accuracy' not in result:  # a finished run, started again
+      result['accuracy'], _ = evaluate(eval_step, state['params'], config, batch_sharding,
+                                       num_classes)
+    if finished:
+      # Collective under FSDP or on several hosts; only process 0 writes the file.
+      params = multihost_utils.process_allgather(state['params'], tiled=True)
+      if jax.process_index() == 0:
+        checkpoint.save_npz(os.path.join(workdir, 'final.npz'), params)
+      logging.info('Final %s top-1 accuracy: %.4f after %d steps (parameters: %s)',
+                   config.eval_split, result['accuracy'], total_steps,
+                   os.path.join(workdir, 'final.npz'))
+  except (OSError, tf.errors.OpError) as e:
+    raise TrainingError(f'cannot write to {workdir}: {_one_line(e)}: free space or fix '
+                        'permissions, then run the same command to resume') from None
   finally:
     preemption.close()
-  manager.wait_until_finished()
-  writer.flush()
-  finished = result['step'] == total_steps
-  if finished and 'accuracy' not in result:  # a finished run, started again
-    result['accuracy'], _ = evaluate(eval_step, state['params'], config, batch_sharding)
-  if finished:
-    # Collective under FSDP or on several hosts; only process 0 writes the file.
-    params = multihost_utils.process_allgather(state['params'], tiled=True)
-    if jax.process_index() == 0:
-      checkpoint.save_npz(os.path.join(workdir, 'final.npz'), params)
-    logging.info('Final %s top-1 accuracy: %.4f after %d steps (parameters: %s)',
-                 config.eval_split, result['accuracy'], total_steps,
-                 os.path.join(workdir, 'final.npz'))
+    try:
+      manager.wait_until_finished()  # never leave a save thread behind
+    except Exception:  # pylint: disable=broad-except  (already reported above)
+      pass
   result['params'] = state['params']
   return result
 
 
-class _Preemption:
-  """SIGTERM (what a preempted TPU VM receives) -> stop at a step every host agrees on.
+def _save_cause(error):
+  """The root cause of a failed save, one line (an OSError's errno text when there is one)."""
+  seen = error
+  while seen is not None:
+    if isinstance(seen, OSError) and seen.strerror:
+      return _one_line(seen)
+    seen = seen.__cause__ or seen.__context__
+  text = str(error)
+  found = re.search(r'([^:"]+?) \[os_error_code=\'?(\d+)', text)  # tensorstore's errno text
+  if found:
+    return f'{found.group(1).strip()} (errno {found.group(2)})'
+  return _one_line(error)
 
-  One process: a Python handler sets a flag checked after each step. Several: JAX's
+
+def _without_guard(state):
+  return {k: v for k, v in state.items() if k != 'guard'}
+
+
+def _due(step, every):
+  """Whether a period of `every` steps (0: never; the loop adds the last step) ends at `step`."""
+  return every > 0 and step % every == 0
+
+
+class _Preemption:
+  """SIGTERM (what a preempted TPU VM receives) or Ctrl-C -> stop at a step every host
+  agrees on, after saving a checkpoint.
+
+  One process: a Python handler sets a flag checked after each step. SIGTERM then ends
+  the run normally (exit 0: a preempted TPU run resumes when started again); SIGINT
+  (Ctrl-C) ends it with TrainingError (exit 1) once the checkpoint is written, and a
+  second Ctrl-C exits at once (status 130) without saving. Several processes: JAX's
   preemption sync manager (set up by jax.distributed.initialize, notified of SIGTERM)
-  picks the step, so all hosts save the same one.
+  picks the step, so all hosts save the same one; Ctrl-C keeps Python's default there.
   """
 
   def __init__(self):
-    self.requested = False
-    self._previous = None
+    self.requested = None  # None, 'SIGTERM' or 'SIGINT'
+    self._previous = {}
     if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._previous[sig] = signal.signal(sig, self._on_signal)
 
-  def _on_sigterm(self, signum, frame):
-    del signum, frame
-    logging.warning('SIGTERM: saving a checkpoint after this step, then exiting')
-    self.requested = True
+  def _on_signal(self, signum, frame):
+    del frame
+    if signum == signal.SIGINT and self.requested is not None:
+      os.write(2, b'vit_jax: second Ctrl-C: stopped at once, without saving this step '
+                  b'(the last complete checkpoint is kept)\n')
+      os._exit(130)  # pylint: disable=protected-access
+    if self.requested is None:
+      if signum == signal.SIGINT:
+        logging.warning('Ctrl-C: saving a checkpoint after this step, then exiting (Ctrl-C '
+                        'again stops at once, without saving)')
+      else:
+        logging.warning('SIGTERM: saving a checkpoint after this step, then exiting')
+      self.requested = signal.Signals(signum).name
 
   def reached(self, step):
     if jax.process_count() > 1:
       return multihost_utils.reached_preemption_sync_point(step)
-    return self.requested
+    return self.requested is not None
 
   def close(self):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+    for sig, previous in self._previous.items():
+      signal.signal(sig, previous)
+    self._previous = {}
 
 
 def _hms(seconds):

@@ -1,0 +1,337 @@
+"""Injected faults, seen as a user sees them (issue 12: "fail loudly, lose nothing").
+
+Each test runs the CLI as a user does (`python -m vit_jax.main --config=quickstart`, a
+relative --workdir, cwd = the test's directory) on the installed Fashion-MNIST, breaks
+one thing, and checks the exit status, the last line of the output (one line naming the
+fix) and what is on disk before and after. One good run (8 simulated devices) is shared:
+tests copy its workdir. Faults found at start-up are also checked in-process (faster).
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from vit_jax import train
+from vit_jax.configs import quickstart
+
+ARGS = ['--config=quickstart', '--config.total_steps=30', '--config.warmup_steps=2',
+        '--config.checkpoint_every_steps=10', '--config.eval_every_steps=0',
+        '--config.log_every_steps=10', '--config.train_split=train[:2048]',
+        '--config.eval_split=test[:512]', '--config.model.num_layers=1',
+        '--config.batch_size=32', '--config.eval_batch_size=256', '--config.prefetch=1']
+
+
+def _env(devices=8):
+  return dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
+              TF_CPP_MIN_LOG_LEVEL='2')
+
+
+def _cli(cwd, workdir, *extra, devices=8, file_size_limit=None):
+  command = [sys.executable, '-m', 'vit_jax.main', *ARGS, f'--workdir={workdir}', *extra]
+  if file_size_limit:  # "disk full" for files past the limit (Python ignores SIGXFSZ)
+    command[1:3] = ['-c', 'import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, '
+                    f'({file_size_limit}, {file_size_limit})); sys.argv[0] = "vit_jax.main"; '
+                    'runpy.run_module("vit_jax.main", run_name="__main__")']
+  proc = subprocess.run(command, cwd=cwd, env=_env(devices), capture_output=True, text=True,
+                        timeout=400)
+  lines = proc.stderr.strip().splitlines()
+  return proc.returncode, proc.stderr, lines[-1] if lines else ''
+
+
+def _steps(workdir):
+  path = os.path.join(workdir, 'checkpoints')
+  return sorted(os.listdir(path), key=lambda d: (len(d), d)) if os.path.isdir(path) else []
+
+
+def _read(path):
+  with open(path, 'rb') as f:
+    return f.read()
+
+
+@pytest.fixture(scope='module')
+def good(tmp_path_factory):
+  """A finished 30-step run (checkpoints 10, 20, 30 and final.npz)."""
+  cwd = tmp_path_factory.mktemp('good')
+  old = os.umask(0o022)
+  try:
+    rc, err, last = _cli(cwd, 'run')
+  finally:
+    os.umask(old)
+  assert rc == 0, err[-3000:]
+  assert 'Final test[:512] top-1 accuracy' in last
+  return cwd / 'run'
+
+
+def _copy(good, tmp_path, name='run'):
+  shutil.copytree(good, tmp_path / name)
+  os.remove(tmp_path / name / 'train.INFO')  # a link into the copied directory's logs
+  return tmp_path / name
+
+
+def test_good_run_leaves_a_complete_workdir(good):
+  assert _steps(good) == ['10', '20', '30']
+  assert not os.path.exists(good / 'lock')  # released at the end
+  assert os.stat(good / 'final.npz').st_mode & 0o777 == 0o644  # follows the umask
+
+
+# 1. Divergence guard.
+def test_divergence_stops_at_once_and_saves_nothing(tmp_path):
+  rc, err, last = _cli(tmp_path, 'run', '--config.base_lr=1e6')
+  assert rc == 1, err[-3000:]
+  assert last.startswith('vit_jax: loss nan') and 'training diverged' in last, last
+  assert '--config.base_lr' in last and 'warmup_steps' in last
+  assert 'step 30/30' not in err and 'Final' not in err
+  assert _steps(tmp_path / 'run') == []  # a non-finite state is never checkpointed
+  assert not os.path.exists(tmp_path / 'run' / 'final.npz')
+
+
+def test_diverging_resume_keeps_good_checkpoints_and_final(good, tmp_path):
+  run = _copy(good, tmp_path)
+  final = _read(run / 'final.npz')
+  rc, err, last = _cli(tmp_path, 'run', '--config.base_lr=1e30', '--config.total_steps=60',
+                       '--config.resume_changes=base_lr,total_steps')
+  assert rc == 1, err[-3000:]
+  assert 'training diverged' in last and 'the checkpoint of step 30 is kept' in last, last
+  assert _steps(run) == ['10', '20', '30']
+  assert _read(run / 'final.npz') == final
+
+
+# 3. Resume safety.
+def test_changed_config_is_refused(good, tmp_path):
+  run = _copy(good, tmp_path)
+  config = _read(run / 'config.json')
+  rc, err, last = _cli(tmp_path, 'run', '--config.seed=1', '--config.model.hidden_size=32')
+  assert rc == 1, err[-3000:]
+  assert last.startswith('vit_jax: workdir') and 'another config' in last, last
+  assert 'model.hidden_size 64 -> 32' in last and 'seed 0 -> 1' in last
+  assert '--config.resume_changes=model.hidden_size,seed' in last
+  assert _read(run / 'config.json') == config  # written only after the check passes
+  assert _steps(run) == ['10', '20', '30']
+
+
+def test_config_check_fields(good, tmp_path):
+  run = _copy(good, tmp_path)
+  config = quickstart.get_config()
+  with open(run / 'config.json') as f:
+    config.update_from_flattened_dict(
+        {k: v for k, v in _flat(json.load(f)).items() if not isinstance(v, list)})
+  train.check_resume_config(config, str(run))  # the same config
+  for field, value in (('log_every_steps', 7), ('checkpoint_every_steps', 0),
+                       ('keep_checkpoints', 9), ('eval_batch_size', 64), ('mesh_data', 4),
+                       ('fewshot_every_steps', 5), ('accum_steps', 2)):
+    changed = config.copy_and_resolve_references()
+    changed[field] = value
+    train.check_resume_config(changed, str(run))  # free to change
+  for field, value in (('base_lr', 0.1), ('total_steps', 60), ('batch_size', 64),
+                       ('dataset', 'folder:/x'), ('dtype', 'bfloat16'), ('optimizer', 'sgd')):
+    changed = config.copy_and_resolve_references()
+    changed[field] = value
+    with pytest.raises(train.ConfigError, match=f'{field} .* -> '):
+      train.check_resume_config(changed, str(run))
+    changed.resume_changes = field
+    train.check_resume_config(changed, str(run))  # the override says it is intended
+  changed = config.copy_and_resolve_references()
+  changed.model.dropout_rate = 0.5
+  changed.resume_changes = 'model'  # a prefix names the whole group
+  train.check_resume_config(changed, str(run))
+
+
+def _flat(tree, prefix=''):
+  out = {}
+  for k, v in tree.items():
+    out.update(_flat(v, f'{prefix}{k}.') if isinstance(v, dict) else {prefix + k: v})
+  return out
+
+
+# 4. One run per workdir.
+def test_second_run_in_a_workdir_is_refused(good, tmp_path):
+  run = _copy(good, tmp_path)
+  holder = subprocess.Popen(['sleep', '300'])
+  try:
+    lock = {'host': socket.gethostname(), 'pid': holder.pid, 'started': 'earlier'}
+    (run / 'lock').write_text(json.dumps(lock))
+    rc, err, last = _cli(tmp_path, 'run', '--config.seed=1')
+  finally:
+    holder.kill()
+    holder.wait()
+  assert rc == 1, err[-3000:]
+  assert f'is in use by pid {holder.pid} on {socket.gethostname()}' in last, last
+  assert (run / 'lock').exists()  # the holder's lock is left alone
+  assert _steps(run) == ['10', '20', '30']
+
+
+def test_stale_lock_is_taken_over(tmp_path, caplog):
+  dead = subprocess.Popen(['true'])
+  dead.wait()
+  (tmp_path / 'lock').write_text(json.dumps({'host': socket.gethostname(), 'pid': dead.pid}))
+  lock = train.WorkdirLock(str(tmp_path))
+  lock.acquire()
+  assert json.loads((tmp_path / 'lock').read_text())['pid'] == os.getpid()
+  with pytest.raises(train.ConfigError, match=f'in use by pid {os.getpid()}'):
+    train.WorkdirLock(str(tmp_path)).acquire()  # a live holder: refused
+  lock.release()
+  assert not (tmp_path / 'lock').exists()
+
+
+# 5. Damaged checkpoints, another model's workdir.
+def test_damaged_checkpoints_fall_back_to_an_intact_one(good, tmp_path):
+  run = _copy(good, tmp_path)
+  for name in os.listdir(run / 'checkpoints/30/default/ocdbt.process_0/d'):  # truncated
+    os.truncate(run / 'checkpoints/30/default/ocdbt.process_0/d' / name, 100)
+  shutil.rmtree(run / 'checkpoints/20/default')  # deleted
+  os.remove(run / 'final.npz')
+  rc, err, last = _cli(tmp_path, 'run')
+  assert rc == 0, err[-3000:]
+  assert 'Checkpoint of step 30' in err and 'Checkpoint of step 20' in err
+  assert 'Resuming from the checkpoint of step 10' in err
+  moved = [d for d in os.listdir(run / 'checkpoints') if '.corrupt-' in d]
+  assert sorted(d.split('.')[0] for d in moved) == ['20', '30']  # moved aside, not deleted
+  assert {'10', '20', '30'} <= set(_steps(run))
+  with np.load(good / 'final.npz') as a, np.load(run / 'final.npz') as b:
+    for k in a.files:  # the exact resume from step 10 gives the same parameters
+      np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_workdir_of_another_model_says_so(good, tmp_path):
+  _copy(good, tmp_path)
+  rc, err, last = _cli(tmp_path, 'run', '--config.model.hidden_size=32',
+                       '--config.resume_changes=model')
+  assert rc == 1, err[-3000:]
+  assert 'holds checkpoints of another model' in last, last
+  assert 'checkpoint (64,) vs model (32,)' in last and '--config.pretrained_path=' in last
+  assert 'Traceback' not in err
+
+
+# 2. Save failures.
+def test_failed_save_stops_at_once(tmp_path):
+  rc, err, last = _cli(tmp_path, 'run', '--config.total_steps=200',
+                       file_size_limit=64 * 1024)
+  assert rc == 1, err[-3000:]
+  assert 'the checkpoint of step 10 could not be written' in last, last
+  assert 'File too large' in last
+  assert 'step 30/200' not in err  # stopped soon after the failed save, not at the end
+  assert not os.path.exists(tmp_path / 'run' / 'lock')
+
+
+# 6. Ctrl-C.
+def test_ctrl_c_saves_then_exits_non_zero(tmp_path):
+  proc = subprocess.Popen([sys.executable, '-m', 'vit_jax.main', *ARGS, '--workdir=run',
+                           '--config.total_steps=5000', '--config.log_every_steps=5',
+                           '--config.checkpoint_every_steps=0'],
+                          cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  log = tmp_path / 'run' / 'train.INFO'
+  deadline = time.time() + 200
+  while not (log.exists() and 'step 5/' in log.read_text()):
+    assert proc.poll() is None and time.time() < deadline, 'the run did not start'
+    time.sleep(0.1)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=200)
+  last = err.strip().splitlines()[-1]
+  assert proc.returncode == 1, err[-3000:]
+  assert last.startswith('vit_jax: interrupted (Ctrl-C) at step '), last
+  step = int(last.split('at step ')[1].split(':')[0])
+  assert _steps(tmp_path / 'run') == [str(step)]
+  assert 'run the same command to resume' in last
+
+
+# 7. Bad values: one line at start-up.
+def test_zero_periods_mean_only_at_the_end(tmp_path):
+  rc, err, last = _cli(tmp_path, 'run', '--config.total_steps=12',
+                       '--config.checkpoint_every_steps=0', '--config.log_every_steps=0',
+                       '--config.keep_checkpoints=-1')
+  assert rc == 0, err[-3000:]
+  assert _steps(tmp_path / 'run') == ['12']
+  assert 'step 12/12' in err and 'step 10/12' not in err
+
+
+def test_bad_value_is_one_line_from_the_cli(tmp_path):
+  rc, err, last = _cli(tmp_path, 'run', '--config.mesh_data=3')
+  assert rc == 1
+  assert last == ('vit_jax: mesh_data 3 does not fit the 8 devices: set --config.mesh_data '
+                  'to -1 (all) or a divisor of 8 (1, 2, 4, 8)'), last
+  assert 'Traceback' not in err
+
+
+def _config(**overrides):
+  c = quickstart.get_config()
+  c.model.num_layers = 1
+  c.update(total_steps=3, warmup_steps=1, batch_size=16, eval_batch_size=16,
+           train_split='train[:64]', eval_split='test[:16]')
+  for k, v in overrides.items():
+    c[k] = v
+  return c
+
+
+def _make_folder(root, empty_class):
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  for split in ('train', 'test'):
+    for name in ('a', 'b'):
+      os.makedirs(root / split / name)
+      for i in range(2):
+        Image.new('RGB', (28, 28), (i * 40, 0, 0)).save(root / split / name / f'{i}.png')
+  os.makedirs(root / 'train' / empty_class)
+  return f'folder:{root}'
+
+
+@pytest.mark.parametrize('overrides,message', [
+    (dict(mesh_data=3), r'mesh_data 3 does not fit the 8 devices: set --config.mesh_data'),
+    (dict(keep_checkpoints=0), r'keep_checkpoints 0 would keep no checkpoint .*-1 keeps all'),
+    (dict(log_every_steps=-1), r'log_every_steps -1 is negative: set --config.log_every_steps'),
+    (dict(on_nonfinite='ignore'), r"on_nonfinite 'ignore' is unknown"),
+    (dict(num_classes=5), r'num_classes 5 is smaller than the dataset\'s 10 classes .* '
+                          r'--config.num_classes=10'),
+    (dict(dataset='mnist', data_dir='DATA'),
+     r'dataset mnist is not prepared in data_dir .*DATA: run `tfds build mnist '
+     r'--data_dir=.*DATA` or set --config.data_dir'),
+    (dict(dataset='FOLDER'), r'class folder .*/train/c holds no images'),
+])
+def test_bad_values_fail_at_start_up(tmp_path, overrides, message):
+  if overrides.get('data_dir') == 'DATA':
+    overrides['data_dir'] = str(tmp_path / 'DATA')
+  if overrides.get('dataset') == 'FOLDER':
+    overrides['dataset'] = _make_folder(tmp_path / 'images', 'c')
+  with pytest.raises(train.ConfigError, match=message):
+    train.train_and_evaluate(_config(**overrides), str(tmp_path / 'run'))
+  assert not (tmp_path / 'run').exists()
+
+
+def test_label_beyond_the_head_stops_the_run(tmp_path):
+  from tests import data_fixtures  # pylint: disable=g-import-not-at-top
+  data = data_fixtures.write_idx(str(tmp_path / 'idx'), num_train=32, num_test=16,
+                                 num_classes=12)  # labels 0..11 in 10-class files
+  config = _config(data_dir=data, train_split='train', eval_split='test')
+  with pytest.raises(train.ConfigError, match='has label 1[01], but Fashion-MNIST has 10'):
+    train.train_and_evaluate(config, str(tmp_path / 'run'))
+
+
+def test_final_npz_honours_the_umask(tmp_path):
+  from vit_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  old = os.umask(0o027)
+  try:
+    checkpoint.save_npz(str(tmp_path / 'f.npz'), {'embedding': {'kernel': np.zeros(2)}})
+  finally:
+    os.umask(old)
+  assert os.stat(tmp_path / 'f.npz').st_mode & 0o777 == 0o640
+
+
+# 8. Elastic resume: checkpointed on 8 devices, resumed on 4.
+def test_resume_on_fewer_devices_continues_the_same_run(good, tmp_path):
+  run = _copy(good, tmp_path)
+  shutil.rmtree(run / 'checkpoints' / '30')
+  os.remove(run / 'final.npz')
+  rc, err, last = _cli(tmp_path, 'run', devices=4)
+  assert rc == 0, err[-3000:]
+  assert 'Resuming from the checkpoint of step 20' in err and '4 global devices' in err
+  # Local data: the batches are a function of (seed, step), whatever the devices, so the
+  # resumed run ends where the 8-device run did (up to reduction order).
+  with np.load(good / 'final.npz') as a, np.load(run / 'final.npz') as b:
+    for k in a.files:
+      np.testing.assert_allclose(a[k], b[k], atol=2e-5, rtol=0, err_msg=k)
