@@ -10,8 +10,13 @@ which works from any directory once the package is installed:
 
 An existing file wins over a packaged name.
 """
+import difflib
 import importlib.util
 import os
+import re
+
+from absl import flags
+from ml_collections import config_flags
 
 PACKAGED = ('quickstart', 'finetune', 'pretrain')
 EXAMPLES = '--config=quickstart, --config=finetune:ViT-B_16,cifar10 or a file path'
@@ -38,10 +43,41 @@ def resolve(spec):
                             f'use {EXAMPLES}')
 
 
-def load(spec):
-  """The ConfigDict that `--config=spec` gives (without command-line overrides)."""
+def load(spec, overrides=()):
+  """The ConfigDict of `--config=spec` and `--config.x=value` overrides, as vit-train
+  builds it (ml_collections parses the values; unknown fields are one-line errors)."""
   path, _, arg = resolve(spec).partition(':')
   module_spec = importlib.util.spec_from_file_location('_vit_jax_config', path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
-  return module.get_config(arg) if arg else module.get_config()
+  config = module.get_config(arg) if arg else module.get_config()
+  if not overrides:
+    return config
+  check_override_names(config, overrides)
+  argv = ['vit_jax', f'--config={resolve(spec)}', *overrides]
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_file('config', None, '', flag_values=flag_values, sys_argv=argv)
+  try:
+    flag_values(argv)
+  except flags.Error as e:
+    raise ValueError(str(e).strip().splitlines()[0]) from None
+  return flag_values.config
+
+
+def check_override_names(config, args):
+  """Each --config.<path>=... in `args` must name a field: a one-line ValueError with the
+  nearest names if not."""
+  for arg in args:
+    match = re.match(r'^--?(?:no)?config\.([\w.]+)', arg)
+    if not match:
+      continue
+    node, done = config, []
+    for part in match.group(1).split('.'):
+      fields = list(node.keys()) if hasattr(node, 'keys') else []
+      if part not in fields:
+        close = difflib.get_close_matches(part, fields, n=3)
+        hint = f' (did you mean {", ".join(close)}?)' if close else ''
+        where = 'config' if not done else 'config.' + '.'.join(done)
+        raise ValueError(f'--config.{match.group(1)}: the {where} has no field {part!r}{hint}; '
+                         'every field is listed with its meaning in configs/common.py')
+      node, done = node[part], done + [part]

@@ -28,7 +28,6 @@ the Python that setup.py's python_requires names (the TPU images ship an older o
 in vit_jax_logs/ (<log>.log, and <log>.status with the exit status once the run ended).
 """
 import argparse
-import ast
 import copy
 import functools
 import importlib.metadata
@@ -39,6 +38,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from vit_jax import paths
 
 ACTIONS = ('preflight', 'create', 'setup', 'run', 'logs', 'stop', 'delete', 'all', 'resume',
            'watch')
@@ -338,7 +339,7 @@ class Watch:
         f'{a.max_recoveries} recoveries; each poll:',
         *[f'{shlex.join(c)}' for c in state_commands(a)],
         f'{shlex.join(ssh(a, 0, status_script(a.log)))}  # running, or exit N of the run',
-        f'# missing at the start: created; preempted/missing later: as `vit-tpu resume`; '
+        '# missing at the start: created; preempted/missing later: as `vit-tpu resume`; '
         'READY but the run ended without final.npz: only the run again'])
 
   def run(self, runner):
@@ -405,12 +406,7 @@ def final_path(workdir):
   return workdir.rstrip('/') + '/final.npz'
 
 
-def path_exists(path):
-  """os.path.exists, or tf.io.gfile.exists for gs:// (tests replace it)."""
-  if '://' not in path:
-    return os.path.exists(path)
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (slow; gs:// only)
-  return tf.io.gfile.exists(path)
+path_exists = paths.exists  # a module attribute: tests replace it
 
 
 # ---------------------------------------------------------------- choices
@@ -572,41 +568,14 @@ def _one_line(error):
 
 
 def load_config(spec, overrides=()):
-  """The config of --config with the --config.x=value overrides applied (as vit_jax.main)."""
+  """The config of --config with the --config.x=value overrides applied (as vit-train)."""
   from vit_jax import configs  # pylint: disable=g-import-not-at-top
   try:
-    config = configs.load(spec)
+    return configs.load(spec, overrides)
   except configs.ConfigNotFoundError as e:
     raise LaunchError(str(e)) from None
   except Exception as e:  # pylint: disable=broad-except  (the config's own message)
-    raise LaunchError(f'--config {spec!r}: {type(e).__name__}: {_one_line(e)}') from None
-  for override in overrides:
-    key, _, text = override[len('--config.'):].partition('=')
-    node, parts = config, key.split('.')
-    for i, part in enumerate(parts):
-      if not hasattr(node, 'keys') or part not in node.keys():
-        where = '.'.join(['config'] + parts[:i])
-        raise LaunchError(f'{override.split("=")[0]}: {where} has no field {part!r}; the '
-                          'fields are listed in configs/common.py')
-      if i < len(parts) - 1:
-        node = node[part]
-    try:
-      setattr(node, parts[-1], _value(node[parts[-1]], text))
-    except (ValueError, TypeError, SyntaxError) as e:
-      raise LaunchError(f'{override}: {_one_line(e)}') from None
-  return config
-
-
-def _value(old, text):
-  """A --config.x=text value in the type of the field's current value."""
-  if isinstance(old, bool):
-    if text.lower() not in ('true', 'false', '1', '0'):
-      raise ValueError(f'expected true or false, not {text!r}')
-    return text.lower() in ('true', '1')
-  if isinstance(old, (int, float, str)):
-    return type(old)(text)
-  value = ast.literal_eval(text)
-  return tuple(value) if isinstance(old, (tuple, list)) else value
+    raise LaunchError(f'--config {spec!r}: {_one_line(e)}') from None
 
 
 def validate_for_slice(config, accelerator_type):
@@ -684,7 +653,7 @@ def preflight_steps(args):
     args.warnings.append('no --accelerator_type: the batch sizes are not checked against the '
                          "slice's devices")
   validate_for_slice(config, args.accelerator_type)
-  hosts = num_hosts(args.accelerator_type) or 1
+
   datasets = [(config.dataset, config.data_dir, 'data_dir')]
   if config.fewshot_every_steps:
     datasets.append((config.fewshot_dataset or config.dataset,

@@ -7,7 +7,6 @@ it is harmless); elsewhere pass --coordinator_address, --num_processes and --pro
 (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID). --workdir may be
 gs://...; the readable log then stays on the local disk (--local_log_dir).
 """
-import difflib
 import glob
 import os
 import re
@@ -94,30 +93,12 @@ def parse_flags(argv):
       prefix, eq, value = argv[i].partition('=') if argv[i].startswith('-') else ('', '', argv[i])
       argv[i] = prefix + eq + configs.resolve(value)
       sys.argv[:] = argv  # the config flag reads its --config.x overrides from sys.argv
-      _check_override_names(configs.load(value), argv)
+      configs.check_override_names(configs.load(value), argv)
     rest = FLAGS(argv)
     FLAGS.config  # pylint: disable=pointless-statement  (raises if the file failed to load)
     return rest
   except (flags.Error, ValueError, TypeError, OSError, AttributeError, KeyError) as e:
     sys.exit(f'{os.path.basename(argv[0])}: {_one_line(e)} (see --help)')
-
-
-def _check_override_names(config, argv):
-  """--config.<path>=... must name a field of the config: one line with near names if not."""
-  for arg in argv:
-    match = re.match(r'^--?(?:no)?config\.([\w.]+)', arg)
-    if not match:
-      continue
-    node, done = config, []
-    for part in match.group(1).split('.'):
-      fields = list(node.keys()) if hasattr(node, 'keys') else []
-      if part not in fields:
-        close = difflib.get_close_matches(part, fields, n=3)
-        hint = f' (did you mean {", ".join(close)}?)' if close else ''
-        where = 'config' if not done else 'config.' + '.'.join(done)
-        raise ValueError(f'--config.{match.group(1)}: the {where} has no field {part!r}{hint}; '
-                         'every field is listed with its meaning in configs/common.py')
-      node, done = node[part], done + [part]
 
 
 def _one_line(error):
