@@ -17,7 +17,7 @@ Choices where the paper is silent:
     each query's weights over the patch keys are renormalised to sum to 1; distances
     are between patch centres, `pixels_per_token` apart.
 
-CLI (vit-inspect = python -m vit_jax.inspect), a finished run or a published file:
+CLI (vit-inspect = python -m vit_jax.inspection), a finished run or a published file:
   vit-inspect --workdir workdirs/quickstart --outdir figures/
   vit-inspect --checkpoint ViT-B_16.npz --model ViT-B_16 --images a.jpg b.png --outdir figures/
 """

@@ -1,4 +1,4 @@
-"""Tests for vit_jax.inspect: rollout, attention distance, position-embedding similarity,
+"""Tests for vit_jax.inspection: rollout, attention distance, position-embedding similarity,
 filters, figures and the CLI on a tiny ViT saved with checkpoint.save_npz."""
 import os
 import subprocess
@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from vit_jax import checkpoint
-from vit_jax import inspect as vit_inspect
+from vit_jax import inspection as vit_inspect
 from vit_jax import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -169,7 +169,7 @@ def test_attention_maps_of_a_model(tiny):
 
 def test_cli_end_to_end(tiny):
   outdir = str(tiny['tmp'] / 'figures')
-  cmd = [sys.executable, '-m', 'vit_jax.inspect', '--checkpoint', tiny['path'],
+  cmd = [sys.executable, '-m', 'vit_jax.inspection', '--checkpoint', tiny['path'],
          '--model', 'ViT-Ti_16', '--model_overrides',
          ','.join(f'{k}={v}' for k, v in TINY.items()), '--image_size', '28',
          '--num_components', '12', '--outdir', outdir, '--images', *tiny['images']]
