@@ -335,3 +335,37 @@ def test_resume_on_fewer_devices_continues_the_same_run(good, tmp_path):
   with np.load(good / 'final.npz') as a, np.load(run / 'final.npz') as b:
     for k in a.files:
       np.testing.assert_allclose(a[k], b[k], atol=2e-5, rtol=0, err_msg=k)
+
+
+def test_second_ctrl_c_aborts_at_once(tmp_path):
+  script = ('import os, signal, time\n'
+            'from vit_jax import train\n'
+            'p = train._Preemption()\n'
+            'os.kill(os.getpid(), signal.SIGINT)\n'
+            'assert p.requested == "SIGINT"\n'
+            'os.kill(os.getpid(), signal.SIGINT)\n'
+            'time.sleep(30)\n')
+  proc = subprocess.run([sys.executable, '-c', script], cwd=tmp_path, env=_env(2),
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 130, proc.stderr[-3000:]
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+      'vit_jax: second Ctrl-C: stopped at once, without saving')
+
+
+def test_full_disk_at_start_up_is_one_line(tmp_path):
+  rc, err, last = _cli(tmp_path, 'run', file_size_limit=1)
+  assert rc == 1, err[-3000:]
+  assert last.startswith('vit_jax: cannot write to workdir ') and 'File too large' in last, last
+  assert 'Traceback' not in err
+
+
+def test_skip_mode_leaves_out_non_finite_updates(tmp_path, caplog):
+  import logging  # pylint: disable=g-import-not-at-top
+  config = _config(base_lr=1e6, on_nonfinite='skip', total_steps=8, log_every_steps=4,
+                   eval_every_steps=0)
+  with caplog.at_level(logging.WARNING):
+    out = train.train_and_evaluate(config, str(tmp_path / 'run'))
+  assert out['step'] == 8
+  assert any('their updates were skipped' in r.getMessage() for r in caplog.records)
+  import jax  # pylint: disable=g-import-not-at-top
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(out['params']))
