@@ -49,6 +49,16 @@ def get_config():
   c.weight_decay = 0.0  # Decoupled decay on kernels, scaled by the learning rate (as AdamW).
   c.grad_clip_norm = 1.0  # Global-norm gradient clipping; 0 turns it off.
   c.loss = 'softmax_xent'  # 'softmax_xent' or 'sigmoid_xent' (multi-label pre-training).
+  c.objective = 'classification'  # Or 'masked_patches': self-supervised pre-training (Sec. 4.6).
+
+  # Masked patch prediction (objective 'masked_patches'; vit_jax/masked_patches.py).
+  c.masked_patches = ml_collections.ConfigDict()
+  c.masked_patches.target = 'mean_color'  # 'mean_color' (3-bit, paper), 'downsized' or 'pixels' (L2).
+  c.masked_patches.corrupt_rate = 0.5  # Fraction of each image's patches corrupted (paper: 50%).
+  c.masked_patches.mask_prob = 0.8  # Of the corrupted: replaced by the learned [mask] embedding.
+  c.masked_patches.random_prob = 0.1  # Of the corrupted: replaced by another patch; the rest kept.
+  c.masked_patches.bits = 3  # Bits per colour channel of the targets (3: 512 colours).
+  c.masked_patches.downsize = 4  # Cells per side of the 'downsized' target (4x4: 16 predictions).
 
   # Fine-tuning from a published checkpoint.
   c.pretrained_path = ''  # A published-format .npz; empty trains from scratch.

@@ -204,13 +204,15 @@ def load_pretrained(path_or_params, model, num_classes, image_size, *, reset_hea
   out = {}
 
   dropped = sorted(k for k in flat if k not in target)
-  unexpected = [k for k in dropped if not k.startswith(('pre_logits/', 'head/'))]
+  # Layers only pre-training uses (masked_patch_head, mask_embedding: masked_patches.py).
+  droppable = ('pre_logits', 'head', 'masked_patch_head', 'mask_embedding')
+  unexpected = [k for k in dropped if k.split('/')[0] not in droppable]
   if unexpected:
     raise ValueError(
         f'Checkpoint key {unexpected[0]} (and {len(unexpected) - 1} more) has no place in the '
         'model: the checkpoint is of another architecture; pick the model name matching the file')
-  changes += [f'{name} dropped' for name in ('pre_logits', 'head')
-              if any(k.startswith(name + '/') for k in dropped)]
+  changes += [f'{name} dropped' for name in droppable
+              if any(k.split('/')[0] == name for k in dropped)]
   missing = [k for k in target if k not in flat and not k.startswith('head/')]
   if missing:
     raise ValueError(

@@ -139,7 +139,16 @@ class VisionTransformer(nn.Module):
   remat: bool = False
 
   @nn.compact
-  def __call__(self, images, *, train=False):
+  def __call__(self, images, *, train=False, corrupt=None, patch_outputs=0):
+    """Logits, features (num_classes=0), or with `corrupt` per-patch predictions.
+
+    corrupt: optional (kind, source), int [n, N] each, for masked patch prediction
+      (Sec. 4.6, vit_jax/masked_patches.py): before the position embeddings, patch i
+      becomes a learned `mask_embedding` where kind == 1, patch source[i] of the same
+      image where kind == 2, and stays itself elsewhere. The call then returns the
+      `masked_patch_head` outputs [n, N, patch_outputs] of every patch token. Both
+      parameters exist only in models called this way; they are dropped on fine-tuning.
+    """
     x = images.astype(self.dtype)
     if self.resnet_layers is not None:
       x = resnet.resnet_stem(x, self.resnet_layers, self.resnet_width, self.dtype, self.remat)
@@ -153,12 +162,23 @@ class VisionTransformer(nn.Module):
                 dtype=self.dtype, name='embedding')(x)
     n, h, w, c = x.shape
     x = jnp.reshape(x, (n, h * w, c))
+    if corrupt is not None:
+      kind, source = corrupt
+      mask = self.param('mask_embedding', nn.initializers.normal(stddev=0.02), (1, 1, c),
+                        jnp.float32)
+      other = jnp.take_along_axis(x, source[..., None].astype(jnp.int32), axis=1)
+      x = jnp.where((kind == 2)[..., None], other, x)
+      x = jnp.where((kind == 1)[..., None], mask.astype(x.dtype), x)
     if self.classifier == 'token':
       cls = self.param('cls', nn.initializers.zeros, (1, 1, c), jnp.float32)
       x = jnp.concatenate([jnp.broadcast_to(cls.astype(x.dtype), (n, 1, c)), x], axis=1)
     x = Encoder(self.num_layers, self.mlp_dim, self.num_heads, self.dropout_rate,
                 self.attention_dropout_rate, self.dtype, self.remat, name='Transformer')(
                     x, train=train)
+    if corrupt is not None:
+      x = x[:, 1:] if self.classifier == 'token' else x
+      return nn.Dense(patch_outputs, dtype=self.dtype, kernel_init=nn.initializers.zeros,
+                      name='masked_patch_head')(x).astype(jnp.float32)
     x = x[:, 0] if self.classifier == 'token' else jnp.mean(x, axis=1)
     if self.representation_size is not None:
       x = jnp.tanh(nn.Dense(self.representation_size, dtype=self.dtype, name='pre_logits')(x))
