@@ -369,3 +369,33 @@ def test_skip_mode_leaves_out_non_finite_updates(tmp_path, caplog):
   assert any('their updates were skipped' in r.getMessage() for r in caplog.records)
   import jax  # pylint: disable=g-import-not-at-top
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(out['params']))
+
+
+# 9. Memory: accum_steps=0 picks the fewest micro-batches that fit; a step that cannot fit
+# stops with one line. device_memory_mb simulates the device's memory on CPU.
+def test_accum_steps_0_picks_the_fewest_that_fit(tmp_path, caplog):
+  import logging  # pylint: disable=g-import-not-at-top
+  small = dict(batch_size=256, train_split='train[:512]', total_steps=1, warmup_steps=0,
+               eval_every_steps=0)
+  need = {}
+  for accum in (2, 4):
+    with pytest.raises(train.ConfigError, match=r'needs .* MiB per device') as e:
+      train.train_and_evaluate(_config(accum_steps=accum, device_memory_mb=0.01, **small),
+                               str(tmp_path / f'm{accum}'))
+    need[accum] = float(str(e.value).split('needs ')[1].split(' MiB')[0])
+  assert need[2] > need[4] + 0.5
+  with caplog.at_level(logging.INFO):
+    out = train.train_and_evaluate(  # accum 4 fits, 2 (and 1) do not
+        _config(accum_steps=0, device_memory_mb=(need[2] + need[4]) / 2, **small),
+        str(tmp_path / 'tight'))
+  assert out['step'] == 1
+  assert any('accum_steps 0: 4 micro-batch(es) of 64' in r.getMessage() for r in caplog.records)
+
+
+def test_step_that_does_not_fit_is_one_line(tmp_path):
+  rc, err, last = _cli(tmp_path, 'run', '--config.device_memory_mb=1')
+  assert rc == 1, err[-3000:]
+  assert last.startswith('vit_jax: the train step (batch_size 32, accum_steps 1) needs '), last
+  for fix in ('--config.accum_steps', '--config.remat=True', '--config.fsdp=True',
+              '--config.batch_size'):
+    assert fix in last

@@ -158,9 +158,9 @@ def validate(config, num_train_examples: Optional[int] = None) -> None:
          'or --config.num_epochs')
   if config.batch_size <= 0:
     fail(f'batch_size {config.batch_size} must be > 0: set --config.batch_size')
-  if config.accum_steps < 1 or config.batch_size % config.accum_steps:
+  if config.accum_steps < 0 or config.batch_size % max(config.accum_steps, 1):
     fail(f'accum_steps {config.accum_steps} must be >= 1 and divide batch_size '
-         f'{config.batch_size}: set --config.accum_steps')
+         f'{config.batch_size} (or 0: the fewest that fit): set --config.accum_steps')
   if config.weight_decay < 0:
     fail(f'weight_decay {config.weight_decay} must be >= 0: set --config.weight_decay')
   if config.grad_clip_norm < 0:

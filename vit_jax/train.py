@@ -28,7 +28,6 @@ import tensorflow as tf
 from vit_jax import checkpoint
 from vit_jax import evaluate as evaluate_lib
 from vit_jax import input_pipeline
-from vit_jax import masked_patches
 from vit_jax import models
 from vit_jax import optim
 from vit_jax import paths
@@ -94,9 +93,9 @@ def validate_config(config, num_train_examples=None, dataset_classes=None):
   if config.get('on_nonfinite', 'stop') not in ON_NONFINITE:
     raise ValueError(f'on_nonfinite {config.on_nonfinite!r} is unknown: set '
                      f'--config.on_nonfinite to one of {ON_NONFINITE}')
-  if config.accum_steps < 1:
-    raise ValueError(f'accum_steps {config.accum_steps} must be 1 or more: set '
-                     '--config.accum_steps')
+  if config.accum_steps < 0:
+    raise ValueError(f'accum_steps {config.accum_steps} is negative: set --config.accum_steps '
+                     'to 1 or more, or 0 for the fewest micro-batches that fit in memory')
   if dataset_classes and 0 < config.num_classes < dataset_classes:
     raise ValueError(f'num_classes {config.num_classes} is smaller than the dataset\'s '
                      f'{dataset_classes} classes (labels up to {dataset_classes - 1}): set '
@@ -121,7 +120,6 @@ def validate_config(config, num_train_examples=None, dataset_classes=None):
   if config.pretrained_keep_prelogits and fields.get('representation_size') is None:
     raise ValueError('pretrained_keep_prelogits needs the pre-logits layer in the model: set '
                      '--config.model.representation_size to the checkpoint\'s size')
-  masked_patches.validate(config)
   optim.validate(config, num_train_examples)
 
 
@@ -136,13 +134,9 @@ def per_example_loss(logits, labels, kind):
 def make_train_step(model, tx, schedule, config, mesh):
   """(state, batch, rng) -> (state, metrics); `accum_steps` micro-batches per step."""
   accum = config.accum_steps
-  masked = masked_patches.is_masked(config)
 
-  def grads(params, images, labels, rng, corrupt=None):
+  def grads(params, images, labels, rng):
     def loss(p):
-      if masked:  # self-supervised (vit_jax/masked_patches.py): labels unused
-        return masked_patches.loss_fn(model, p, images, corrupt, config.masked_patches,
-                                      rng=rng)[0]
       logits = model.apply({'params': p}, images, train=True, rngs={'dropout': rng})
       return jnp.mean(per_example_loss(logits, labels, config.loss))
     return jax.value_and_grad(loss)(params)
@@ -150,11 +144,8 @@ def make_train_step(model, tx, schedule, config, mesh):
   def step(state, batch, rng):
     params = state['params']
     rng = jax.random.fold_in(rng, state['step'])
-    # Drawn for the whole batch, so micro-batches and devices do not change it.
-    corrupt = (masked_patches.corruption_for_images(rng, batch['image'], model,
-                                                    config.masked_patches) if masked else None)
     if accum == 1:
-      loss, g = grads(params, batch['image'], batch['label'], rng, corrupt)
+      loss, g = grads(params, batch['image'], batch['label'], rng)
     else:
       # Micro-batch j takes rows j, j+accum, ...: every device keeps its own rows.
       def split(x):
@@ -163,14 +154,13 @@ def make_train_step(model, tx, schedule, config, mesh):
         return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
 
       def body(carry, xs):
-        j, images, labels, corrupt_j = xs
-        loss_j, g_j = grads(params, images, labels, jax.random.fold_in(rng, j), corrupt_j)
+        j, images, labels = xs
+        loss_j, g_j = grads(params, images, labels, jax.random.fold_in(rng, j))
         return jax.tree.map(jnp.add, carry, (loss_j, g_j)), None
 
       zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
       (loss, g), _ = jax.lax.scan(
-          body, zeros, (jnp.arange(accum), split(batch['image']), split(batch['label']),
-                        jax.tree.map(split, corrupt)))
+          body, zeros, (jnp.arange(accum), split(batch['image']), split(batch['label'])))
       loss, g = jax.tree.map(lambda x: x / accum, (loss, g))
     updates, opt_state = tx.update(g, state['opt_state'], params)
     new_params = optax.apply_updates(params, updates)
@@ -237,20 +227,14 @@ def _local(tree):
   return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
 
 
-def _init(config, model, rng):
-  """A freshly initialised parameter tree (the masked-patch objective adds its own)."""
-  if masked_patches.is_masked(config):
-    return masked_patches.init_params(model, rng, config.image_size, config.masked_patches)
-  images = jnp.zeros((1, config.image_size, config.image_size, 3), jnp.float32)
-  return model.init(rng, images, train=False)['params']
-
-
 def _initial_params(config, model, num_classes, param_shardings):
   if config.pretrained_path:
     params = checkpoint.load_pretrained(config.pretrained_path, model, num_classes,
                                         config.image_size, head_bias_init=config.head_bias_init)
     return jax.device_put(params, param_shardings)
-  init = jax.jit(lambda rng: _init(config, model, rng), out_shardings=param_shardings)
+  images = jnp.zeros((1, config.image_size, config.image_size, 3), jnp.float32)
+  init = jax.jit(lambda rng: model.init(rng, images, train=False)['params'],
+                 out_shardings=param_shardings)
   return init(jax.random.PRNGKey(config.seed))
 
 
@@ -453,8 +437,7 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None):
     total_steps = optim.total_steps(config, info.num_train_examples)
     schedule = optim.learning_rate_schedule(config, total_steps)
     tx = optim.make_optimizer(config, total_steps)
-    # The masked-patch objective predicts patches, not classes: no classification head.
-    model = build_model(config, 0 if masked_patches.is_masked(config) else num_classes)
+    model = build_model(config, num_classes)
   except (ValueError, FileNotFoundError) as e:
     raise ConfigError(str(e)) from None
   try:
@@ -522,7 +505,9 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   mesh = sharding.make_mesh(config)
   batch_sharding = sharding.data_sharding(mesh)
   replicated = sharding.replicated(mesh)
-  abstract_params = jax.eval_shape(lambda: _init(config, model, jax.random.PRNGKey(0)))
+  images = jax.ShapeDtypeStruct((1, config.image_size, config.image_size, 3), jnp.float32)
+  abstract_params = jax.eval_shape(
+      lambda x: model.init(jax.random.PRNGKey(0), x, train=False)['params'], images)
   param_sh = sharding.tree_shardings(abstract_params, mesh, config.fsdp)
   opt_sh = sharding.tree_shardings(jax.eval_shape(tx.init, abstract_params), mesh, config.fsdp)
   guard_sh = {k: replicated for k in ('first_bad', 'loss', 'grad_norm', 'skipped')}
@@ -556,11 +541,15 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
     logging.info('Resuming from the checkpoint of step %d in %s', start, workdir)
   _write_config(config, workdir)
 
-  train_step = jax.jit(make_train_step(model, tx, schedule, config, mesh),
-                       in_shardings=(state_sh, batch_sharding, replicated),
-                       out_shardings=(state_sh, replicated), donate_argnums=(0,))
-  eval_step = jax.jit(masked_patches.make_eval_step(model, config) if masked_patches.is_masked(
-      config) else make_eval_step(model), in_shardings=(param_sh, batch_sharding),
+  abstract_batch = {
+      'image': jax.ShapeDtypeStruct((config.batch_size, config.image_size, config.image_size, 3),
+                                    jnp.float32),
+      'label': jax.ShapeDtypeStruct((config.batch_size,), jnp.int32)}
+  train_step, config = _fitting_train_step(
+      config, model, tx, schedule, mesh, (state_sh, batch_sharding, replicated),
+      (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state), abstract_batch,
+       jax.ShapeDtypeStruct((2,), jnp.uint32)))
+  eval_step = jax.jit(make_eval_step(model), in_shardings=(param_sh, batch_sharding),
                       out_shardings=replicated)
   try:
     writer = metric_writers.create_default_writer(workdir,
@@ -578,7 +567,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                       num_classes, config.train_split),
       batch_sharding, config.prefetch)
   fewshot = evaluate_lib.FewShotEvaluator(config, model) if config.fewshot_every_steps else None
-  rng = jax.random.PRNGKey(config.seed)
+  rng = jax.device_put(jax.random.PRNGKey(config.seed), replicated)
   last = total_steps if stop_after_steps is None else min(stop_after_steps, total_steps)
   result = {'step': start}
   t_mark, s_mark = None, start
@@ -625,10 +614,15 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   preemption = _Preemption()
   try:
     for step in range(start + 1, last + 1):
-      state, metrics = train_step(state, next(batches), rng)
-      if t_mark is None:  # the first step compiled: time from its end
-        jax.block_until_ready(metrics)
-        t_mark, s_mark = time.perf_counter(), step
+      try:
+        state, metrics = train_step(state, next(batches), rng)
+        if t_mark is None:  # the first step compiled: time from its end
+          jax.block_until_ready(metrics)
+          t_mark, s_mark = time.perf_counter(), step
+      except Exception as e:  # pylint: disable=broad-except
+        if 'RESOURCE_EXHAUSTED' in str(e) or 'out of memory' in str(e).lower():
+          raise TrainingError(_memory_message(config, None, None)) from None
+        raise
       if peek and prev_guard is not None and prev_guard['first_bad'].is_ready():
         check_guard(_local(prev_guard))
       prev_guard = metrics['guard']
@@ -703,6 +697,66 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       pass
   result['params'] = state['params']
   return result
+
+
+def _device_memory(config):
+  """Bytes per device for the fit check: config.device_memory_mb, else what the device
+  reports (GPU/TPU), else None (CPU)."""
+  if config.get('device_memory_mb', 0) > 0:
+    return int(config.device_memory_mb * 2**20)
+  stats = jax.local_devices()[0].memory_stats()
+  return (stats or {}).get('bytes_limit')
+
+
+def _step_memory(compiled):
+  """Bytes per device the compiled step needs (arguments + outputs + temporaries)."""
+  m = compiled.memory_analysis()
+  if m is None:
+    return None
+  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes -
+          m.alias_size_in_bytes + m.generated_code_size_in_bytes)
+
+
+def _memory_message(config, need, limit):
+  size = (f'needs {need / 2**20:.1f} MiB per device, more than the {limit / 2**20:.1f} MiB '
+          'available' if need else 'does not fit in device memory')
+  return (f'the train step (batch_size {config.batch_size}, accum_steps {config.accum_steps}) '
+          f'{size}: raise --config.accum_steps (0 finds the fewest that fit), set '
+          '--config.remat=True or --config.fsdp=True, or lower --config.batch_size')
+
+
+def _fitting_train_step(config, model, tx, schedule, mesh, in_shardings, abstract_args):
+  """(train step, config) where the step fits the device memory.
+
+  accum_steps 0: the fewest micro-batches whose compiled step fits (memory_analysis()
+  against _device_memory); otherwise the configured step, checked when the memory is
+  known. Compiled ahead of time only when a check runs; else jit compiles at step 1.
+  """
+  limit = _device_memory(config)
+
+  def jitted(c):
+    return jax.jit(make_train_step(model, tx, schedule, c, mesh), in_shardings=in_shardings,
+                   out_shardings=(in_shardings[0], in_shardings[2]), donate_argnums=(0,))
+
+  if config.accum_steps > 0 and limit is None:
+    return jitted(config), config
+  n_dev = mesh.size
+  batch = config.batch_size
+  candidates = ([config.accum_steps] if config.accum_steps > 0 else
+                [a for a in range(1, batch + 1) if batch % a == 0 and (batch // a) % n_dev == 0])
+  need = None
+  for accum in candidates:
+    c = config.copy_and_resolve_references()
+    c.accum_steps = accum
+    compiled = jitted(c).lower(*abstract_args).compile()
+    need = _step_memory(compiled)
+    if limit is None or need is None or need <= limit:
+      if config.accum_steps == 0:
+        logging.info('accum_steps 0: %d micro-batch(es) of %d per step%s', accum, batch // accum,
+                     '' if limit is None or need is None else
+                     f' fit ({need / 2**20:.1f} of {limit / 2**20:.1f} MiB per device)')
+      return compiled, c
+  raise TrainingError(_memory_message(c, need, limit))
 
 
 def _save_cause(error):
