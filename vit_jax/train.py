@@ -28,6 +28,7 @@ import tensorflow as tf
 from vit_jax import checkpoint
 from vit_jax import evaluate as evaluate_lib
 from vit_jax import input_pipeline
+from vit_jax import masked_patches
 from vit_jax import models
 from vit_jax import optim
 from vit_jax import paths
@@ -120,6 +121,7 @@ def validate_config(config, num_train_examples=None, dataset_classes=None):
   if config.pretrained_keep_prelogits and fields.get('representation_size') is None:
     raise ValueError('pretrained_keep_prelogits needs the pre-logits layer in the model: set '
                      '--config.model.representation_size to the checkpoint\'s size')
+  masked_patches.validate(config)
   optim.validate(config, num_train_examples)
 
 
@@ -134,9 +136,13 @@ def per_example_loss(logits, labels, kind):
 def make_train_step(model, tx, schedule, config, mesh):
   """(state, batch, rng) -> (state, metrics); `accum_steps` micro-batches per step."""
   accum = config.accum_steps
+  masked = masked_patches.is_masked(config)
 
-  def grads(params, images, labels, rng):
+  def grads(params, images, labels, rng, corrupt=None):
     def loss(p):
+      if masked:  # self-supervised (vit_jax/masked_patches.py): labels unused
+        return masked_patches.loss_fn(model, p, images, corrupt, config.masked_patches,
+                                      rng=rng)[0]
       logits = model.apply({'params': p}, images, train=True, rngs={'dropout': rng})
       return jnp.mean(per_example_loss(logits, labels, config.loss))
     return jax.value_and_grad(loss)(params)
@@ -144,8 +150,11 @@ def make_train_step(model, tx, schedule, config, mesh):
   def step(state, batch, rng):
     params = state['params']
     rng = jax.random.fold_in(rng, state['step'])
+    # Drawn for the whole batch, so micro-batches and devices do not change it.
+    corrupt = (masked_patches.corruption_for_images(rng, batch['image'], model,
+                                                    config.masked_patches) if masked else None)
     if accum == 1:
-      loss, g = grads(params, batch['image'], batch['label'], rng)
+      loss, g = grads(params, batch['image'], batch['label'], rng, corrupt)
     else:
       # Micro-batch j takes rows j, j+accum, ...: every device keeps its own rows.
       def split(x):
@@ -154,13 +163,14 @@ def make_train_step(model, tx, schedule, config, mesh):
         return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
 
       def body(carry, xs):
-        j, images, labels = xs
-        loss_j, g_j = grads(params, images, labels, jax.random.fold_in(rng, j))
+        j, images, labels, corrupt_j = xs
+        loss_j, g_j = grads(params, images, labels, jax.random.fold_in(rng, j), corrupt_j)
         return jax.tree.map(jnp.add, carry, (loss_j, g_j)), None
 
       zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
       (loss, g), _ = jax.lax.scan(
-          body, zeros, (jnp.arange(accum), split(batch['image']), split(batch['label'])))
+          body, zeros, (jnp.arange(accum), split(batch['image']), split(batch['label']),
+                        jax.tree.map(split, corrupt)))
       loss, g = jax.tree.map(lambda x: x / accum, (loss, g))
     updates, opt_state = tx.update(g, state['opt_state'], params)
     new_params = optax.apply_updates(params, updates)
@@ -227,14 +237,20 @@ def _local(tree):
   return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
 
 
+def _init(config, model, rng):
+  """A freshly initialised parameter tree (the masked-patch objective adds its own)."""
+  if masked_patches.is_masked(config):
+    return masked_patches.init_params(model, rng, config.image_size, config.masked_patches)
+  images = jnp.zeros((1, config.image_size, config.image_size, 3), jnp.float32)
+  return model.init(rng, images, train=False)['params']
+
+
 def _initial_params(config, model, num_classes, param_shardings):
   if config.pretrained_path:
     params = checkpoint.load_pretrained(config.pretrained_path, model, num_classes,
                                         config.image_size, head_bias_init=config.head_bias_init)
     return jax.device_put(params, param_shardings)
-  images = jnp.zeros((1, config.image_size, config.image_size, 3), jnp.float32)
-  init = jax.jit(lambda rng: model.init(rng, images, train=False)['params'],
-                 out_shardings=param_shardings)
+  init = jax.jit(lambda rng: _init(config, model, rng), out_shardings=param_shardings)
   return init(jax.random.PRNGKey(config.seed))
 
 
@@ -437,7 +453,8 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None):
     total_steps = optim.total_steps(config, info.num_train_examples)
     schedule = optim.learning_rate_schedule(config, total_steps)
     tx = optim.make_optimizer(config, total_steps)
-    model = build_model(config, num_classes)
+    # The masked-patch objective predicts patches, not classes: no classification head.
+    model = build_model(config, 0 if masked_patches.is_masked(config) else num_classes)
   except (ValueError, FileNotFoundError) as e:
     raise ConfigError(str(e)) from None
   try:
@@ -505,9 +522,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   mesh = sharding.make_mesh(config)
   batch_sharding = sharding.data_sharding(mesh)
   replicated = sharding.replicated(mesh)
-  images = jax.ShapeDtypeStruct((1, config.image_size, config.image_size, 3), jnp.float32)
-  abstract_params = jax.eval_shape(
-      lambda x: model.init(jax.random.PRNGKey(0), x, train=False)['params'], images)
+  abstract_params = jax.eval_shape(lambda: _init(config, model, jax.random.PRNGKey(0)))
   param_sh = sharding.tree_shardings(abstract_params, mesh, config.fsdp)
   opt_sh = sharding.tree_shardings(jax.eval_shape(tx.init, abstract_params), mesh, config.fsdp)
   guard_sh = {k: replicated for k in ('first_bad', 'loss', 'grad_norm', 'skipped')}
@@ -549,7 +564,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       config, model, tx, schedule, mesh, (state_sh, batch_sharding, replicated),
       (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state), abstract_batch,
        jax.ShapeDtypeStruct((2,), jnp.uint32)))
-  eval_step = jax.jit(make_eval_step(model), in_shardings=(param_sh, batch_sharding),
+  eval_step = jax.jit(masked_patches.make_eval_step(model, config) if masked_patches.is_masked(
+      config) else make_eval_step(model), in_shardings=(param_sh, batch_sharding),
                       out_shardings=replicated)
   try:
     writer = metric_writers.create_default_writer(workdir,
