@@ -359,6 +359,15 @@ def test_full_disk_at_start_up_is_one_line(tmp_path):
   assert 'Traceback' not in err
 
 
+def test_workdir_that_cannot_be_created_is_one_line(tmp_path):
+  (tmp_path / 'a_file').write_text('')
+  rc, err, last = _cli(tmp_path, 'a_file/run')
+  assert rc == 1
+  assert last == (f'vit_jax: cannot create {tmp_path}/a_file/run (Not a directory): choose '
+                  'another --workdir'), last
+  assert 'Traceback' not in err
+
+
 def test_skip_mode_leaves_out_non_finite_updates(tmp_path, caplog):
   import logging  # pylint: disable=g-import-not-at-top
   config = _config(base_lr=1e6, on_nonfinite='skip', total_steps=8, log_every_steps=4,

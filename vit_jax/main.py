@@ -120,7 +120,11 @@ def main(argv):
   from vit_jax import train  # pylint: disable=g-import-not-at-top  (after distributed init)
   # The readable log: train.INFO (process 0), train.process<i>.INFO (the others).
   log_dir = FLAGS.local_log_dir if paths.is_remote(workdir) else workdir
-  os.makedirs(log_dir, exist_ok=True)
+  try:
+    os.makedirs(log_dir, exist_ok=True)
+  except OSError as e:
+    sys.exit(f'vit_jax: cannot create {log_dir} ({e.strerror}): choose another --workdir'
+             + (' or --local_log_dir' if log_dir != workdir else ''))
   name = 'train' if jax.process_index() == 0 else f'train.process{jax.process_index()}'
   logging.get_absl_handler().use_absl_log_file(name, log_dir)
   logging.get_absl_handler().addFilter(_QuietLibraries())
