@@ -579,13 +579,8 @@ def load_config(spec, overrides=()):
 
 
 def validate_for_slice(config, accelerator_type):
-  """vit_jax's start-up checks (train.validate_config) as they will run on the slice.
-
-  jax.device_count() and jax.process_count() answer the slice's numbers meanwhile; for an
-  unknown accelerator type the device checks are left out (mesh_data -1 on one device).
-  """
-  from unittest import mock  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
+  """vit_jax's start-up checks (train.validate_config) for the slice's devices and hosts;
+  for an unknown accelerator type the device checks are left out (one device)."""
   from vit_jax import train  # pylint: disable=g-import-not-at-top  (imports TF too)
   devices, hosts = num_devices(accelerator_type), num_hosts(accelerator_type)
   config = copy.deepcopy(config)
@@ -596,9 +591,7 @@ def validate_for_slice(config, accelerator_type):
     config.mesh_data = -1
   n_train = config.num_train_examples if config.num_train_examples > 0 else None
   try:
-    with mock.patch.object(jax, 'device_count', lambda *_, **__: devices), \
-         mock.patch.object(jax, 'process_count', lambda *_, **__: hosts):
-      train.validate_config(config, n_train)
+    train.validate_config(config, n_train, devices=devices, hosts=hosts)
   except ValueError as e:
     raise LaunchError(f'preflight ({where}): {_one_line(e)}') from None
 

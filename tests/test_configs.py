@@ -13,6 +13,7 @@ import pytest
 
 from vit_jax import checkpoint
 from vit_jax import configs
+from vit_jax import models
 from vit_jax import optim
 from vit_jax import train
 
@@ -365,7 +366,7 @@ def _check_posemb(c, params):
     return
   target = flat[keys[0]].shape
   has_cls = 'cls' in flat
-  stride = train._stride(c)  # pylint: disable=protected-access
+  stride = models.pixels_per_token(models.get_variant(c.model_name, **c.model))
   g0, g1 = PRETRAIN_RESOLUTION // stride, c.image_size // stride
   assert target[1] == g1 * g1 + has_cls
   assert _interpolated_shape(g0 * g0 + has_cls, target[1], target[2], has_cls) == target

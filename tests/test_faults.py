@@ -8,6 +8,7 @@ tests copy its workdir. Faults found at start-up are also checked in-process (fa
 """
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,6 +19,7 @@ import time
 import numpy as np
 import pytest
 
+from vit_jax import rundir
 from vit_jax import train
 from vit_jax.configs import quickstart
 
@@ -122,25 +124,25 @@ def test_config_check_fields(good, tmp_path):
   with open(run / 'config.json') as f:
     config.update_from_flattened_dict(
         {k: v for k, v in _flat(json.load(f)).items() if not isinstance(v, list)})
-  train.check_resume_config(config, str(run))  # the same config
+  rundir.check_resume_config(config, str(run))  # the same config
   for field, value in (('log_every_steps', 7), ('checkpoint_every_steps', 0),
                        ('keep_checkpoints', 9), ('eval_batch_size', 64), ('mesh_data', 4),
                        ('fewshot_every_steps', 5), ('accum_steps', 2)):
     changed = config.copy_and_resolve_references()
     changed[field] = value
-    train.check_resume_config(changed, str(run))  # free to change
+    rundir.check_resume_config(changed, str(run))  # free to change
   for field, value in (('base_lr', 0.1), ('total_steps', 60), ('batch_size', 64),
                        ('dataset', 'folder:/x'), ('dtype', 'bfloat16'), ('optimizer', 'sgd')):
     changed = config.copy_and_resolve_references()
     changed[field] = value
     with pytest.raises(train.ConfigError, match=f'{field} .* -> '):
-      train.check_resume_config(changed, str(run))
+      rundir.check_resume_config(changed, str(run))
     changed.resume_changes = field
-    train.check_resume_config(changed, str(run))  # the override says it is intended
+    rundir.check_resume_config(changed, str(run))  # the override says it is intended
   changed = config.copy_and_resolve_references()
   changed.model.dropout_rate = 0.5
   changed.resume_changes = 'model'  # a prefix names the whole group
-  train.check_resume_config(changed, str(run))
+  rundir.check_resume_config(changed, str(run))
 
 
 def _flat(tree, prefix=''):
@@ -171,11 +173,11 @@ def test_stale_lock_is_taken_over(tmp_path, caplog):
   dead = subprocess.Popen(['true'])
   dead.wait()
   (tmp_path / 'lock').write_text(json.dumps({'host': socket.gethostname(), 'pid': dead.pid}))
-  lock = train.WorkdirLock(str(tmp_path))
+  lock = rundir.WorkdirLock(str(tmp_path))
   lock.acquire()
   assert json.loads((tmp_path / 'lock').read_text())['pid'] == os.getpid()
   with pytest.raises(train.ConfigError, match=f'in use by pid {os.getpid()}'):
-    train.WorkdirLock(str(tmp_path)).acquire()  # a live holder: refused
+    rundir.WorkdirLock(str(tmp_path)).acquire()  # a live holder: refused
   lock.release()
   assert not (tmp_path / 'lock').exists()
 
@@ -214,9 +216,12 @@ def test_failed_save_stops_at_once(tmp_path):
   rc, err, last = _cli(tmp_path, 'run', '--config.total_steps=200',
                        file_size_limit=64 * 1024)
   assert rc == 1, err[-3000:]
-  assert 'the checkpoint of step 10 could not be written' in last, last
+  # Which save meets the limit first depends on how orbax chunks its files; whichever it
+  # is, the run stops by the next save at the latest, not at the end.
+  failed = re.search(r'the checkpoint of step (\d+) could not be written', last)
+  assert failed, last
   assert 'File too large' in last
-  assert 'step 30/200' not in err  # stopped soon after the failed save, not at the end
+  assert f'step {int(failed.group(1)) + 20}/200' not in err
   assert not os.path.exists(tmp_path / 'run' / 'lock')
 
 

@@ -14,9 +14,14 @@ DATA = 'data'
 _FSDP_MIN_SIZE = 2**14
 
 
-def mesh_size(config):
-  """Devices on the data axis; one-line ValueError naming mesh_data when it cannot be."""
-  devices = jax.device_count()
+def mesh_size(config, devices=None, hosts=None):
+  """Devices on the data axis; one-line ValueError naming mesh_data when it cannot be.
+
+  `devices` and `hosts` default to this process's view (jax); a launcher checking a
+  config for another machine passes that machine's numbers.
+  """
+  devices = jax.device_count() if devices is None else devices
+  hosts = jax.process_count() if hosts is None else hosts
   n = devices if config.mesh_data == -1 else config.mesh_data
   if n < 1 or n > devices or devices % n:
     divisors = [d for d in range(1, devices + 1) if devices % d == 0]
@@ -24,7 +29,7 @@ def mesh_size(config):
         f'mesh_data {config.mesh_data} does not fit the {devices} devices: set '
         f'--config.mesh_data to -1 (all) or a divisor of {devices} '
         f'({", ".join(map(str, divisors))})')
-  if n < devices and jax.process_count() > 1:
+  if n < devices and hosts > 1:
     raise ValueError('mesh_data must be -1 on several hosts: set --config.mesh_data=-1')
   return n
 

@@ -6,12 +6,10 @@ jax.Arrays. The state is {'step', 'params', 'opt_state'}; everything random in s
 (data order, augmentation, dropout) is a function of (seed, s), so a run resumed from
 its orbax checkpoint continues exactly where it stopped.
 """
-import json
 import logging as std_logging
 import os
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -26,12 +24,14 @@ import optax
 import tensorflow as tf
 
 from vit_jax import checkpoint
+from vit_jax import errors
 from vit_jax import evaluate as evaluate_lib
 from vit_jax import input_pipeline
 from vit_jax import masked_patches
 from vit_jax import models
 from vit_jax import optim
 from vit_jax import paths
+from vit_jax import rundir
 from vit_jax import sharding
 
 DTYPES = ('float32', 'bfloat16')
@@ -41,48 +41,19 @@ _DERIVED_LABEL_TASKS = ('clevr_count', 'clevr_distance', 'dsprites_location',
                         'smallnorb_elevation')
 
 
-class ConfigError(ValueError):
-  """A bad config or data source found at start-up; main prints it as one line."""
-
-
-class TrainingError(ConfigError):
-  """A fault met while training (divergence, a failed save, Ctrl-C): one line, exit 1.
-
-  A subclass of ConfigError so that main prints it the same way.
-  """
-
+ConfigError = errors.ConfigError  # raised by train_and_evaluate; main prints it as one line
+TrainingError = errors.TrainingError
 
 ON_NONFINITE = ('stop', 'skip')
-# Config fields that do not change the trained parameters: they may differ from the
-# workdir's config.json when a run resumes. Every other field must match, unless it
-# is named in config.resume_changes. (accum_steps: the same mean gradient; mesh_data,
-# fsdp, remat: the same step on another layout; data_dir: the same data, moved.)
-_FREE_FIELDS = ('log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
-                'keep_checkpoints', 'prefetch', 'eval_batch_size', 'eval_split', 'mesh_data',
-                'fsdp', 'remat', 'accum_steps', 'data_dir', 'on_nonfinite', 'resume_changes',
-                'lr_grid', 'pp.eval_crop', 'pp.central_crop_fraction')
-_FREE_PREFIXES = ('fewshot_',)
+build_model = models.from_config  # (config, num_classes) -> the flax module
 
 
-def build_model(config, num_classes):
-  return models.get_model(config.model_name, num_classes, dtype=config.dtype,
-                          remat=config.remat, head_bias_init=config.head_bias_init,
-                          **config.model)
-
-
-def _stride(config):
-  """Pixels per token side: patch size times the hybrid stem's downsampling."""
-  fields = models.get_variant(config.model_name, **config.model)
-  if fields['family'] != 'vit':
-    return 1
-  layers = fields['resnet_layers']
-  stem = 1 if layers is None else 4 * 2**max(len(layers) - 1, 0)
-  return stem * fields['patch_size']
-
-
-def validate_config(config, num_train_examples=None, dataset_classes=None):
-  """Start-up checks; each failure is one line naming the field and the fix."""
-  n_dev = sharding.mesh_size(config)  # first: a bad mesh is not blamed on the batch size
+def validate_config(config, num_train_examples=None, dataset_classes=None, *, devices=None,
+                    hosts=None):
+  """Start-up checks; each failure is one line naming the field and the fix. `devices` and
+  `hosts`: those of the machine the run is for (default: this process's)."""
+  # First: a bad mesh is not blamed on the batch size.
+  n_dev = sharding.mesh_size(config, devices, hosts)
   for name in ('log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
                'fewshot_every_steps'):
     if config[name] < 0:
@@ -103,7 +74,7 @@ def validate_config(config, num_train_examples=None, dataset_classes=None):
                      f'--config.num_classes={dataset_classes} or -1 (from the dataset)')
   if config.dtype not in DTYPES:
     raise ValueError(f'dtype {config.dtype!r} is unknown: set --config.dtype to one of {DTYPES}')
-  stride = _stride(config)
+  stride = models.pixels_per_token(models.get_variant(config.model_name, **config.model))
   if config.image_size % stride:
     raise ValueError(f'image_size {config.image_size} is not divisible by patch size {stride}: '
                      f'set --config.image_size to a multiple of {stride}')
@@ -259,182 +230,6 @@ def _abstract(tree, shardings):
                       tree, shardings)
 
 
-def _one_line(error):
-  """One line of an exception's text (the last non-empty one), at most 300 characters."""
-  if isinstance(error, OSError) and error.strerror:
-    return f'{error.strerror} ({error.filename})' if error.filename else error.strerror
-  lines = [l.strip() for l in str(error).splitlines() if l.strip()]
-  text = lines[-1] if lines else type(error).__name__
-  return text if len(text) <= 300 else text[:297] + '...'
-
-
-def _write_config(config, workdir):
-  if jax.process_index() == 0:
-    path = os.path.join(workdir, 'config.json')
-    try:
-      with tf.io.gfile.GFile(path, 'w') as f:
-        f.write(config.to_json_best_effort(indent=2))
-    except (OSError, tf.errors.OpError) as e:
-      raise ConfigError(f'cannot write {path}: {_one_line(e)}: free space or fix permissions, '
-                        'or use another --workdir') from None
-
-
-def _flatten(tree, prefix=''):
-  out = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      out.update(_flatten(value, f'{prefix}{key}.'))
-    else:
-      out[prefix + key] = value
-  return out
-
-
-def _has_results(workdir):
-  """Whether `workdir` holds something a run with another config would spoil."""
-  ckpt = os.path.join(workdir, 'checkpoints')
-  steps = tf.io.gfile.isdir(ckpt) and any(
-      d.rstrip('/').isdigit() for d in tf.io.gfile.listdir(ckpt))
-  return steps or tf.io.gfile.exists(os.path.join(workdir, 'final.npz'))
-
-
-def check_resume_config(config, workdir):
-  """Refuses (ConfigError) a config whose result-changing fields differ from the one of
-  the run in `workdir`, unless config.resume_changes names them ('*': any)."""
-  path = os.path.join(workdir, 'config.json')
-  if not tf.io.gfile.exists(path) or not _has_results(workdir):
-    return
-  try:
-    with tf.io.gfile.GFile(path) as f:
-      old = _flatten(json.loads(f.read()))
-  except (ValueError, OSError, tf.errors.OpError) as e:
-    logging.warning('Cannot read %s (%s): resuming without comparing configs', path, e)
-    return
-  new = _flatten(json.loads(config.to_json_best_effort()))
-  allowed = [x.strip() for x in str(config.get('resume_changes', '')).split(',') if x.strip()]
-  if '*' in allowed:
-    return
-
-  def free(key):
-    return (key in _FREE_FIELDS or key.startswith(_FREE_PREFIXES) or
-            any(key == a or key.startswith(a + '.') for a in allowed))
-
-  changed = [k for k in sorted(old) if k in new and old[k] != new[k] and not free(k)]
-  if changed:
-    shown = ', '.join(f'{k} {old[k]!r} -> {new[k]!r}' for k in changed[:4])
-    more = f' and {len(changed) - 4} more' if len(changed) > 4 else ''
-    raise ConfigError(
-        f'workdir {workdir} holds a run with another config ({shown}{more}): use another '
-        f'--workdir, or pass --config.resume_changes={",".join(changed)} if the change is '
-        'intended')
-
-
-def _proc_start(pid):
-  """The start time of process `pid` in clock ticks (tells a reused pid apart), or None."""
-  try:
-    with open(f'/proc/{pid}/stat') as f:
-      return int(f.read().rsplit(')', 1)[1].split()[19])
-  except (OSError, ValueError, IndexError):
-    return None
-
-
-class WorkdirLock:
-  """One run per workdir: `<workdir>/lock` holds the host, pid and start time of its run.
-
-  Local workdirs: created with O_CREAT|O_EXCL; a lock whose process is gone (same host,
-  pid not running, or running but started at another time) is stale and taken over with
-  a warning. gs:// (no exclusive create on object stores): the lock object is written
-  and a holder found there is only warned about, since a preempted TPU VM cannot remove
-  its lock and must resume. Only process 0 locks.
-  """
-
-  def __init__(self, workdir):
-    self.path = os.path.join(workdir, 'lock')
-    self.held = False
-
-  def _info(self):
-    return {'host': socket.gethostname(), 'pid': os.getpid(),
-            'proc_start': _proc_start(os.getpid()), 'started': time.strftime('%Y-%m-%d %H:%M:%S %Z')}
-
-  def _read(self):
-    try:
-      with tf.io.gfile.GFile(self.path) as f:
-        return json.loads(f.read())
-    except (ValueError, OSError, tf.errors.OpError):
-      return None
-
-  def _stale(self, holder):
-    if holder is None:  # unreadable: stale unless being written right now
-      try:
-        return time.time() - os.path.getmtime(self.path) > 10
-      except OSError:
-        return True
-    if holder.get('host') != socket.gethostname():
-      return False
-    pid = int(holder.get('pid', -1))
-    try:
-      os.kill(pid, 0)
-    except ProcessLookupError:
-      return True
-    except PermissionError:
-      pass
-    start = holder.get('proc_start')
-    return start is not None and _proc_start(pid) not in (None, start)
-
-  def _holder_text(self, holder):
-    if holder is None:
-      return f'an unreadable lock {self.path}'
-    return (f'pid {holder.get("pid")} on {holder.get("host")} (started '
-            f'{holder.get("started")}, lock {self.path})')
-
-  def acquire(self):
-    if jax.process_index() != 0:
-      return
-    data = json.dumps(self._info())
-    try:
-      if paths.is_remote(self.path):
-        if tf.io.gfile.exists(self.path):
-          logging.warning('The workdir may be in use by %s; object stores cannot lock: make '
-                          'sure no other run uses it', self._holder_text(self._read()))
-        with tf.io.gfile.GFile(self.path, 'w') as f:
-          f.write(data)
-        self.held = True
-        return
-      for _ in range(3):
-        try:
-          fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-          holder = self._read()
-          if not self._stale(holder):
-            raise ConfigError(
-                f'workdir {os.path.dirname(self.path)} is in use by {self._holder_text(holder)}: '
-                'wait for that run to end or use another --workdir (delete the lock file only '
-                'if that run is gone)') from None
-          logging.warning('Taking over the stale lock of %s: that process is gone',
-                          self._holder_text(holder))
-          try:
-            os.unlink(self.path)
-          except FileNotFoundError:
-            pass
-          continue
-        self.held = True
-        with os.fdopen(fd, 'w') as f:
-          f.write(data)
-        return
-      raise ConfigError(f'cannot take the lock {self.path}: another run keeps taking it')
-    except (OSError, tf.errors.OpError) as e:
-      self.release()
-      raise ConfigError(f'cannot write to workdir {os.path.dirname(self.path)}: {_one_line(e)}: '
-                        'free space or fix permissions, or use another --workdir') from None
-
-  def release(self):
-    if self.held:
-      self.held = False
-      try:
-        tf.io.gfile.remove(self.path)
-      except (OSError, tf.errors.OpError):
-        pass
-
-
 def train_and_evaluate(config, workdir, *, stop_after_steps=None):
   """Trains `config` in `workdir`, resuming from its latest checkpoint; returns metrics.
 
@@ -460,12 +255,12 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None):
   try:
     tf.io.gfile.makedirs(workdir)  # local or gs://
   except (OSError, tf.errors.OpError) as e:
-    raise ConfigError(f'cannot create workdir {workdir}: {_one_line(e)}: choose a writable '
+    raise ConfigError(f'cannot create workdir {workdir}: {errors.one_line(e)}: choose a writable '
                       '--workdir') from None
-  lock = WorkdirLock(workdir)
+  lock = rundir.WorkdirLock(workdir)
   lock.acquire()
   try:
-    check_resume_config(config, workdir)
+    rundir.check_resume_config(config, workdir)
     return _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                   stop_after_steps)
   finally:
@@ -533,7 +328,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   try:
     manager = checkpoint.train_state_manager(ckpt_dir, config.keep_checkpoints)
   except (OSError, tf.errors.OpError) as e:
-    raise ConfigError(f'cannot create {ckpt_dir}: {_one_line(e)}: free space or fix '
+    raise ConfigError(f'cannot create {ckpt_dir}: {errors.one_line(e)}: free space or fix '
                       'permissions, or use another --workdir') from None
   abstract_state = _abstract(
       {'step': jax.ShapeDtypeStruct((), jnp.int32), 'params': abstract_params,
@@ -554,7 +349,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   start = int(_local(state['step']))
   if start:
     logging.info('Resuming from the checkpoint of step %d in %s', start, workdir)
-  _write_config(config, workdir)
+  rundir.write_config(config, workdir)
 
   abstract_batch = {
       'image': jax.ShapeDtypeStruct((config.batch_size, config.image_size, config.image_size, 3),
@@ -574,7 +369,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       writer.write_hparams({k: v for k, v in config.to_dict().items()
                             if isinstance(v, (int, float, str, bool))})
   except (OSError, tf.errors.OpError) as e:
-    raise ConfigError(f'cannot write the metrics to {workdir}: {_one_line(e)}: free space or '
+    raise ConfigError(f'cannot write the metrics to {workdir}: {errors.one_line(e)}: free space or '
                       'fix permissions, or use another --workdir') from None
 
   batches = input_pipeline.prefetch_to_mesh(
@@ -703,7 +498,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                    config.eval_split, result['accuracy'], total_steps,
                    os.path.join(workdir, 'final.npz'))
   except (OSError, tf.errors.OpError) as e:
-    raise TrainingError(f'cannot write to {workdir}: {_one_line(e)}: free space or fix '
+    raise TrainingError(f'cannot write to {workdir}: {errors.one_line(e)}: free space or fix '
                         'permissions, then run the same command to resume') from None
   finally:
     preemption.close()
@@ -780,13 +575,13 @@ def _save_cause(error):
   seen = error
   while seen is not None:
     if isinstance(seen, OSError) and seen.strerror:
-      return _one_line(seen)
+      return errors.one_line(seen)
     seen = seen.__cause__ or seen.__context__
   text = str(error)
   found = re.search(r'([^:"]+?) \[os_error_code=\'?(\d+)', text)  # tensorstore's errno text
   if found:
     return f'{found.group(1).strip()} (errno {found.group(2)})'
-  return _one_line(error)
+  return errors.one_line(error)
 
 
 def _without_guard(state):

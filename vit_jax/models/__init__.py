@@ -6,7 +6,7 @@
 import jax.numpy as jnp
 
 from vit_jax.models.bit import BiTResNet
-from vit_jax.models.variants import VARIANTS, get_variant
+from vit_jax.models.variants import VARIANTS, get_variant, pixels_per_token
 from vit_jax.models.vit import VisionTransformer
 
 # Options of the module that are not architecture fields of the variant table.
@@ -39,4 +39,5 @@ def from_config(config, num_classes):
                    head_bias_init=config.head_bias_init, **config.model)
 
 
-__all__ = ['VARIANTS', 'from_config', 'get_model', 'get_variant', 'VisionTransformer', 'BiTResNet']
+__all__ = ['VARIANTS', 'from_config', 'get_model', 'get_variant', 'pixels_per_token',
+           'VisionTransformer', 'BiTResNet']

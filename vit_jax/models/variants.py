@@ -54,7 +54,8 @@ VARIANTS = {
     # Plain ViTs: every size with every patch size.
     **{f'ViT-{s}_{p}': _vit(s, p) for s in _VIT_SIZES for p in _VIT_PATCHES},
     # Hybrids: ResNet stem (GN + weight-standardised convs), then ViT on its feature map.
-    # The name's patch size is the effective one: stem stride x patch_size.
+    # The name's patch size is the effective one, stem stride x patch_size (see
+    # pixels_per_token), except for R+ViT-Ti_16, named as published: 4 x 8 = 32.
     # /16: stage 4 removed and its units moved to stage 3 (3, 4, 9); /32: the full R50
     # (paper Section 4.1, options (ii) and (i)); 1x1 patches on the feature map.
     'R50+ViT-B_16': _vit('B', 1, resnet_layers=(3, 4, 9)),
@@ -63,7 +64,8 @@ VARIANTS = {
     'R50+ViT-L_32': _vit('L', 1, resnet_layers=(3, 4, 6, 3)),
     'R26+ViT-B_32': _vit('B', 1, resnet_layers=(2, 2, 2, 2)),
     'R26+ViT-S_32': _vit('S', 1, resnet_layers=(2, 2, 2, 2)),
-    # Root block only (conv, GN, ReLU, max-pool: stride 4) and 8x8 patches, as published.
+    # Root block only (conv, GN, ReLU, max-pool: stride 4) and 8x8 patches, as published:
+    # 32 pixels per token despite the name.
     'R+ViT-Ti_16': _vit('Ti', 8, resnet_layers=()),
     # BiT ResNet v2 (pre-activation), the published BiT-S/BiT-M files.
     **{f'BiT-{d}-R{depth}x{w}': _bit(depth, w)
@@ -94,3 +96,14 @@ def get_variant(name, **overrides):
   if fields.get('resnet_layers') is not None:
     fields['resnet_layers'] = tuple(fields['resnet_layers'])
   return fields
+
+
+def pixels_per_token(fields):
+  """Side in input pixels of the square one token covers, for variant `fields` (as
+  get_variant returns them): the patch size times the hybrid stem's stride (4 for its
+  root block, 2 for each stage after the first); 1 for a ResNet, which has no tokens."""
+  if fields['family'] != 'vit':
+    return 1
+  layers = fields['resnet_layers']
+  stem = 1 if layers is None else 4 * 2**max(len(layers) - 1, 0)
+  return stem * fields['patch_size']

@@ -1,0 +1,21 @@
+"""The errors a run ends with: vit-train prints each as one line, `vit_jax: <message>`."""
+
+
+class ConfigError(ValueError):
+  """A bad config or data source found at start-up; main prints it as one line."""
+
+
+class TrainingError(ConfigError):
+  """A fault met while training (divergence, a failed save, Ctrl-C): one line, exit 1.
+
+  A subclass of ConfigError so that main prints it the same way.
+  """
+
+
+def one_line(error):
+  """One line of an exception's text (the last non-empty one), at most 300 characters."""
+  if isinstance(error, OSError) and error.strerror:
+    return f'{error.strerror} ({error.filename})' if error.filename else error.strerror
+  lines = [l.strip() for l in str(error).splitlines() if l.strip()]
+  text = lines[-1] if lines else type(error).__name__
+  return text if len(text) <= 300 else text[:297] + '...'

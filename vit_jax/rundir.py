@@ -1,0 +1,193 @@
+"""What a run keeps in its workdir besides checkpoints: config.json, the check that a
+resumed run has the config of the run it resumes, and the lock that keeps one run per
+workdir."""
+import json
+import os
+import socket
+import time
+
+from absl import logging
+import jax
+import tensorflow as tf
+
+from vit_jax import errors
+from vit_jax import paths
+
+# Config fields that do not change the trained parameters: they may differ from the
+# workdir's config.json when a run resumes. Every other field must match, unless it
+# is named in config.resume_changes. (accum_steps: the same mean gradient; mesh_data,
+# fsdp, remat: the same step on another layout; data_dir: the same data, moved.)
+_FREE_FIELDS = ('log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
+                'keep_checkpoints', 'prefetch', 'eval_batch_size', 'eval_split', 'mesh_data',
+                'fsdp', 'remat', 'accum_steps', 'data_dir', 'on_nonfinite', 'resume_changes',
+                'lr_grid', 'pp.eval_crop', 'pp.central_crop_fraction')
+_FREE_PREFIXES = ('fewshot_',)
+
+
+def write_config(config, workdir):
+  if jax.process_index() == 0:
+    path = os.path.join(workdir, 'config.json')
+    try:
+      with tf.io.gfile.GFile(path, 'w') as f:
+        f.write(config.to_json_best_effort(indent=2))
+    except (OSError, tf.errors.OpError) as e:
+      raise errors.ConfigError(f'cannot write {path}: {errors.one_line(e)}: free space or fix '
+                               'permissions, or use another --workdir') from None
+
+
+def _flatten(tree, prefix=''):
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flatten(value, f'{prefix}{key}.'))
+    else:
+      out[prefix + key] = value
+  return out
+
+
+def _has_results(workdir):
+  """Whether `workdir` holds something a run with another config would spoil."""
+  ckpt = os.path.join(workdir, 'checkpoints')
+  steps = tf.io.gfile.isdir(ckpt) and any(
+      d.rstrip('/').isdigit() for d in tf.io.gfile.listdir(ckpt))
+  return steps or tf.io.gfile.exists(os.path.join(workdir, 'final.npz'))
+
+
+def check_resume_config(config, workdir):
+  """Refuses (ConfigError) a config whose result-changing fields differ from the one of
+  the run in `workdir`, unless config.resume_changes names them ('*': any)."""
+  path = os.path.join(workdir, 'config.json')
+  if not tf.io.gfile.exists(path) or not _has_results(workdir):
+    return
+  try:
+    with tf.io.gfile.GFile(path) as f:
+      old = _flatten(json.loads(f.read()))
+  except (ValueError, OSError, tf.errors.OpError) as e:
+    logging.warning('Cannot read %s (%s): resuming without comparing configs', path, e)
+    return
+  new = _flatten(json.loads(config.to_json_best_effort()))
+  allowed = [x.strip() for x in str(config.get('resume_changes', '')).split(',') if x.strip()]
+  if '*' in allowed:
+    return
+
+  def free(key):
+    return (key in _FREE_FIELDS or key.startswith(_FREE_PREFIXES) or
+            any(key == a or key.startswith(a + '.') for a in allowed))
+
+  changed = [k for k in sorted(old) if k in new and old[k] != new[k] and not free(k)]
+  if changed:
+    shown = ', '.join(f'{k} {old[k]!r} -> {new[k]!r}' for k in changed[:4])
+    more = f' and {len(changed) - 4} more' if len(changed) > 4 else ''
+    raise errors.ConfigError(
+        f'workdir {workdir} holds a run with another config ({shown}{more}): use another '
+        f'--workdir, or pass --config.resume_changes={",".join(changed)} if the change is '
+        'intended')
+
+
+def _proc_start(pid):
+  """The start time of process `pid` in clock ticks (tells a reused pid apart), or None."""
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return int(f.read().rsplit(')', 1)[1].split()[19])
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+class WorkdirLock:
+  """One run per workdir: `<workdir>/lock` holds the host, pid and start time of its run.
+
+  Local workdirs: created with O_CREAT|O_EXCL; a lock whose process is gone (same host,
+  pid not running, or running but started at another time) is stale and taken over with
+  a warning. gs:// (no exclusive create on object stores): the lock object is written
+  and a holder found there is only warned about, since a preempted TPU VM cannot remove
+  its lock and must resume. Only process 0 locks.
+  """
+
+  def __init__(self, workdir):
+    self.path = os.path.join(workdir, 'lock')
+    self.held = False
+
+  def _info(self):
+    return {'host': socket.gethostname(), 'pid': os.getpid(),
+            'proc_start': _proc_start(os.getpid()),
+            'started': time.strftime('%Y-%m-%d %H:%M:%S %Z')}
+
+  def _read(self):
+    try:
+      with tf.io.gfile.GFile(self.path) as f:
+        return json.loads(f.read())
+    except (ValueError, OSError, tf.errors.OpError):
+      return None
+
+  def _stale(self, holder):
+    if holder is None:  # unreadable: stale unless being written right now
+      try:
+        return time.time() - os.path.getmtime(self.path) > 10
+      except OSError:
+        return True
+    if holder.get('host') != socket.gethostname():
+      return False
+    pid = int(holder.get('pid', -1))
+    try:
+      os.kill(pid, 0)
+    except ProcessLookupError:
+      return True
+    except PermissionError:
+      pass
+    start = holder.get('proc_start')
+    return start is not None and _proc_start(pid) not in (None, start)
+
+  def _holder_text(self, holder):
+    if holder is None:
+      return f'an unreadable lock {self.path}'
+    return (f'pid {holder.get("pid")} on {holder.get("host")} (started '
+            f'{holder.get("started")}, lock {self.path})')
+
+  def acquire(self):
+    if jax.process_index() != 0:
+      return
+    data = json.dumps(self._info())
+    try:
+      if paths.is_remote(self.path):
+        if tf.io.gfile.exists(self.path):
+          logging.warning('The workdir may be in use by %s; object stores cannot lock: make '
+                          'sure no other run uses it', self._holder_text(self._read()))
+        with tf.io.gfile.GFile(self.path, 'w') as f:
+          f.write(data)
+        self.held = True
+        return
+      for _ in range(3):
+        try:
+          fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+          holder = self._read()
+          if not self._stale(holder):
+            raise errors.ConfigError(
+                f'workdir {os.path.dirname(self.path)} is in use by {self._holder_text(holder)}: '
+                'wait for that run to end or use another --workdir (delete the lock file only '
+                'if that run is gone)') from None
+          logging.warning('Taking over the stale lock of %s: that process is gone',
+                          self._holder_text(holder))
+          try:
+            os.unlink(self.path)
+          except FileNotFoundError:
+            pass
+          continue
+        self.held = True
+        with os.fdopen(fd, 'w') as f:
+          f.write(data)
+        return
+      raise errors.ConfigError(f'cannot take the lock {self.path}: another run keeps taking it')
+    except (OSError, tf.errors.OpError) as e:
+      self.release()
+      raise errors.ConfigError(f'cannot write to workdir {os.path.dirname(self.path)}: '
+                               f'{errors.one_line(e)}: free space or fix permissions, or use '
+                               'another --workdir') from None
+
+  def release(self):
+    if self.held:
+      self.held = False
+      try:
+        tf.io.gfile.remove(self.path)
+      except (OSError, tf.errors.OpError):
+        pass
