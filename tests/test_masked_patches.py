@@ -53,16 +53,18 @@ def test_ordinary_parameter_tree_is_unchanged():
 def test_pretraining_tree_and_shapes(target, outputs):
   cfg = _cfg(target=target)
   model = _model(0)
-  params = mp.init_params(model, jax.random.PRNGKey(0), 16, cfg)
+  params = jax.eval_shape(lambda: mp.init_params(model, jax.random.PRNGKey(0), 16, cfg))
   assert set(params) == {'embedding', 'cls', 'Transformer', 'mask_embedding',
                          'masked_patch_head'}
   assert params['mask_embedding'].shape == (1, 1, 16)
   assert params['masked_patch_head']['kernel'].shape == (16, outputs)
-  images, _ = _images()
-  corrupt = mp.draw_corruption(jax.random.PRNGKey(1), 4, 16, cfg)
-  out = mp.apply(model, params, images, corrupt, cfg, train=False)
+  images = jax.ShapeDtypeStruct((4, 16, 16, 3), jnp.float32)
+  corrupt = jax.eval_shape(lambda: mp.draw_corruption(jax.random.PRNGKey(1), 4, 16, cfg))
+  assert corrupt[0].shape == corrupt[1].shape == (4, 16)
+  out = jax.eval_shape(lambda p, x, c: mp.apply(model, p, x, c, cfg, train=False),
+                       params, images, corrupt)
   assert out.shape == (4, 16, outputs)
-  t = mp.targets(images, 4, cfg)
+  t = jax.eval_shape(lambda x: mp.targets(x, 4, cfg), images)
   assert t.shape == {'mean_color': (4, 16), 'downsized': (4, 16, 16),
                      'pixels': (4, 16, 48)}[target]
   assert mp.without_pretraining_params(params).keys() == {'embedding', 'cls', 'Transformer'}
@@ -71,13 +73,14 @@ def test_pretraining_tree_and_shapes(target, outputs):
 def test_corruption_replaces_embeddings_before_position_embeddings():
   """A patch replaced by [mask] or by another patch no longer matters; a kept one does."""
   model, cfg = _model(0), _cfg()
-  params = mp.init_params(model, jax.random.PRNGKey(0), 16, cfg)
+  params = jax.jit(lambda r: mp.init_params(model, r, 16, cfg))(jax.random.PRNGKey(0))
   params['masked_patch_head']['kernel'] = jax.random.normal(jax.random.PRNGKey(2), (16, 512))
   images, _ = _images(1)
   kind = np.zeros((1, 16), np.int32)
   source = (np.arange(16)[None] + 1) % 16
   kind[0, 3], kind[0, 7], kind[0, 9] = mp.MASK, mp.RANDOM, mp.SAME  # 7 takes patch 8
-  run = lambda x: np.asarray(mp.apply(model, params, x, (kind, source), cfg, train=False))
+  apply = jax.jit(lambda x, k: mp.apply(model, params, x, (k, source), cfg, train=False))
+  run = lambda x, k=kind: np.asarray(apply(x, k))
   base = run(images)
 
   def changed(patch):
@@ -94,26 +97,26 @@ def test_corruption_replaces_embeddings_before_position_embeddings():
   # at different positions get different representations.
   kind2 = np.zeros((1, 16), np.int32)
   kind2[0, [0, 15]] = mp.MASK
-  out = np.asarray(mp.apply(model, params, images, (kind2, source), cfg, train=False))
+  out = run(images, kind2)
   assert not np.allclose(out[0, 0], out[0, 15])
 
 
 # ------------------------------------------------------------------ corruption
 def test_masking_statistics_50_80_10_10():
   cfg = _cfg()
-  n, num = 4096, 196
+  n, num = 2048, 196
   kind, source = jax.jit(lambda r: mp.draw_corruption(r, n, num, cfg))(jax.random.PRNGKey(0))
   kind, source = np.asarray(kind), np.asarray(source)
   per_image = (kind != mp.KEEP).sum(1)
   assert (per_image == 98).all()  # exactly 50% of every image
   corrupted = kind[kind != mp.KEEP]
   frac = {k: np.mean(corrupted == k) for k in (mp.MASK, mp.RANDOM, mp.SAME)}
-  # 401,408 draws: the standard error of 10% is 0.05%.
+  # 200,704 draws: the standard error of 10% is 0.07% (of 80%: 0.09%).
   assert abs(frac[mp.MASK] - 0.8) < 0.005
   assert abs(frac[mp.RANDOM] - 0.1) < 0.005
   assert abs(frac[mp.SAME] - 0.1) < 0.005
   # Which patches are picked is uniform over positions, and independent of the kind.
-  assert np.abs((kind != mp.KEEP).mean(0) - 0.5).max() < 0.04
+  assert np.abs((kind != mp.KEEP).mean(0) - 0.5).max() < 0.05
   # A random patch is another one, uniform over the other positions.
   assert (source != np.arange(num)[None]).all()
   offsets = ((source - np.arange(num)[None]) % num).ravel()
@@ -296,7 +299,23 @@ def _tiny_run_config(**kw):
   return c
 
 
-def test_train_resume_and_load_pretrained(tmp_path):
+@pytest.fixture
+def compilation_cache(tmp_path):
+  """JAX's persistent compilation cache in tmp_path, for this test only: a second run of
+  the same config then compiles nothing (the test's cost is the first run's compiles)."""
+  from jax._src import compilation_cache as cache  # pylint: disable=g-import-not-at-top
+  names = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs')
+  before = {n: getattr(jax.config, n) for n in names}
+  jax.config.update(names[0], str(tmp_path / 'jax_cache'))
+  jax.config.update(names[1], 0.0)
+  cache.reset_cache()
+  yield
+  for n, v in before.items():
+    jax.config.update(n, v)
+  cache.reset_cache()
+
+
+def test_train_resume_and_load_pretrained(tmp_path, compilation_cache):  # pylint: disable=redefined-outer-name,unused-argument
   """A short run through train_and_evaluate; stopped and resumed it gives the same bits;
   its final.npz fine-tunes through load_pretrained (head and mask embedding dropped)."""
   c = _tiny_run_config(checkpoint_every_steps=2, keep_checkpoints=-1)

@@ -7,7 +7,8 @@ Pure functions; the train loop composes them (config.objective = 'masked_patches
   y = targets(images, p, cfg)                                   # from the clean image
   loss, metrics = prediction_loss(outputs, y, kind, cfg.target)  # corrupted patches only
 
-What the paper says (Sec. 4.6 and Appendix B.1.2):
+What the paper says (Sec. 4.6 and Appendix B.1.2 of arXiv:2010.11929v2; the extract in
+the project's notes has only these sections' headings):
 - "we corrupt 50% of patch embeddings by either replacing their embeddings with a
   learnable [mask] embedding (80%), a random other patch embedding (10%) or just keeping
   them as is (10%)", as BERT does for words;
