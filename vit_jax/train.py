@@ -381,6 +381,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   rng = jax.device_put(jax.random.PRNGKey(config.seed), replicated)
   last = total_steps if stop_after_steps is None else min(stop_after_steps, total_steps)
   result = {'step': start}
+  metric, unit = (('masked-patch accuracy', 'patches') if masked_patches.is_masked(config)
+                  else ('top-1 accuracy', 'examples'))
   t_mark, s_mark = None, start
   stop_on_nonfinite = config.get('on_nonfinite', 'stop') == 'stop'
   # Cheap checks: the guard of the previous step is read only once it is ready (no
@@ -458,8 +460,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       if _due(step, config.eval_every_steps) or step == total_steps:
         check_guard(_local(state['guard']))
         accuracy, n = evaluate(eval_step, state['params'], config, batch_sharding, num_classes)
-        logging.info('step %d  %s top-1 accuracy %.4f (%d examples)', step, config.eval_split,
-                     accuracy, n)
+        logging.info('step %d  %s %s %.4f (%d %s)', step, config.eval_split, metric, accuracy,
+                     n, unit)
         writer.write_scalars(step, {'accuracy': accuracy})
         result.update(accuracy=accuracy)
       if fewshot and (_due(step, config.fewshot_every_steps) or step == total_steps):
@@ -494,8 +496,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       params = multihost_utils.process_allgather(state['params'], tiled=True)
       if jax.process_index() == 0:
         checkpoint.save_npz(os.path.join(workdir, 'final.npz'), params)
-      logging.info('Final %s top-1 accuracy: %.4f after %d steps (parameters: %s)',
-                   config.eval_split, result['accuracy'], total_steps,
+      logging.info('Final %s %s: %.4f after %d steps (parameters: %s)',
+                   config.eval_split, metric, result['accuracy'], total_steps,
                    os.path.join(workdir, 'final.npz'))
   except (OSError, tf.errors.OpError) as e:
     raise TrainingError(f'cannot write to {workdir}: {errors.one_line(e)}: free space or fix '
