@@ -131,9 +131,10 @@ def test_masking_statistics_50_80_10_10():
 def test_corruption_is_a_function_of_seed_and_step_and_not_of_devices():
   cfg = _cfg()
   rng = jax.random.fold_in(jax.random.PRNGKey(0), 7)
-  one = mp.corruption_for_step(rng, 64, 49, cfg)
-  np.testing.assert_array_equal(one[0], mp.corruption_for_step(rng, 64, 49, cfg)[0])
-  other = mp.corruption_for_step(jax.random.fold_in(jax.random.PRNGKey(0), 8), 64, 49, cfg)
+  draw = jax.jit(lambda r: mp.corruption_for_step(r, 64, 49, cfg))
+  one = draw(rng)
+  np.testing.assert_array_equal(one[0], draw(rng)[0])
+  other = draw(jax.random.fold_in(jax.random.PRNGKey(0), 8))
   assert (np.asarray(one[0]) != np.asarray(other[0])).any()
   assert jax.device_count() == 8
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
@@ -188,15 +189,16 @@ def test_gray_extreme_and_edge_colours():
   np.testing.assert_array_equal(mp.targets(x, 4, _cfg())[:, 0], [0, 511])
   # Means exactly on a bin edge (8-bit 32k) go up, as in exact arithmetic, for every
   # patch size up to 32 (means are multiples of 1/1024 of an 8-bit step).
+  k = np.arange(1, 8)
   for p in (4, 16, 32):
-    for k in range(1, 8):
-      v = np.full((1, p, p, 3), 32 * k, np.float64)
-      v[0, 0, 0], v[0, 0, 1] = 32 * k - 1, 32 * k + 1  # same mean, not all equal
-      edge = mp.targets(jnp.asarray(v / 127.5 - 1, jnp.float32), p, _cfg())
-      below = v.copy()
-      below[0, 0, 1] = 32 * k  # mean 1/p^2 of a step below the edge
-      under = mp.targets(jnp.asarray(below / 127.5 - 1, jnp.float32), p, _cfg())
-      assert int(edge[0, 0]) == k * 73 and int(under[0, 0]) == (k - 1) * 73, (p, k)
+    v = np.full((7, p, p, 3), 1.0) * (32 * k)[:, None, None, None]
+    v[:, 0, 0] -= 1
+    v[:, 0, 1] += 1  # the same mean, not all values equal
+    below = v.copy()
+    below[:, 0, 1] -= 1  # a mean 1/p^2 of a step below the edge
+    both = jnp.asarray(np.concatenate([v, below]) / 127.5 - 1, jnp.float32)
+    got = np.asarray(mp.targets(both, p, _cfg()))[:, 0]
+    np.testing.assert_array_equal(got, np.concatenate([k, k - 1]) * 73, err_msg=str(p))
 
 
 # ----------------------------------------------------------------------- loss
@@ -346,7 +348,8 @@ def test_train_step_same_on_one_and_eight_devices_and_with_accumulation():
   model = train.build_model(c, 0)
   from vit_jax import optim, sharding  # pylint: disable=g-import-not-at-top
   tx = optim.make_optimizer(c, 4)
-  params = mp.init_params(model, jax.random.PRNGKey(0), 16, c.masked_patches)
+  params = jax.jit(lambda r: mp.init_params(model, r, 16, c.masked_patches))(
+      jax.random.PRNGKey(0))
   images, _ = _images(16, 16)
   batch = {'image': images, 'label': np.zeros(16, np.int32)}
   out = {}
