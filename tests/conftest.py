@@ -40,6 +40,15 @@ def wheel_venv(tmp_path_factory):
   return venv
 
 
+@pytest.fixture(scope='module')
+def idx_dir(request, tmp_path_factory):
+  """Fashion-MNIST-like IDX files, as many train and test examples as the test module's
+  IDX_SIZES says (example i is data_fixtures.id_image(i), label i % 10)."""
+  from tests import data_fixtures  # pylint: disable=g-import-not-at-top
+  num_train, num_test = request.module.IDX_SIZES
+  return data_fixtures.write_idx(str(tmp_path_factory.mktemp('idx')), num_train, num_test)
+
+
 def user_env(venv, devices=1):
   """The environment of a user whose shell has `venv` activated (and nothing of ours)."""
   env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'VIRTUAL_ENV')}

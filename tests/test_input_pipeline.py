@@ -25,9 +25,7 @@ def _config(**kw):
   return c
 
 
-@pytest.fixture(scope='module')
-def idx_dir(tmp_path_factory):
-  return fx.write_idx(str(tmp_path_factory.mktemp('idx')), NUM_TRAIN, NUM_TEST)
+IDX_SIZES = (NUM_TRAIN, NUM_TEST)  # (train, test) sizes of the idx_dir fixture
 
 
 @pytest.fixture(scope='module')

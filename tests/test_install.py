@@ -3,7 +3,6 @@ console scripts, and nothing of the repository on sys.path."""
 import os
 import subprocess
 
-import pytest
 
 from tests import data_fixtures
 from tests.conftest import ROOT, user_env

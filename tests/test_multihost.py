@@ -11,12 +11,10 @@ import sys
 import time
 
 import numpy as np
-import pytest
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.util import tensor_util
 
 from vit_jax.configs import quickstart
-from tests import data_fixtures
 from vit_jax import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,9 +64,7 @@ def _losses(workdir):
   return {e.step: float(tensor_util.make_ndarray(e.tensor_proto)) for e in acc.Tensors('loss')}
 
 
-@pytest.fixture(scope='module')
-def idx_dir(tmp_path_factory):
-  return data_fixtures.write_idx(str(tmp_path_factory.mktemp('idx')), num_train=64, num_test=24)
+IDX_SIZES = (64, 24)  # (train, test) sizes of the idx_dir fixture
 
 
 def test_two_processes_of_4_devices_equal_one_of_8(idx_dir, tmp_path):

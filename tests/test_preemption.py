@@ -11,17 +11,13 @@ import sys
 import time
 
 import numpy as np
-import pytest
 
-from tests import data_fixtures
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOTAL = 14
 
 
-@pytest.fixture(scope='module')
-def idx_dir(tmp_path_factory):
-  return data_fixtures.write_idx(str(tmp_path_factory.mktemp('idx')), num_train=48, num_test=16)
+IDX_SIZES = (48, 16)  # (train, test) sizes of the idx_dir fixture
 
 
 def _start(workdir, idx_dir):

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from vit_jax.configs import quickstart
-from tests import data_fixtures
 from vit_jax import checkpoint
 from vit_jax import models
 from vit_jax import train
@@ -22,9 +21,7 @@ from vit_jax import train
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope='module')
-def idx_dir(tmp_path_factory):
-  return data_fixtures.write_idx(str(tmp_path_factory.mktemp('idx')), num_train=96, num_test=40)
+IDX_SIZES = (96, 40)  # (train, test) sizes of the idx_dir fixture
 
 
 def _config(idx_dir, **overrides):
