@@ -1,12 +1,13 @@
 # Set-up and entry points. Each target installs what it needs first:
 #   make quickstart   venv + package (+ Fashion-MNIST from Debian when root), then train
 #   make test         venv + package with test extras, then the default test suite
+#   make lint         ruff (settings in pyproject.toml), as .ci/run does
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
-.PHONY: quickstart test fashion-mnist
+.PHONY: quickstart test lint fashion-mnist
 
 $(VENV)/installed: setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,3 +29,6 @@ quickstart: $(VENV)/installed fashion-mnist
 
 test: $(VENV)/installed
 	$(PY) -m pytest -q
+
+lint: $(VENV)/installed
+	$(VENV)/bin/ruff check .

@@ -70,7 +70,8 @@ class AttnBHQD(nn.Module):
     weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
     y = jnp.einsum('bhqk,bhke->bhqe', weights, v)
     wo = self.param('out', init, (self.num_heads, hd, d)).astype(self.dtype)
-    return jnp.einsum('bhqe,hed->bqd', y, wo) + self.param('out_bias', nn.initializers.zeros, (d,)).astype(self.dtype)
+    bias = self.param('out_bias', nn.initializers.zeros, (d,)).astype(self.dtype)
+    return jnp.einsum('bhqe,hed->bqd', y, wo) + bias
 
 
 class AttnDPA(nn.Module):

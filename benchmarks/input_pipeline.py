@@ -11,7 +11,6 @@ fresh iterator for each, takes one batch untimed (pipeline start-up), then times
 --batches batches; rounds alternate train, eval, train, eval.
 """
 import argparse
-import os
 import shutil
 import tempfile
 import time

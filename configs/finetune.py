@@ -59,7 +59,8 @@ Choices where the paper is silent or terse:
 """
 from vit_jax.configs import common
 
-# Table 4. dataset key -> (TFDS name, classes, steps, lr_grid, base_lr, warmup, train, test, dev_train, dev_eval, crop, flip)
+# Table 4. dataset key -> (TFDS name, classes, steps, lr_grid, base_lr, warmup, train, test,
+# dev_train, dev_eval, crop, flip)
 TABLE4 = {
     'imagenet2012': ('imagenet2012', 1000, 20_000, (0.003, 0.01, 0.03, 0.06), 0.03, 500,
                      'train', 'validation', 'train[:99%]', 'train[99%:]', 'inception', True),

@@ -21,7 +21,8 @@ from vit_jax.configs import finetune as FINETUNE
 from vit_jax.configs import pretrain as PRETRAIN
 from vit_jax.configs import quickstart as QUICKSTART
 
-# Table 3 of the paper, one line per model: (model, dataset, epochs, base LR, LR decay, weight decay, dropout).
+# Table 3 of the paper, one line per model:
+# (model, dataset, epochs, base LR, LR decay, weight decay, dropout).
 TABLE3 = [
     ('ViT-B_16', 'jft300m', (7,), 8e-4, 'linear', 0.1, 0.0),
     ('ViT-B_32', 'jft300m', (7,), 8e-4, 'linear', 0.1, 0.0),

@@ -95,7 +95,7 @@ def parse_flags(argv):
       sys.argv[:] = argv  # the config flag reads its --config.x overrides from sys.argv
       configs.check_override_names(configs.load(value), argv)
     rest = FLAGS(argv)
-    FLAGS.config  # pylint: disable=pointless-statement  (raises if the file failed to load)
+    _ = FLAGS.config  # raises if the config file failed to load
     return rest
   except (flags.Error, ValueError, TypeError, OSError, AttributeError, KeyError) as e:
     sys.exit(f'{os.path.basename(argv[0])}: {_one_line(e)} (see --help)')
