@@ -124,7 +124,7 @@ def _stats(values):
 
 def table(results):
   seeds = len(FLAGS.seeds)
-  lines = [f'| labelled images | from scratch | masked patch pre-trained | difference |',
+  lines = ['| labelled images | from scratch | masked patch pre-trained | difference |',
            '|---|---|---|---|']
   for labels in FLAGS.labels:
     s = [results['finetune'][f'{labels}/scratch/{x}'] for x in FLAGS.seeds]

@@ -37,7 +37,8 @@ def _images(n=4, size=16, seed=0):
 # ------------------------------------------------------------------ the model
 def test_ordinary_parameter_tree_is_unchanged():
   for kw in ({}, {'representation_size': 16}, {'classifier': 'gap'}):
-    params = jax.eval_shape(lambda: _model(**kw).init(
+    model = _model(**kw)
+    params = jax.eval_shape(lambda m=model: m.init(
         jax.random.PRNGKey(0), jnp.zeros((1, 16, 16, 3)))['params'])
     top = set(params)
     assert not top & set(mp.PRETRAIN_ONLY)
