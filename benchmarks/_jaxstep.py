@@ -6,7 +6,6 @@ import time
 
 import _common  # noqa: F401  (puts the repo on sys.path)
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from vit_jax.configs import common as common_config
@@ -55,15 +54,9 @@ class BareStep:
     batch_sh = sharding.data_sharding(mesh)
     repl = sharding.replicated(mesh)
     size = config.image_size
-    init = jax.jit(lambda rng: model.init(rng, jnp.zeros((1, size, size, 3)), train=False)['params'])
-    abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
-    param_sh = sharding.tree_shardings(abstract, mesh, config.fsdp)
-    opt_sh = sharding.tree_shardings(jax.eval_shape(tx.init, abstract), mesh, config.fsdp)
-    state_sh = {'step': repl, 'params': param_sh, 'opt_state': opt_sh}
-    params = jax.jit(init, out_shardings=param_sh)(jax.random.PRNGKey(config.seed))
-    self.num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    self.state = {'step': jax.device_put(jnp.int32(0), repl), 'params': params,
-                  'opt_state': jax.jit(tx.init, out_shardings=opt_sh)(params)}
+    # The loop's own state set-up (initialised: no checkpoint manager).
+    self.state, state_sh = train.create_train_state(config, model, tx, mesh, num_classes)
+    self.num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state['params']))
     rng = np.random.default_rng(0)
     b = config.batch_size
     batch = {'image': rng.uniform(-1, 1, (b, size, size, 3)).astype(np.float32),

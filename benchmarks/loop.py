@@ -47,7 +47,7 @@ from vit_jax import train  # noqa: E402  pylint: disable=wrong-import-position
 
 
 class _Recorder:
-  """Forwards to the loop's writer and keeps what it writes."""
+  """Forwards to the loop's usual writer and keeps what it writes."""
 
   def __init__(self, writer, log):
     self._writer, self._log = writer, log
@@ -62,15 +62,14 @@ class _Recorder:
 
 def run_loop(config, tmp):
   log = []
-  original = metric_writers.create_default_writer
-  metric_writers.create_default_writer = lambda *a, **k: _Recorder(original(*a, **k), log)
   workdir = tempfile.mkdtemp(dir=tmp, prefix='loop_')
+  writer = _Recorder(metric_writers.create_default_writer(workdir), log)
   try:
     t = time.perf_counter()
-    result = train.train_and_evaluate(config, workdir, stop_after_steps=args.steps)
+    result = train.train_and_evaluate(config, workdir, stop_after_steps=args.steps,
+                                      writer=writer)
     wall = time.perf_counter() - t
   finally:
-    metric_writers.create_default_writer = original
     shutil.rmtree(workdir, ignore_errors=True)
   rates = [(s, m['img_per_sec_per_core'] * jax.device_count()) for s, m in log
            if 'img_per_sec_per_core' in m]

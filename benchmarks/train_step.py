@@ -31,6 +31,7 @@ args = parser.parse_args()
 _common.setup_devices(args.mesh)
 import jax  # noqa: E402  pylint: disable=wrong-import-position
 import _jaxstep  # noqa: E402  pylint: disable=wrong-import-position
+from vit_jax import flops as vflops  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def main():
@@ -73,13 +74,10 @@ def main():
     img_s = [c.batch_size / t for t in per_round]
     flop_s = [s.flops_analytic / t for t in per_round]
     if measure_peak:
-      peak_list = peaks[c.dtype]
-      mfu = [f / p for f, p in zip(flop_s, peak_list)]
-      peak_desc = f'measured {c.dtype} matmul'
+      peak_list, peak_desc = peaks[c.dtype], f'measured {c.dtype} matmul'
     else:
-      peak_list = [fixed_peak]
-      mfu = [f / fixed_peak for f in flop_s]
-      peak_desc = args.peak
+      peak_list, peak_desc = [fixed_peak] * len(per_round), args.peak
+    mfu = [vflops.mfu(s.flops_analytic, t, p) for t, p in zip(per_round, peak_list)]
     results.append({
         'model': c.model_name, 'batch': c.batch_size, 'dtype': c.dtype, 'remat': c.remat,
         'accum_steps': c.accum_steps, 'mesh': args.mesh, 'image_size': c.image_size,

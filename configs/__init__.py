@@ -7,6 +7,7 @@ which works from any directory once the package is installed:
   quickstart                      the offline default (Fashion-MNIST)
   finetune:<model>,<dataset>      Table 4 rows, e.g. finetune:ViT-B_16,cifar10
   pretrain:<model>,<dataset>      Table 3 rows, e.g. pretrain:ViT-B_16,imagenet21k
+  masked_patches:<model>,<data>   Section 4.6 self-supervised rows (and :quickstart)
 
 An existing file wins over a packaged name.
 """
@@ -18,7 +19,7 @@ import re
 from absl import flags
 from ml_collections import config_flags
 
-PACKAGED = ('quickstart', 'finetune', 'pretrain')
+PACKAGED = ('quickstart', 'finetune', 'pretrain', 'masked_patches')
 EXAMPLES = '--config=quickstart, --config=finetune:ViT-B_16,cifar10 or a file path'
 
 

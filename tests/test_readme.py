@@ -73,8 +73,10 @@ def rule(argv):
     return 'activate', []  # the tests put the venv's commands on PATH themselves
   if prog in ('curl', 'pip', 'gcloud', 'tfds'):
     return 'network', []
+  if prog == 'python' and argv[1].startswith('experiments/'):
+    return 'on demand', []  # minutes to hours: experiments are run by hand
   if prog == 'vit-train':
-    if _flag(argv, 'config') == 'quickstart':
+    if _flag(argv, 'config') in ('quickstart', 'masked_patches:quickstart'):
       return 'run', SMALL_RUN
     return 'parse', []  # its data is not here: the command line must parse and load
   if prog in ('vit-evaluate', 'vit-predict', 'vit-inspect'):

@@ -230,11 +230,13 @@ def _abstract(tree, shardings):
                       tree, shardings)
 
 
-def train_and_evaluate(config, workdir, *, stop_after_steps=None):
+def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None):
   """Trains `config` in `workdir`, resuming from its latest checkpoint; returns metrics.
 
   `stop_after_steps` ends the run early at that step (with a checkpoint), as a
   preemption would, without changing the schedule. A local `workdir` may be relative.
+  `writer`: a clu metric writer for the scalars (default: TensorBoard events and the
+  log in `workdir`).
   Faults end the run with a one-line ConfigError (TrainingError while training):
   a non-finite loss or gradient (nothing non-finite is ever saved), a failed
   checkpoint write, Ctrl-C (after saving), a config that differs from the workdir's
@@ -262,7 +264,7 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None):
   try:
     rundir.check_resume_config(config, workdir)
     return _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
-                  stop_after_steps)
+                  stop_after_steps, writer)
   finally:
     lock.release()
 
@@ -311,34 +313,26 @@ def _quiet_library_noise():
     sys.excepthook = _quiet_closed_loop(sys.excepthook)
 
 
-def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
-           stop_after_steps):
-  _quiet_library_noise()
-  mesh = sharding.make_mesh(config)
-  batch_sharding = sharding.data_sharding(mesh)
+def create_train_state(config, model, tx, mesh, num_classes, manager=None):
+  """(state, its shardings) on `mesh`: the latest checkpoint of `manager` (restored onto
+  any mesh), else initialised from config.seed or config.pretrained_path.
+
+  state = {'step', 'params', 'opt_state', 'guard'}; 'guard' (the divergence record) is
+  never checkpointed. Raises checkpoint.DifferentModelError for checkpoints of another
+  model. The loop, the benchmarks and notebooks build their state here.
+  """
   replicated = sharding.replicated(mesh)
   abstract_params = jax.eval_shape(lambda: _init(config, model, jax.random.PRNGKey(0)))
   param_sh = sharding.tree_shardings(abstract_params, mesh, config.fsdp)
-  opt_sh = sharding.tree_shardings(jax.eval_shape(tx.init, abstract_params), mesh, config.fsdp)
+  abstract_opt = jax.eval_shape(tx.init, abstract_params)
+  opt_sh = sharding.tree_shardings(abstract_opt, mesh, config.fsdp)
   guard_sh = {k: replicated for k in ('first_bad', 'loss', 'grad_norm', 'skipped')}
-  state_sh = {'step': replicated, 'params': param_sh, 'opt_state': opt_sh, 'guard': guard_sh}
-  saved_sh = {k: v for k, v in state_sh.items() if k != 'guard'}
-
-  ckpt_dir = os.path.join(workdir, 'checkpoints')
-  try:
-    manager = checkpoint.train_state_manager(ckpt_dir, config.keep_checkpoints)
-  except (OSError, tf.errors.OpError) as e:
-    raise ConfigError(f'cannot create {ckpt_dir}: {errors.one_line(e)}: free space or fix '
-                      'permissions, or use another --workdir') from None
-  abstract_state = _abstract(
-      {'step': jax.ShapeDtypeStruct((), jnp.int32), 'params': abstract_params,
-       'opt_state': jax.eval_shape(tx.init, abstract_params)}, saved_sh)
-  try:
+  saved_sh = {'step': replicated, 'params': param_sh, 'opt_state': opt_sh}
+  state = None
+  if manager is not None:
+    abstract_state = _abstract({'step': jax.ShapeDtypeStruct((), jnp.int32),
+                                'params': abstract_params, 'opt_state': abstract_opt}, saved_sh)
     state = checkpoint.restore_train_state(manager, abstract_state)
-  except checkpoint.DifferentModelError as e:
-    raise ConfigError(
-        f'workdir {workdir} holds checkpoints of another model ({e}): use another --workdir, '
-        f'or fine-tune from that run with --config.pretrained_path={workdir}/final.npz') from None
   if state is None:
     params = _initial_params(config, model, num_classes, param_sh)
     state = {'step': jax.device_put(jnp.int32(0), replicated), 'params': params,
@@ -346,6 +340,28 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   state['guard'] = jax.device_put(
       {'first_bad': jnp.int32(0), 'loss': jnp.float32(0), 'grad_norm': jnp.float32(0),
        'skipped': jnp.int32(0)}, guard_sh)
+  return state, {**saved_sh, 'guard': guard_sh}
+
+
+def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
+           stop_after_steps, writer):
+  _quiet_library_noise()
+  mesh = sharding.make_mesh(config)
+  batch_sharding = sharding.data_sharding(mesh)
+  replicated = sharding.replicated(mesh)
+  ckpt_dir = os.path.join(workdir, 'checkpoints')
+  try:
+    manager = checkpoint.train_state_manager(ckpt_dir, config.keep_checkpoints)
+  except (OSError, tf.errors.OpError) as e:
+    raise ConfigError(f'cannot create {ckpt_dir}: {errors.one_line(e)}: free space or fix '
+                      'permissions, or use another --workdir') from None
+  try:
+    state, state_sh = create_train_state(config, model, tx, mesh, num_classes, manager)
+  except checkpoint.DifferentModelError as e:
+    raise ConfigError(
+        f'workdir {workdir} holds checkpoints of another model ({e}): use another --workdir, '
+        f'or fine-tune from that run with --config.pretrained_path={workdir}/final.npz') from None
+  param_sh = state_sh['params']
   start = int(_local(state['step']))
   if start:
     logging.info('Resuming from the checkpoint of step %d in %s', start, workdir)
@@ -363,8 +379,9 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       config) else make_eval_step(model), in_shardings=(param_sh, batch_sharding),
                       out_shardings=replicated)
   try:
-    writer = metric_writers.create_default_writer(workdir,
-                                                  just_logging=jax.process_index() > 0)
+    if writer is None:
+      writer = metric_writers.create_default_writer(workdir,
+                                                    just_logging=jax.process_index() > 0)
     if start == 0:
       writer.write_hparams({k: v for k, v in config.to_dict().items()
                             if isinstance(v, (int, float, str, bool))})
