@@ -218,9 +218,13 @@ def test_failed_save_stops_at_once(tmp_path):
   assert rc == 1, err[-3000:]
   # Which save meets the limit first depends on how orbax chunks its files; whichever it
   # is, the run stops by the next save at the latest, not at the end.
-  failed = re.search(r'the checkpoint of step (\d+) could not be written', last)
-  assert failed, last
-  assert 'File too large' in last
+  # orbax's failed writer tasks can print their tracebacks after our line as the process
+  # ends (a known defect, see the README's fault section): look for ours in the output.
+  ours = [l for l in err.strip().splitlines() if l.startswith('vit_jax: the checkpoint')]
+  assert ours, err[-3000:]
+  failed = re.search(r'the checkpoint of step (\d+) could not be written', ours[-1])
+  assert failed, ours[-1]
+  assert 'File too large' in ours[-1]
   assert f'step {int(failed.group(1)) + 20}/200' not in err
   assert not os.path.exists(tmp_path / 'run' / 'lock')
 
