@@ -21,6 +21,7 @@ def get_config():
   c.train_split = 'train'  # Split used for training.
   c.eval_split = 'test'  # Split evaluated completely at every evaluation.
   c.num_train_examples = -1  # Training-set size, for epochs -> steps; -1 asks the dataset.
+  c.label_key = 'label'  # TFDS label feature; a set of labels (Sequence(ClassLabel)): multi-hot.
   c.vtab_task = ''  # VTAB-1k task of a finetune.py row ('clevr_count', ...); '' for others.
   c.image_size = 224  # Training and evaluation resolution.
   c.pp = ml_collections.ConfigDict()

@@ -1,4 +1,5 @@
 """Small synthetic data sets written on the fly for tests (no network)."""
+import contextlib
 import gzip
 import os
 
@@ -83,3 +84,51 @@ def write_jpegs(root: str, num: int, num_classes: int = 4,
     # Smooth content compresses like a photo; shift it so files differ.
     image = Image.fromarray(np.roll(base, i, axis=1)).resize((width, height))
     image.save(os.path.join(folder, f'{i:06d}.jpg'), 'JPEG', quality=90)
+
+
+
+def label_set(index: int) -> list[int]:
+  """The label set of mock example `index`: the set bits of (5 * index) % 32, so classes
+  0-4, empty for index 0, 32, 64, ..."""
+  code = (5 * index) % 32
+  return [c for c in range(5) if code >> c & 1]
+
+
+def mock_real(num_examples: int):
+  """tfds.testing.mock_data for the TFDS dataset imagenet2012_real (features 'image',
+  'original_label', 'real_label' = Sequence(ClassLabel(1000))) with examples made here:
+  example i is id_image(i) (PNG, RGB), real_label label_set(i), original_label i % 7.
+  Every split holds the same examples."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+  def png(i):
+    return tf.io.encode_png(np.repeat(id_image(i)[..., None], 3, -1)).numpy()
+
+  def as_dataset(self, split, decoders=None, read_config=None, **kwargs):
+    del self, split, decoders, read_config, kwargs
+    examples = [{'image': png(i), 'original_label': i % 7,
+                 'real_label': np.array(label_set(i), np.int64),
+                 'file_name': f'ILSVRC2012_val_{i:08d}.JPEG'} for i in range(num_examples)]
+    return tf.data.Dataset.from_generator(
+        lambda: iter(examples),
+        output_signature={'image': tf.TensorSpec((), tf.string),
+                          'original_label': tf.TensorSpec((), tf.int64),
+                          'real_label': tf.TensorSpec((None,), tf.int64),
+                          'file_name': tf.TensorSpec((), tf.string)})
+
+  return _fresh_sources(tfds.testing.mock_data(num_examples=num_examples,
+                                               as_dataset_fn=as_dataset))
+
+
+@contextlib.contextmanager
+def _fresh_sources(mock):
+  """`mock`, with the pipeline's per-name source cache emptied on entry and exit (a
+  cached source would keep the split sizes of another mock)."""
+  from vit_jax import input_pipeline  # pylint: disable=g-import-not-at-top
+  input_pipeline._source.cache_clear()  # pylint: disable=protected-access
+  try:
+    with mock:
+      yield
+  finally:
+    input_pipeline._source.cache_clear()  # pylint: disable=protected-access

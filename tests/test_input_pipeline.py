@@ -328,3 +328,27 @@ def test_two_hosts_see_the_rows_of_one_host_with_the_same_augmentation(idx_dir):
   for a, b0, b1 in zip(one[2:], *two):
     np.testing.assert_array_equal(a['image'], np.concatenate([b0['image'], b1['image']]))
     np.testing.assert_array_equal(a['label'], np.concatenate([b0['label'], b1['label']]))
+
+
+def test_label_set_feature_gives_multi_hot_labels():
+  """imagenet2012_real's 'real_label' (Sequence(ClassLabel(1000))), mocked: each row's
+  label is the multi-hot vector of its set, all zero for an empty set."""
+  c = _config(dataset='imagenet2012_real', label_key='real_label', eval_split='validation',
+              train_split='validation', pp_train_crop='resize', pp_flip=False)
+  with fx.mock_real(20):
+    assert ip.get_info(c) == ip.DatasetInfo(1000, 20, 20, multi_label=True)
+    batches = list(ip.eval_batches(c, global_batch=8, process_index=0, process_count=1))
+    train = next(ip.train_batches(c, global_batch=8, process_index=0, process_count=1))
+  for b in batches + [train]:
+    assert b['label'].shape == (8, 1000) and b['label'].dtype == np.float32
+    for image, label in zip(b['image'], b['label']):
+      want = np.zeros(1000, np.float32)
+      want[fx.label_set(fx.image_id(image))] = 1.0
+      np.testing.assert_array_equal(label, want)
+  rows = [fx.image_id(x) for b in batches for x, ok in zip(b['image'], b['mask']) if ok]
+  assert rows == list(range(20))
+  assert not batches[0]['label'][0].any()  # example 0 has an empty set
+  with pytest.raises(ValueError, match="no feature 'labels': set --config.label_key"):
+    ip.get_info(_config(dataset='imagenet2012_real', label_key='labels'))
+  with pytest.raises(ValueError, match='label_key .* applies to TFDS datasets only'):
+    ip.get_info(_config(label_key='real_label'))

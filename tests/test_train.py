@@ -130,6 +130,57 @@ def test_sigmoid_loss_with_negative_head_bias(idx_dir, tmp_path):
       [-np.log(0.75)], rtol=1e-6)
 
 
+
+def _log_sigmoid(x):
+  return -np.logaddexp(0.0, -x)
+
+
+@pytest.mark.parametrize('kind', ['sigmoid_xent', 'softmax_xent'])
+def test_multi_hot_loss_matches_numpy(kind):
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(4, 6)) * 3
+  sets = [[1, 3], [], [0], [2, 4, 5]]
+  hot = np.zeros((4, 5), np.float32)  # 5 dataset classes, a 6-unit head: unit 5 is negative
+  for i, s in enumerate(sets):
+    hot[i, [c for c in s if c < 5]] = 1.0
+  if kind == 'sigmoid_xent':
+    y = np.pad(hot, ((0, 0), (0, 1)))
+    want = -np.sum(y * _log_sigmoid(logits) + (1 - y) * _log_sigmoid(-logits), -1)
+  else:
+    log_p = logits - np.log(np.sum(np.exp(logits), -1, keepdims=True))
+    want = np.array([-np.mean(log_p[i, [c for c in s if c < 5]]) if any(c < 5 for c in s)
+                     else 0.0 for i, s in enumerate(sets)])
+  got = train.per_example_loss(logits.astype(np.float32), hot, kind)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  # Integer labels: exactly the one-hot (single-label) loss, bit for bit.
+  labels = np.array([1, 0, 4, 2])
+  np.testing.assert_array_equal(
+      train.per_example_loss(logits.astype(np.float32), labels, kind),
+      train.per_example_loss(logits.astype(np.float32), np.eye(6, dtype=np.float32)[labels], kind))
+
+
+def test_multi_label_training_and_set_top1(tmp_path, caplog):
+  """Training on mocked imagenet2012_real 'real_label' sets: multi-hot sigmoid targets, and
+  top-1 counted correct when in the set (empty sets left out), as numpy recomputes it."""
+  from tests import data_fixtures  # pylint: disable=g-import-not-at-top
+  config = _config('', dataset='imagenet2012_real', label_key='real_label',
+                   train_split='validation', eval_split='validation', loss='sigmoid_xent',
+                   total_steps=2, accum_steps=2)
+  with data_fixtures.mock_real(40), caplog.at_level(logging.INFO):
+    out = train.train_and_evaluate(config, str(tmp_path / 'multi'))
+  assert np.isfinite(out['loss'])
+  images = np.stack([data_fixtures.id_image(i) for i in range(40)])
+  images = np.repeat(images[..., None], 3, -1).astype(np.float32) / 127.5 - 1
+  model = train.build_model(config, 1000)
+  top1 = np.argmax(np.asarray(model.apply({'params': out['params']}, images, train=False)), -1)
+  sets = [data_fixtures.label_set(i) for i in range(40)]
+  used = [i for i in range(40) if sets[i]]
+  assert len(used) == 38  # examples 0 and 32 have empty sets
+  want = np.mean([top1[i] in sets[i] for i in used])
+  assert out['accuracy'] == pytest.approx(want, abs=1e-6)
+  assert f'validation top-1 accuracy {want:.4f} (38 examples)' in caplog.text
+
+
 def test_fine_tuning_starts_from_the_checkpoint(idx_dir, tmp_path):
   upstream = _run(idx_dir, tmp_path, 'upstream', image_size=28)
   path = str(tmp_path / 'upstream' / 'final.npz')

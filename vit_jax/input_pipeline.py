@@ -8,7 +8,11 @@ Sources (`config.dataset`):
                          <dir>/<split>/<class>/<image>. Class index = position
                          of the class name in the sorted union of the class
                          folders of all splits. JPEG/PNG/GIF/BMP/WebP files.
-  anything else          a TFDS dataset (features 'image' and 'label').
+  anything else          a TFDS dataset (features 'image' and `config.label_key`,
+                         default 'label'). A ClassLabel feature gives int32
+                         labels; a Sequence(ClassLabel) feature (a set of labels,
+                         e.g. imagenet2012_real's 'real_label') gives multi-hot
+                         float32 [num_classes] labels, all zero for an empty set.
 Split names accept TFDS slicing for every source ('train[:90%]', 'test[:500]',
 'train+test').
 
@@ -80,6 +84,7 @@ class DatasetInfo:
   num_classes: int
   num_train_examples: int
   num_eval_examples: int
+  multi_label: bool = False  # Labels are multi-hot float32 [num_classes] vectors.
 
 
 # ------------------------------------------------------------------ counters
@@ -250,6 +255,8 @@ class _Shard:
 
 class _LocalSource:
   """Random-access data held as per-split arrays; records are indices."""
+  multi_label = False
+
   def sizes(self) -> dict[str, int]:
     raise NotImplementedError
 
@@ -377,7 +384,7 @@ class _FolderSource(_LocalSource):
 
 class _TfdsSource:
   """A TFDS dataset; images stay encoded until after shuffling."""
-  def __init__(self, name: str, data_dir: str):
+  def __init__(self, name: str, data_dir: str, label_key: str = 'label'):
     self.name = name
     try:
       self.builder = tfds.builder(name, data_dir=data_dir or None)
@@ -388,14 +395,29 @@ class _TfdsSource:
     # The data_dir root, as a user would pass it to `tfds build --data_dir`.
     self.data_dir = data_dir or os.path.dirname(os.path.dirname(
         self.builder.data_dir))
-    self.num_classes = self.builder.info.features['label'].num_classes
-    self.class_names = tuple(self.builder.info.features['label'].names)
+    features = self.builder.info.features
+    if label_key not in features:
+      raise ValueError(f'dataset {name} has no feature {label_key!r}: set --config.label_key '
+                       f'to one of its features {sorted(features.keys())}')
+    self.label_key = label_key
+    self.multi_label = isinstance(features[label_key], tfds.features.Sequence)
+    classes = features[label_key].feature if self.multi_label else features[label_key]
+    self.num_classes = classes.num_classes
+    self.class_names = tuple(classes.names)
 
   def _read(self, split) -> tf.data.Dataset:
     ds = self.builder.as_dataset(
         split=split, shuffle_files=False,
         decoders={'image': tfds.decode.SkipDecoding()})
-    return ds.map(lambda ex: {'image': ex['image'], 'label': ex['label']})
+    return ds.map(lambda ex: {'image': ex['image'], 'label': self._label(ex[self.label_key])})
+
+  def _label(self, label: tf.Tensor) -> tf.Tensor:
+    if not self.multi_label:
+      return label
+    # A set of labels -> multi-hot (fixed size, so it batches; repeats count once).
+    hot = tf.math.bincount(tf.cast(label, tf.int32), minlength=self.num_classes,
+                           maxlength=self.num_classes, dtype=tf.float32)
+    return tf.minimum(hot, 1.0)
 
   @functools.cache
   def sizes(self) -> dict[str, int]:
@@ -434,28 +456,36 @@ class _TfdsSource:
         load=lambda ex: ex)
 
 
+def _source_of(config):
+  return _source(config.dataset, config.data_dir, config.get('label_key', 'label'))
+
+
 @functools.lru_cache(maxsize=8)
-def _source(dataset: str, data_dir: str):
+def _source(dataset: str, data_dir: str, label_key: str = 'label'):
+  if label_key != 'label' and (dataset == 'fashion_mnist_local' or dataset.startswith('folder:')):
+    raise ValueError(f'label_key {label_key!r} applies to TFDS datasets only: set '
+                     f'--config.label_key=label for {dataset}')
   if dataset == 'fashion_mnist_local':
     return _IdxSource(data_dir)
   if dataset.startswith('folder:'):
     return _FolderSource(dataset[len('folder:'):])
-  return _TfdsSource(dataset, data_dir)
+  return _TfdsSource(dataset, data_dir, label_key)
 
 
 def get_info(config) -> DatasetInfo:
   """Classes and split sizes (num_train_examples: config value if > 0)."""
-  src = _source(config.dataset, config.data_dir)
+  src = _source_of(config)
   n_train = config.num_train_examples
   if n_train is None or n_train <= 0:
     n_train = src.count(config.train_split)
   return DatasetInfo(num_classes=src.num_classes, num_train_examples=n_train,
-                     num_eval_examples=src.count(config.eval_split))
+                     num_eval_examples=src.count(config.eval_split),
+                     multi_label=src.multi_label)
 
 
 def class_names(config) -> tuple[str, ...]:
   """The dataset's class names, index i naming label i (known without reading the data)."""
-  return _source(config.dataset, config.data_dir).class_names
+  return _source_of(config).class_names
 
 
 # ---------------------------------------------------------------- pipelines
@@ -533,8 +563,15 @@ def _shuffle_seed(seed: int, epoch: tf.Tensor, host: int) -> tf.Tensor:
 
 def _fallback(config) -> dict[str, tf.Tensor]:
   size = config.image_size
-  return {'image': tf.zeros([size, size, 3], tf.float32),
-          'label': tf.constant(0, tf.int32)}
+  source = _source_of(config)
+  label = (tf.zeros([source.num_classes], tf.float32) if source.multi_label
+           else tf.constant(0, tf.int32))
+  return {'image': tf.zeros([size, size, 3], tf.float32), 'label': label}
+
+
+def _label(label: tf.Tensor) -> tf.Tensor:
+  """int32 class, or the source's multi-hot float32 vector as it is."""
+  return label if label.dtype == tf.float32 else tf.cast(label, tf.int32)
 
 
 def train_batches(config, *, global_batch: int, start_step: int = 0,
@@ -544,11 +581,12 @@ def train_batches(config, *, global_batch: int, start_step: int = 0,
   """Infinite training batches of this host, starting at step `start_step`.
 
   Yields {'image': float32 [L, S, S, 3] in [-1, 1], 'label': int32 [L]} with
-  L = global_batch // process_count. A pure function of (config.seed, step):
-  see the module docstring for the resume arithmetic and its cost.
+  L = global_batch // process_count ('label' float32 [L, K] for a multi-label
+  dataset). A pure function of (config.seed, step): see the module docstring
+  for the resume arithmetic and its cost.
   """
   host, hosts, local = _hosts(global_batch, process_index, process_count)
-  source = _source(config.dataset, config.data_dir)
+  source = _source_of(config)
   # Local (random-access) data: one global stream that every host walks, each
   # keeping its rows of every global batch, so a run's batches are the same
   # whatever the number of hosts. TFDS: each host reads only its files.
@@ -583,7 +621,7 @@ def train_batches(config, *, global_batch: int, start_step: int = 0,
     ex = shard.load(record)
     seed = tf.stack([tf.constant(config.seed, tf.int64), pos])
     return {'image': preprocess_train(ex['image'], seed, config),
-            'label': tf.cast(ex['label'], tf.int32)}
+            'label': _label(ex['label'])}
 
   ds = _decode_batches(ds, example, local, _fallback(config),
                        drop_remainder=True)
@@ -618,8 +656,7 @@ def eval_batches(config, *, global_batch: int, process_index: int | None = None,
   the same number, as multi-host jit needs.
   """
   host, hosts, local = _hosts(global_batch, process_index, process_count)
-  shard = _source(config.dataset, config.data_dir).shard(
-      config.eval_split, host, hosts, config.shuffle_buffer)
+  shard = _source_of(config).shard(config.eval_split, host, hosts, config.shuffle_buffer)
   num_batches = math.ceil(shard.max_size / local)
   if num_batches == 0:
     raise ValueError(f'eval_split {config.eval_split!r} is empty: choose '
@@ -629,7 +666,7 @@ def eval_batches(config, *, global_batch: int, process_index: int | None = None,
     del q
     ex = shard.load(record)
     return {'image': preprocess_eval(ex['image'], config),
-            'label': tf.cast(ex['label'], tf.int32)}
+            'label': _label(ex['label'])}
 
   fallback = _fallback(config)
   ds = shard.records.take(shard.size).enumerate()

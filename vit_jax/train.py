@@ -97,11 +97,22 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
 
 
 def per_example_loss(logits, labels, kind):
-  """Softmax cross-entropy, or sigmoid cross-entropy summed over classes (multi-label)."""
-  onehot = jax.nn.one_hot(labels, logits.shape[-1])
+  """Softmax cross-entropy, or sigmoid cross-entropy summed over classes (multi-label).
+
+  `labels`: int [N] classes, or multi-hot float [N, K] label sets (K <= the head's
+  classes; units past K are negatives). Sigmoid takes the multi-hot targets as they
+  are; softmax takes them normalised to sum 1 (cross-entropy to the uniform
+  distribution over the set; an empty set gives 0).
+  """
+  if labels.ndim == logits.ndim:
+    targets = jnp.pad(labels, ((0, 0), (0, logits.shape[-1] - labels.shape[-1])))
+    if kind != 'sigmoid_xent':
+      targets = targets / jnp.maximum(jnp.sum(targets, axis=-1, keepdims=True), 1.0)
+  else:
+    targets = jax.nn.one_hot(labels, logits.shape[-1])
   if kind == 'sigmoid_xent':
-    return jnp.sum(optax.sigmoid_binary_cross_entropy(logits, onehot), axis=-1)
-  return -jnp.sum(onehot * jax.nn.log_softmax(logits), axis=-1)
+    return jnp.sum(optax.sigmoid_binary_cross_entropy(logits, targets), axis=-1)
+  return -jnp.sum(targets * jax.nn.log_softmax(logits), axis=-1)
 
 
 def make_train_step(model, tx, schedule, config, mesh):
@@ -164,19 +175,27 @@ def make_train_step(model, tx, schedule, config, mesh):
     return new_state, metrics
 
   return step
+  """Top-1 counts of a batch. Multi-hot labels (e.g. ImageNet ReaL): the top-1 class is
+  correct if it is in the image's set, and images with an empty set are left out."""
 
 
 def make_eval_step(model):
   def step(params, batch):
     logits = model.apply({'params': params}, batch['image'], train=False)
-    mask = batch['mask'].astype(jnp.float32)
-    correct = (jnp.argmax(logits, -1) == batch['label']).astype(jnp.float32)
-    return {'correct': jnp.sum(correct * mask), 'count': jnp.sum(mask)}
+    top1, labels, mask = jnp.argmax(logits, -1), batch['label'], batch['mask']
+    if labels.ndim == 2:
+      correct = jnp.take_along_axis(labels, top1[:, None], axis=-1)[:, 0] > 0
+      mask = mask & (jnp.max(labels, axis=-1) > 0)
+    else:
+      correct = top1 == labels
+    mask = mask.astype(jnp.float32)
+    return {'correct': jnp.sum(correct.astype(jnp.float32) * mask), 'count': jnp.sum(mask)}
   return step
 
 
 def evaluate(eval_step, params, config, batch_sharding, num_classes=None):
-  """Top-1 accuracy over the whole evaluation split (padding masked out)."""
+  """(top-1 accuracy, examples counted) over the whole evaluation split (padding, and
+  empty label sets of a multi-label split, left out)."""
   correct = count = 0.0
   for batch in input_pipeline.eval_batches(config, global_batch=config.eval_batch_size):
     if num_classes is not None:
@@ -185,6 +204,8 @@ def evaluate(eval_step, params, config, batch_sharding, num_classes=None):
     correct += float(out['correct'])
     count += float(out['count'])
   return correct / max(count, 1.0), int(count)
+  if labels.ndim > 1:  # multi-hot: its size is the dataset's classes, checked at start-up
+    return
 
 
 def _check_labels(labels, num_classes, field, split):
@@ -370,7 +391,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   abstract_batch = {
       'image': jax.ShapeDtypeStruct((config.batch_size, config.image_size, config.image_size, 3),
                                     jnp.float32),
-      'label': jax.ShapeDtypeStruct((config.batch_size,), jnp.int32)}
+      'label': (jax.ShapeDtypeStruct((config.batch_size, info.num_classes), jnp.float32)
+                if info.multi_label else jax.ShapeDtypeStruct((config.batch_size,), jnp.int32))}
   train_step, config = _fitting_train_step(
       config, model, tx, schedule, mesh, (state_sh, batch_sharding, replicated),
       (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state), abstract_batch,
