@@ -175,11 +175,11 @@ def make_train_step(model, tx, schedule, config, mesh):
     return new_state, metrics
 
   return step
-  """Top-1 counts of a batch. Multi-hot labels (e.g. ImageNet ReaL): the top-1 class is
-  correct if it is in the image's set, and images with an empty set are left out."""
 
 
 def make_eval_step(model):
+  """Top-1 counts of a batch. Multi-hot labels (e.g. ImageNet ReaL): the top-1 class is
+  correct if it is in the image's set, and images with an empty set are left out."""
   def step(params, batch):
     logits = model.apply({'params': params}, batch['image'], train=False)
     top1, labels, mask = jnp.argmax(logits, -1), batch['label'], batch['mask']
@@ -204,11 +204,11 @@ def evaluate(eval_step, params, config, batch_sharding, num_classes=None):
     correct += float(out['correct'])
     count += float(out['count'])
   return correct / max(count, 1.0), int(count)
-  if labels.ndim > 1:  # multi-hot: its size is the dataset's classes, checked at start-up
-    return
 
 
 def _check_labels(labels, num_classes, field, split):
+  if labels.ndim > 1:  # multi-hot: its size is the dataset's classes, checked at start-up
+    return
   if labels.size and (labels.max() >= num_classes or labels.min() < 0):
     bad = int(labels.max() if labels.max() >= num_classes else labels.min())
     raise TrainingError(f'{field} {split!r} has label {bad}, outside the head\'s {num_classes} '
