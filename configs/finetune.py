@@ -32,8 +32,9 @@ Choices where the paper is silent or terse:
   train[:98%] and evaluate on train[98%:] for CIFAR. A sweep runs the lr_grid
   with 'dev', then the best base_lr without it.
 - VTAB-1k: train on the 800 + 200 examples (train800val200) and test on the
-  task's test split; 'dev' trains on train800 and evaluates on val200. The split
-  strings are those of the VTAB task definitions (google-research/task_adaptation).
+  task's test split; 'dev' trains on train800 and evaluates on val200. The tasks,
+  their splits and the 7 derived labels are those of the VTAB task definitions
+  (google-research/task_adaptation), kept in vit_jax/vtab.py.
 - base_lr (the default of lr_grid): the best value on the development sets for
   an ImageNet-21k ViT-B/32 in big_vision's transfer config: ImageNet 0.03,
   CIFAR-10 0.003, CIFAR-100 0.01, Pets 0.003, Flowers 0.003; VTAB 0.01 (Table 4).
@@ -57,6 +58,7 @@ Choices where the paper is silent or terse:
   have no official config, follow the other R50 hybrids (0.1). Attention
   dropout stays 0 everywhere, as there. BiT ResNets have no dropout layers.
 """
+from vit_jax import vtab
 from vit_jax.configs import common
 
 # Table 4. dataset key -> (TFDS name, classes, steps, lr_grid, base_lr, warmup, train, test,
@@ -74,37 +76,8 @@ TABLE4 = {
                           'train', 'test', 'train[:90%]', 'train[90%:]', 'inception', True),
 }
 
-# VTAB-1k, 19 tasks: 2500 steps, LR 0.01. task -> (TFDS name, classes, train800, val200, test, flip)
-VTAB = {
-    # Natural.
-    'caltech101': ('caltech101', 102, 'train[:800]', 'train[2754:2954]', 'test', True),
-    'cifar100': ('cifar100', 100, 'train[:800]', 'train[45000:45200]', 'test', True),
-    'dtd': ('dtd', 47, 'train[:800]', 'validation[:200]', 'test', True),
-    'oxford_flowers102': ('oxford_flowers102', 102, 'train[:800]', 'validation[:200]', 'test', True),
-    'oxford_iiit_pet': ('oxford_iiit_pet', 37, 'train[:800]', 'train[2944:3144]', 'test', True),
-    'sun397': ('sun397', 397, 'train[:800]', 'validation[:200]', 'test', True),
-    'svhn': ('svhn_cropped', 10, 'train[:800]', 'train[65931:66131]', 'test', True),
-    # Specialized.
-    'patch_camelyon': ('patch_camelyon', 2, 'train[:800]', 'validation[:200]', 'test', True),
-    'eurosat': ('eurosat/rgb', 10, 'train[:800]', 'train[16200:16400]', 'train[21600:]', True),
-    'resisc45': ('resisc45', 45, 'train[:800]', 'train[18900:19100]', 'train[25200:]', True),
-    'diabetic_retinopathy': ('diabetic_retinopathy_detection/btgraham-300', 5, 'train[:800]',
-                             'validation[:200]', 'test', True),
-    # Structured. All but dmlab need a label computed from other features (object
-    # counts, distances, binned positions); the input pipeline does not derive them
-    # yet and the loop refuses them at start-up (train._DERIVED_LABEL_TASKS).
-    'clevr_count': ('clevr', 8, 'train[:800]', 'train[63000:63200]', 'validation', True),
-    'clevr_distance': ('clevr', 6, 'train[:800]', 'train[63000:63200]', 'validation', True),
-    'dmlab': ('dmlab', 6, 'train[:800]', 'validation[:200]', 'test', True),
-    'dsprites_location': ('dsprites', 16, 'train[:800]', 'train[589824:590024]',
-                          'train[663552:]', False),
-    'dsprites_orientation': ('dsprites', 16, 'train[:800]', 'train[589824:590024]',
-                             'train[663552:]', False),
-    'kitti_distance': ('kitti', 4, 'train[:800]', 'validation[:200]', 'test', True),
-    'smallnorb_azimuth': ('smallnorb', 18, 'train[:800]', 'test[:200]', 'test[50%:]', False),
-    'smallnorb_elevation': ('smallnorb', 9, 'train[:800]', 'test[:200]', 'test[50%:]', True),
-}
-VTAB_STEPS, VTAB_LR, VTAB_WARMUP = 2500, 0.01, 200
+# VTAB-1k, 19 tasks (vit_jax/vtab.py): 2500 steps, LR 0.01.
+VTAB = vtab.VTAB
 
 # Models with a published ImageNet-21k checkpoint at pretrained_path(model): the
 # paper's five ViTs (Table 5), the published hybrid, and the BiT-M ResNets that are
@@ -173,9 +146,11 @@ def get_config(arg=None):
      dev_eval, crop, flip) = TABLE4[dataset]
   elif dataset.startswith('vtab/') and dataset[len('vtab/'):] in VTAB:
     task = dataset[len('vtab/'):]
-    tfds_name, classes, train800, val200, test, flip = VTAB[task]
-    steps, lr_grid, base_lr, warmup = VTAB_STEPS, (VTAB_LR,), VTAB_LR, VTAB_WARMUP
-    train, dev_train, dev_eval = f'{train800}+{val200}', train800, val200
+    row = VTAB[task]
+    tfds_name, classes, test, flip = row.tfds_name, row.num_classes, row.test, row.flip
+    steps, base_lr, warmup = vtab.VTAB_STEPS, vtab.VTAB_LR, vtab.VTAB_WARMUP
+    lr_grid = (base_lr,)
+    train, dev_train, dev_eval = f'{row.train800}+{row.val200}', row.train800, row.val200
     crop = 'resize'
     c.vtab_task = task
   else:

@@ -335,11 +335,7 @@ def _start(c, num_classes, num_train_examples=None):
 
   A row's 'dev' twin (other splits only) reuses its optimizer-state trace.
   """
-  if c.vtab_task in train._DERIVED_LABEL_TASKS:  # pylint: disable=protected-access
-    with pytest.raises(ValueError, match='derived from other features'):
-      train.validate_config(c, num_train_examples)
-  else:
-    train.validate_config(c, num_train_examples)
+  train.validate_config(c, num_train_examples)
   params, params_key = _param_shapes(c, num_classes)
   assert params['head']['kernel'].shape[-1] == num_classes
   steps = optim.total_steps(c, num_train_examples)

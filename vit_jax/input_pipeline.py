@@ -67,6 +67,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from vit_jax import vtab
+
 FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
 _IDX_PREFIX = {'train': 'train', 'test': 't10k'}  # split -> IDX file prefix
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.gif', '.bmp', '.webp')
@@ -384,7 +386,7 @@ class _FolderSource(_LocalSource):
 
 class _TfdsSource:
   """A TFDS dataset; images stay encoded until after shuffling."""
-  def __init__(self, name: str, data_dir: str, label_key: str = 'label'):
+  def __init__(self, name: str, data_dir: str, label_key: str = 'label', vtab_task: str = ''):
     self.name = name
     try:
       self.builder = tfds.builder(name, data_dir=data_dir or None)
@@ -395,6 +397,13 @@ class _TfdsSource:
     # The data_dir root, as a user would pass it to `tfds build --data_dir`.
     self.data_dir = data_dir or os.path.dirname(os.path.dirname(
         self.builder.data_dir))
+    # A VTAB-1k task whose label is computed from other features (vit_jax/vtab.py).
+    self.vtab_task = vtab_task if vtab_task in vtab.DERIVED_LABEL_TASKS else ''
+    if self.vtab_task:
+      self.label_key, self.multi_label = '', False
+      self.num_classes = vtab.VTAB[vtab_task].num_classes
+      self.class_names = vtab.class_names(vtab_task)
+      return
     features = self.builder.info.features
     if label_key not in features:
       raise ValueError(f'dataset {name} has no feature {label_key!r}: set --config.label_key '
@@ -409,6 +418,8 @@ class _TfdsSource:
     ds = self.builder.as_dataset(
         split=split, shuffle_files=False,
         decoders={'image': tfds.decode.SkipDecoding()})
+    if self.vtab_task:
+      return ds.map(functools.partial(vtab.example, self.vtab_task))
     return ds.map(lambda ex: {'image': ex['image'], 'label': self._label(ex[self.label_key])})
 
   def _label(self, label: tf.Tensor) -> tf.Tensor:
@@ -457,11 +468,12 @@ class _TfdsSource:
 
 
 def _source_of(config):
-  return _source(config.dataset, config.data_dir, config.get('label_key', 'label'))
+  return _source(config.dataset, config.data_dir, config.get('label_key', 'label'),
+                 config.get('vtab_task', ''))
 
 
 @functools.lru_cache(maxsize=8)
-def _source(dataset: str, data_dir: str, label_key: str = 'label'):
+def _source(dataset: str, data_dir: str, label_key: str = 'label', vtab_task: str = ''):
   if label_key != 'label' and (dataset == 'fashion_mnist_local' or dataset.startswith('folder:')):
     raise ValueError(f'label_key {label_key!r} applies to TFDS datasets only: set '
                      f'--config.label_key=label for {dataset}')
@@ -469,7 +481,7 @@ def _source(dataset: str, data_dir: str, label_key: str = 'label'):
     return _IdxSource(data_dir)
   if dataset.startswith('folder:'):
     return _FolderSource(dataset[len('folder:'):])
-  return _TfdsSource(dataset, data_dir, label_key)
+  return _TfdsSource(dataset, data_dir, label_key, vtab_task)
 
 
 def get_info(config) -> DatasetInfo:

@@ -1,0 +1,189 @@
+"""vit_jax/vtab.py: the 7 derived VTAB-1k labels against task_adaptation's definitions, on
+hand-made features and on TFDS mock examples read by the input pipeline; launch/vtab.py."""
+import functools
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
+from tensorflow_datasets.testing import mocking
+
+from vit_jax import input_pipeline
+from vit_jax import vtab
+from vit_jax.configs import finetune
+
+NUM_EXAMPLES = 24
+
+
+def reference_label(task, ex):
+  """The label of a numpy example as google-research/task_adaptation defines it, restated
+  here from its data/*.py independently of vit_jax/vtab.py."""
+  def last_below(thresholds, value):  # reduce_max(where(thresholds - value < 0))
+    return max(i for i, t in enumerate(thresholds) if t < value)
+  objects = ex.get('objects')
+  if task == 'clevr_count':  # clevr.py _count_preprocess_fn
+    return len(objects['size']) - 3
+  if task == 'clevr_distance':  # clevr.py _closest_object_preprocess_fn
+    return last_below([0.0, 8.0, 8.5, 9.0, 9.5, 10.0, 100.0], objects['pixel_coords'][:, 2].min())
+  if task == 'kitti_distance':  # kitti.py _closest_vehicle_distance_pp
+    z = [loc[2] for loc, kind in zip(objects['location'], objects['type'])
+         if kind in (0, 1, 2)]  # Car, Van, Truck.
+    return last_below([-100.0, 8.0, 20.0, 999.0], min(z + [1000.0]))
+  if task == 'dsprites_location':  # dsprites.py, label_x_position, num_classes=16
+    return int(np.float32(ex['label_x_position']) // np.float32(32 / 16))
+  if task == 'dsprites_orientation':  # dsprites.py, label_orientation, num_classes=16
+    return int(np.float32(ex['label_orientation']) // np.float32(40 / 16))
+  if task == 'smallnorb_azimuth':  # smallnorb.py, predicted_attribute
+    return int(ex['label_azimuth'])
+  if task == 'smallnorb_elevation':
+    return int(ex['label_elevation'])
+  raise AssertionError(task)
+
+
+def _objects(**columns):
+  return {k: np.asarray(v, np.float32 if k in ('pixel_coords', 'location') else np.int64)
+          for k, v in columns.items()}
+
+
+def hand_made(task):
+  """Examples that reach every class and sit on each side of every threshold."""
+  if task == 'clevr_count':  # CLEVR scenes hold 3 to 10 objects.
+    return [{'objects': _objects(size=[0] * n, pixel_coords=[[0, 0, 9.0]] * n)}
+            for n in range(3, 11)]
+  if task == 'clevr_distance':
+    depths = [0.5, 40.0] + [t + d for t in (8.0, 8.5, 9.0, 9.5, 10.0) for d in (-0.01, 0, 0.01)]
+    return [{'objects': _objects(size=[0, 1], pixel_coords=[[1, 2, d], [3, 4, d + 0.25]])}
+            for d in depths]
+  if task == 'kitti_distance':
+    rows = []
+    for z in (-99.0, 998.0) + tuple(t + d for t in (8.0, 20.0) for d in (-0.01, 0, 0.01)):
+      # A pedestrian (3) nearer than the vehicle must not count; types 0-2 are vehicles.
+      for kind in (0, 1, 2):
+        rows.append({'objects': _objects(type=[3, kind, 6], location=[
+            [0, 0, z / 2], [1, 1, z], [0, 0, z + 1]])})
+    rows.append({'objects': _objects(type=[3, 4, 5, 6, 7], location=[[0, 0, 5.0]] * 5)})
+    rows.append({'objects': _objects(type=np.zeros([0]), location=np.zeros([0, 3]))})
+    return rows
+  if task == 'dsprites_location':
+    return [{'label_x_position': np.int64(x), 'image': np.zeros([2, 2, 1], np.uint8)}
+            for x in range(32)]
+  if task == 'dsprites_orientation':
+    return [{'label_orientation': np.int64(x), 'image': np.zeros([2, 2, 1], np.uint8)}
+            for x in range(40)]
+  feature, classes = {'smallnorb_azimuth': ('label_azimuth', 18),
+                      'smallnorb_elevation': ('label_elevation', 9)}[task]
+  return [{feature: np.int64(x)} for x in range(classes)]
+
+
+@pytest.mark.parametrize('task', vtab.DERIVED_LABEL_TASKS)
+def test_derived_label_of_hand_made_features(task):
+  examples = hand_made(task)
+  want = [reference_label(task, ex) for ex in examples]
+  got = []
+  for ex in examples:
+    features = tf.nest.map_structure(tf.constant, dict(ex, image=ex.get('image', b'')))
+    out = vtab.example(task, features)
+    assert out['label'].dtype == tf.int32
+    got.append(int(out['label']))
+  assert got == want
+  classes = vtab.VTAB[task].num_classes
+  assert sorted(set(got)) == list(range(classes))  # Every class, none outside.
+  assert len(vtab.class_names(task)) == classes
+
+
+def test_table():
+  assert len(vtab.VTAB) == 19 and sorted(vtab.DERIVED_LABEL_TASKS) == sorted(
+      t for t, row in vtab.VTAB.items()
+      if row.tfds_name in ('clevr', 'dsprites', 'kitti', 'smallnorb'))
+  assert [len(vtab.task_names(g)) for g in vtab.GROUPS] == [7, 4, 8]  # Figure 2 of the paper.
+  assert sum(len(vtab.task_names(g)) for g in vtab.GROUPS) == len(vtab.task_names())
+  for row in vtab.VTAB.values():  # train800 + val200 = 1000 examples.
+    start, stop = re.fullmatch(r'\w+\[(\d*):(\d+)\]', row.val200).groups()
+    assert row.train800 == 'train[:800]' and int(stop) - int(start or 0) == 200
+  with pytest.raises(ValueError, match="vtab_task 'dmlab' has no derived label"):
+    vtab.example('dmlab', {'image': tf.constant(b'')})
+
+
+# ------------------------------------------------------------- TFDS mock examples
+def _common_length(sequence, length):
+  """Every column of a Sequence({...}) example cut or repeated to `length` rows (TFDS mock
+  data draws each column's length on its own, which encoding refuses)."""
+  return {k: np.resize(v, (length,) + np.shape(v)[1:]) for k, v in sequence.items()}
+
+
+def _clevr(i, ex, rng):
+  objects = _common_length(ex['objects'], 3 + i % 8)  # CLEVR: 3 to 10 objects.
+  objects['pixel_coords'][:, 2] = rng.uniform(7.5, 10.5, len(objects['size']))
+  return dict(ex, objects=objects, question_answer={'question': ['?'], 'answer': ['!']})
+
+
+def _kitti(i, ex, rng):
+  objects = _common_length(ex['objects'], i % 5)
+  objects['location'][:, 2] = rng.uniform(-1, 30, len(objects['type']))
+  objects['bbox'] = np.sort(objects['bbox'].reshape(-1, 2, 2), axis=1).reshape(-1, 4)  # min <= max
+  return dict(ex, objects=objects)
+
+
+def _arrays(tree):
+  """An encoded example's lists (of arrays, of 0-d text arrays) as plain arrays, as
+  tf.data.Dataset.from_generator takes them."""
+  if isinstance(tree, dict):
+    return {k: _arrays(v) for k, v in tree.items()}
+  array = np.asarray(tree)
+  if array.dtype == object:
+    array = np.array([np.asarray(x).item() for x in array.ravel()], object).reshape(array.shape)
+  return array
+
+
+def _mock_as_dataset(edit):
+  """A TFDS `_as_dataset` that encodes the mock examples of the builder's real features
+  after `edit(i, example, rng)` and decodes them as TFDS does, decoders included."""
+  def as_dataset(self, split, decoders=None, read_config=None, **kwargs):
+    del split, read_config, kwargs
+    features = self.info.features
+
+    def generate():
+      rng = np.random.default_rng(0)
+      for i, ex in enumerate(mocking.RandomFakeGenerator(features, NUM_EXAMPLES)):
+        yield _arrays(features.encode_example(edit(i, ex, rng)))
+
+    spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype),
+                                 features.get_serialized_info())
+    ds = tf.data.Dataset.from_generator(generate, output_signature=spec)
+    return ds.map(functools.partial(features.decode_example, decoders=decoders))
+  return as_dataset
+
+
+MOCKS = {  # task -> mock_data arguments
+    'clevr': dict(as_dataset_fn=_mock_as_dataset(_clevr)),
+    'kitti': dict(as_dataset_fn=_mock_as_dataset(_kitti)),
+    'dsprites': dict(max_value=2),  # dSprites pixels are 0 or 1.
+    'smallnorb': {},
+}
+
+
+@pytest.mark.parametrize('task', vtab.DERIVED_LABEL_TASKS)
+def test_derived_label_through_the_input_pipeline(task):
+  """The labels eval_batches yields for a finetune.py row are the reference ones of the
+  same mock examples, read whole by TFDS."""
+  c = finetune.get_config(f'ViT-B_16,vtab/{task}')
+  c.train_split = c.eval_split = 'train'
+  c.image_size = 64 if task.startswith('dsprites') else 16  # dSprites: no resampling.
+  with tfds.testing.mock_data(num_examples=NUM_EXAMPLES, **MOCKS[c.dataset]):
+    input_pipeline._source.cache_clear()  # pylint: disable=protected-access
+    info = input_pipeline.get_info(c)
+    batches = list(input_pipeline.eval_batches(c, global_batch=8))
+    raw = list(tfds.as_numpy(tfds.builder(c.dataset).as_dataset(split='train')))
+  input_pipeline._source.cache_clear()  # pylint: disable=protected-access
+  assert (info.num_classes, info.num_eval_examples) == (c.num_classes, NUM_EXAMPLES)
+  labels = np.concatenate([b['label'][b['mask']] for b in batches])
+  want = [reference_label(task, ex) for ex in raw]
+  np.testing.assert_array_equal(labels, want)
+  assert labels.min() >= 0 and labels.max() < c.num_classes
+  if task.startswith('dsprites'):  # 0/1 pixels scaled to 0/255, as task_adaptation does.
+    images = np.concatenate([b['image'][b['mask']] for b in batches])
+    pixels = np.stack([ex['image'] for ex in raw]).astype(np.float32) * 255
+    np.testing.assert_allclose(images, np.broadcast_to(pixels / 127.5 - 1, images.shape),
+                               atol=1e-6)
+    assert {-1.0, 1.0} <= set(np.unique(images))
