@@ -20,6 +20,7 @@ def get_config():
   c.data_dir = ''  # TFDS data_dir (may be gs://) or the folder of the local IDX files.
   c.train_split = 'train'  # Split used for training.
   c.eval_split = 'test'  # Split evaluated completely at every evaluation.
+  c.eval_real = False  # Also ImageNet ReaL top-1 (imagenet2012_real in data_dir) at each evaluation.
   c.num_train_examples = -1  # Training-set size, for epochs -> steps; -1 asks the dataset.
   c.label_key = 'label'  # TFDS label feature; a set of labels (Sequence(ClassLabel)): multi-hot.
   c.vtab_task = ''  # VTAB-1k task of a finetune.py row ('clevr_count', ...); '' for others.

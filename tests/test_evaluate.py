@@ -145,3 +145,64 @@ def test_cli_end_to_end(tiny):
   checkpoint.save_npz(head_free, {k: v for k, v in tiny['params'].items() if k != 'head'})
   with pytest.raises(ValueError, match='use --mode fewshot'):
     evaluate.run(types.SimpleNamespace(**{**args, 'checkpoint': head_free, 'batch_size': 8}))
+
+
+# ------------------------------------------------------------- ImageNet ReaL
+def test_top1_hits_on_label_sets_matches_numpy():
+  rng = np.random.default_rng(2)
+  logits = rng.normal(size=(12, 6))
+  sets = [list(np.flatnonzero(rng.random(6) < 0.3)) for _ in range(12)]
+  sets[3] = []
+  hot = np.zeros((12, 6), np.float32)
+  for i, s in enumerate(sets):
+    hot[i, s] = 1.0
+  mask = np.arange(12) < 10  # two padding rows
+  correct, counted = evaluate.top1_hits(logits, hot, mask)
+  used = [i for i in range(10) if sets[i]]
+  np.testing.assert_array_equal(counted, [float(i in used) for i in range(12)])
+  np.testing.assert_array_equal(
+      correct, [float(i in used and np.argmax(logits[i]) in sets[i]) for i in range(12)])
+  # Integer labels: top-1 equal to the label, every unmasked row counted.
+  labels = rng.integers(0, 6, 12)
+  correct, counted = evaluate.top1_hits(logits, labels, mask)
+  np.testing.assert_array_equal(correct, (np.argmax(logits, -1) == labels) & mask)
+  np.testing.assert_array_equal(counted, mask)
+
+
+def test_cli_real_on_mocked_imagenet2012_real(tmp_path):
+  """`vit-evaluate --dataset imagenet2012_real` (flags parsed as in the shell; TFDS mocked in
+  the child process): top-1 counted in the ReaL sets, empty sets left out."""
+  model = models.get_model('ViT-Ti_16', num_classes=1000, **TINY)
+  params = model.init(jax.random.PRNGKey(1), jnp.zeros((1, 28, 28, 3)))['params']
+  # A head that picks among classes 0-4, the classes of the sets: hits and misses both.
+  bias = np.full(1000, -100.0, np.float32)
+  bias[:5] = 0.0
+  kernel = np.asarray(jax.random.normal(jax.random.PRNGKey(2), params['head']['kernel'].shape))
+  params = {**params, 'head': {'kernel': kernel, 'bias': bias}}
+  path = str(tmp_path / 'real.npz')
+  checkpoint.save_npz(path, params)
+  overrides = ','.join(f'{k}={v}' for k, v in TINY.items())
+  args = ['vit-evaluate', '--checkpoint', path, '--model', 'ViT-Ti_16', '--model_overrides',
+          overrides, '--dataset', 'imagenet2012_real', '--image_size', '28', '--batch_size', '8']
+  child = ('import sys; from tests import data_fixtures; from vit_jax import evaluate\n'
+           f'sys.argv = {args!r} + sys.argv[1:]\n'
+           'with data_fixtures.mock_real(37):\n  evaluate.run_cli()')
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2')
+  out = subprocess.run([sys.executable, '-c', child], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  images = np.stack([data_fixtures.id_image(i) for i in range(37)])
+  images = np.repeat(images[..., None], 3, -1).astype(np.float32) / 127.5 - 1
+  top1 = np.argmax(np.asarray(model.apply({'params': params}, images)), -1)
+  used = [i for i in range(37) if data_fixtures.label_set(i)]
+  want = np.mean([top1[i] in data_fixtures.label_set(i) for i in used])
+  lines = out.stdout.strip().splitlines()
+  assert lines[1].split() == ['top1', 'validation', 'ReaL', f'{want:.4f}', f'({len(used)}',
+                              'images', 'with', 'a', 'ReaL', 'label)'], lines
+  assert len(used) == 35 and 0.2 < want < 0.8  # examples 0 and 32 have empty sets
+  few = subprocess.run([sys.executable, '-c', child, '--mode', 'fewshot'], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert few.returncode == 1
+  assert few.stderr.strip().splitlines()[-1] == (
+      "vit-evaluate: imagenet2012_real holds only the ReaL labels of ImageNet's validation "
+      'images, for top-1: use --mode top1')

@@ -181,6 +181,31 @@ def test_multi_label_training_and_set_top1(tmp_path, caplog):
   assert f'validation top-1 accuracy {want:.4f} (38 examples)' in caplog.text
 
 
+def test_imagenet_training_with_real_evaluation(tmp_path, caplog):
+  """eval_real: a 1000-class run (mocked imagenet2012_real's single 'original_label') is also
+  scored on the ReaL sets at each evaluation, as numpy recomputes it."""
+  from tests import data_fixtures  # pylint: disable=g-import-not-at-top
+  config = _config('', dataset='imagenet2012_real', label_key='original_label',
+                   train_split='validation', eval_split='validation', total_steps=2,
+                   eval_real=True)
+  with data_fixtures.mock_real(40), caplog.at_level(logging.INFO):
+    out = train.train_and_evaluate(config, str(tmp_path / 'real'))
+  images = np.stack([data_fixtures.id_image(i) for i in range(40)])
+  images = np.repeat(images[..., None], 3, -1).astype(np.float32) / 127.5 - 1
+  logits = train.build_model(config, 1000).apply({'params': out['params']}, images, train=False)
+  top1 = np.argmax(np.asarray(logits), -1)
+  assert out['accuracy'] == pytest.approx(np.mean(top1 == np.arange(40) % 7), abs=1e-6)
+  used = [i for i in range(40) if data_fixtures.label_set(i)]
+  want = np.mean([top1[i] in data_fixtures.label_set(i) for i in used])
+  assert (out['real_accuracy'], out['real_examples']) == (pytest.approx(want, abs=1e-6), 38)
+  assert f'ImageNet ReaL top-1 accuracy {want:.4f} (38 images with a ReaL label)' in caplog.text
+  with pytest.raises(train.ConfigError, match='eval_real scores a head of the 1000 ImageNet'):
+    with data_fixtures.mock_real(40):
+      train.train_and_evaluate(_config('', dataset='imagenet2012_real', label_key='original_label',
+                                       train_split='validation', eval_split='validation',
+                                       num_classes=1001, eval_real=True), str(tmp_path / 'bad'))
+
+
 def test_fine_tuning_starts_from_the_checkpoint(idx_dir, tmp_path):
   upstream = _run(idx_dir, tmp_path, 'upstream', image_size=28)
   path = str(tmp_path / 'upstream' / 'final.npz')
@@ -206,7 +231,7 @@ def test_fewshot_evaluation_runs_inside_training(idx_dir, tmp_path):
     (dict(batch_size=12), 'must be a multiple of the 8 devices'),
     (dict(dtype='float16'), "dtype 'float16' is unknown"),
     (dict(warmup_steps=5), 'warmup_steps 5 >= total_steps 3'),
-    (dict(vtab_task='clevr_cnt'), "vtab_task 'clevr_cnt' is not a VTAB-1k task"),
+    (dict(vtab_task='clevr_count'), "vtab_task 'clevr_count' needs labels derived"),
 ])
 def test_bad_config_fails_at_start_up(idx_dir, tmp_path, overrides, message):
   with pytest.raises(ValueError, match=message):

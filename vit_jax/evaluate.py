@@ -1,4 +1,4 @@
-r"""Evaluation of frozen models: top-1 accuracy and few-shot linear regression.
+r"""Evaluation of frozen models: top-1 accuracy (also ImageNet ReaL) and few-shot linear regression.
 
 Few-shot linear evaluation (paper Section 4, Figure 4, Table 8): the pre-logit
 representation of k images per class is frozen, and a regularised least-squares
@@ -17,9 +17,16 @@ details open; the choices here:
 Pure functions: fit_linear, predict, sample_k_shot, fewshot_accuracy. Features come
 from extract_features; FewShotEvaluator caches images for periodic use in training.
 
+ImageNet ReaL (Beyer et al. 2020; the paper's "ReaL" column, Tables 2, 5, 6): TFDS
+imagenet2012_real gives each validation image a set of plausible labels ('real_label');
+top-1 is correct if it is in the set, and images whose set is empty are left out (the
+count used is reported). `--dataset imagenet2012_real` selects it in the CLI (the
+dataset exists only for this), config.eval_real in training.
+
 CLI (vit-evaluate = python -m vit_jax.evaluate):
   vit-evaluate --workdir workdirs/quickstart      # a finished run: top-1 and few-shot
   vit-evaluate --checkpoint ViT-B_16.npz --model ViT-B_16 --dataset cifar10 --mode fewshot
+  vit-evaluate --workdir workdirs/imagenet --dataset imagenet2012_real   # ReaL top-1
 """
 import functools
 import math
@@ -30,6 +37,7 @@ from absl import flags
 from absl import logging
 import jax
 from jax.experimental import multihost_utils
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -38,6 +46,7 @@ from vit_jax import model_flags
 from vit_jax import sharding
 
 DEFAULT_L2_REG = 2.0**10
+REAL_DATASET, REAL_SPLIT, REAL_LABEL_KEY = 'imagenet2012_real', 'validation', 'real_label'
 DEFAULT_SHOTS = (1, 5, 10, 25)
 DEFAULT_SEEDS = (0, 1, 2)
 
@@ -135,7 +144,32 @@ def fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes, shots=DEFAUL
   return out
 
 
+def top1_hits(logits, labels, mask):
+  """(correct, counted), float per row: the one top-1 rule of training and the CLI.
+
+  labels: int [N] classes, or multi-hot [N, K] sets (e.g. ReaL), where the top-1 class
+  is correct if it is in the set and a row with an empty set is not counted.
+  mask: bool [N], False on padding.
+  """
+  top1 = jnp.argmax(logits, -1)
+  if labels.ndim == 2:
+    correct = jnp.take_along_axis(labels, top1[:, None], axis=-1)[:, 0] > 0
+    mask = mask & (jnp.max(labels, axis=-1) > 0)
+  else:
+    correct = top1 == labels
+  mask = mask.astype(jnp.float32)
+  return correct.astype(jnp.float32) * mask, mask
+
+
 # ------------------------------------------------------------- data & models
+def real_config(config):
+  """A copy of `config` whose evaluation split is ImageNet ReaL (imagenet2012_real
+  'validation', labels the 'real_label' sets)."""
+  c = ml_collections.ConfigDict(config.to_dict())
+  c.dataset, c.eval_split, c.label_key = REAL_DATASET, REAL_SPLIT, REAL_LABEL_KEY
+  return c
+
+
 def _get(config, name, default=None):
   """config.name, or `default` if the config (ConfigDict or dict) lacks it."""
   try:
@@ -224,7 +258,7 @@ def extract_features(model, params, config, split, batch_size):
 
 
 def top1_accuracy(model, params, config, split, batch_size):
-  """(accuracy, examples) of the model's head on `split`."""
+  """(accuracy, examples counted) of the model's head on `split` (top1_hits)."""
   if not model.num_classes:
     raise ValueError('The model has no head: use few-shot evaluation (--mode fewshot)')
   mesh = _mesh(config)
@@ -232,7 +266,9 @@ def top1_accuracy(model, params, config, split, batch_size):
   cfg = data_config(config, split=split)
   _, logits, labels = _run_batches(
       apply_fn(model), params, input_pipeline.eval_batches(cfg, global_batch=batch_size), mesh)
-  return float(np.mean(np.argmax(logits, -1) == labels)), len(labels)
+  correct, counted = top1_hits(logits, labels, np.ones(len(labels), bool))
+  n = int(np.sum(counted))
+  return float(np.sum(correct)) / max(n, 1), n
 
 
 # --------------------------------------------------------------- evaluator
@@ -380,13 +416,23 @@ def run(flags_):
   rc = run_config or {}
   pp = rc.get('pp', {})
   get = lambda name, default: _setting(flags_, name, run_config, rc.get(name), default)
+  dataset = get('dataset', 'fashion_mnist_local')
+  real = dataset == REAL_DATASET
+  label_key = (REAL_LABEL_KEY if real else
+               rc.get('label_key', 'label') if dataset == rc.get('dataset') else 'label')
   config = ml_collections.ConfigDict(dict(
-      dataset=get('dataset', 'fashion_mnist_local'), data_dir=get('data_dir', ''),
+      dataset=dataset, data_dir=get('data_dir', ''), label_key=label_key,
       image_size=image_size,
       pp=dict(eval_crop=_setting(flags_, 'eval_crop', run_config, pp.get('eval_crop'), 'resize'),
               central_crop_fraction=pp.get('central_crop_fraction', 0.875))))
-  eval_split, train_split = get('eval_split', 'test'), get('train_split', 'train')
-  mode = getattr(flags_, 'mode', None) or ('all' if run_config is not None else 'fewshot')
+  eval_split = (getattr(flags_, 'eval_split', None) or REAL_SPLIT) if real else get(
+      'eval_split', 'test')
+  train_split = get('train_split', 'train')
+  mode = getattr(flags_, 'mode', None) or (
+      'top1' if real else 'all' if run_config is not None else 'fewshot')
+  if real and mode != 'top1':
+    raise ValueError(f'{REAL_DATASET} holds only the ReaL labels of ImageNet\'s validation '
+                     'images, for top-1: use --mode top1')
   num_classes = input_pipeline.get_info(data_config(config, split=eval_split)).num_classes
   rows = []
   if mode in ('top1', 'all'):
@@ -394,7 +440,8 @@ def run(flags_):
       raise ValueError(f'The checkpoint head has {model.num_classes} classes but '
                        f'{config.dataset} has {num_classes}: use --mode fewshot')
     acc, n = top1_accuracy(model, params, config, eval_split, flags_.batch_size)
-    rows.append(('top1', eval_split, f'{acc:.4f}  ({n} images)'))
+    rows.append(('top1', f'{eval_split} ReaL' if real else eval_split,
+                 f'{acc:.4f}  ({n} images{" with a ReaL label" if real else ""})'))
   if mode in ('fewshot', 'all'):
     shots = [int(k) for k in flags_.shots]
     seeds = [int(s) for s in flags_.seeds]

@@ -34,8 +34,11 @@ from vit_jax import paths
 from vit_jax import rundir
 from vit_jax import sharding
 
-from vit_jax import vtab
 DTYPES = ('float32', 'bfloat16')
+# VTAB-1k tasks whose label is computed from other features (configs/finetune.py).
+_DERIVED_LABEL_TASKS = ('clevr_count', 'clevr_distance', 'dsprites_location',
+                        'dsprites_orientation', 'kitti_distance', 'smallnorb_azimuth',
+                        'smallnorb_elevation')
 
 
 ConfigError = errors.ConfigError  # raised by train_and_evaluate; main prints it as one line
@@ -82,9 +85,9 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
   if config.eval_batch_size % n_dev:
     raise ValueError(f'eval_batch_size {config.eval_batch_size} is not a multiple of the {n_dev} '
                      'devices: set --config.eval_batch_size')
-  if config.vtab_task and config.vtab_task not in vtab.VTAB:
-    raise ValueError(f'vtab_task {config.vtab_task!r} is not a VTAB-1k task: set '
-                     f'--config.vtab_task to one of {" ".join(vtab.VTAB)}, or \'\'')
+  if config.vtab_task in _DERIVED_LABEL_TASKS:
+    raise ValueError(f'vtab_task {config.vtab_task!r} needs labels derived from other features, '
+                     'which the input pipeline does not do yet: choose another VTAB task')
   fields = models.get_variant(config.model_name, **config.model)
   if config.pretrained_keep_prelogits and fields.get('representation_size') is None:
     raise ValueError('pretrained_keep_prelogits needs the pre-logits layer in the model: set '
@@ -175,18 +178,12 @@ def make_train_step(model, tx, schedule, config, mesh):
 
 
 def make_eval_step(model):
-  """Top-1 counts of a batch. Multi-hot labels (e.g. ImageNet ReaL): the top-1 class is
-  correct if it is in the image's set, and images with an empty set are left out."""
+  """Top-1 counts of a batch (evaluate.top1_hits: multi-hot labels such as ImageNet ReaL
+  count a top-1 in the set, and leave images with an empty set out)."""
   def step(params, batch):
     logits = model.apply({'params': params}, batch['image'], train=False)
-    top1, labels, mask = jnp.argmax(logits, -1), batch['label'], batch['mask']
-    if labels.ndim == 2:
-      correct = jnp.take_along_axis(labels, top1[:, None], axis=-1)[:, 0] > 0
-      mask = mask & (jnp.max(labels, axis=-1) > 0)
-    else:
-      correct = top1 == labels
-    mask = mask.astype(jnp.float32)
-    return {'correct': jnp.sum(correct.astype(jnp.float32) * mask), 'count': jnp.sum(mask)}
+    correct, counted = evaluate_lib.top1_hits(logits, batch['label'], batch['mask'])
+    return {'correct': jnp.sum(correct), 'count': jnp.sum(counted)}
   return step
 
 
@@ -201,6 +198,26 @@ def evaluate(eval_step, params, config, batch_sharding, num_classes=None):
     correct += float(out['correct'])
     count += float(out['count'])
   return correct / max(count, 1.0), int(count)
+
+
+def _real_config(config, num_classes):
+  """The ImageNet ReaL evaluation config when config.eval_real, else None."""
+  if not config.get('eval_real', False):
+    return None
+  real = evaluate_lib.real_config(config)
+  classes = input_pipeline.get_info(real).num_classes
+  if num_classes != classes:
+    raise ConfigError(f'eval_real scores a head of the {classes} ImageNet classes, but this one '
+                      f'has {num_classes}: set --config.eval_real=False')
+  return real
+
+
+def _evaluate_real(eval_step, params, real, batch_sharding, step, writer):
+  accuracy, n = evaluate(eval_step, params, real, batch_sharding)
+  logging.info('step %d  ImageNet ReaL top-1 accuracy %.4f (%d images with a ReaL label)', step,
+               accuracy, n)
+  writer.write_scalars(step, {'real_accuracy': accuracy})
+  return {'real_accuracy': accuracy, 'real_examples': n}
 
 
 def _check_labels(labels, num_classes, field, split):
@@ -414,6 +431,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                       num_classes, config.train_split),
       batch_sharding, config.prefetch)
   fewshot = evaluate_lib.FewShotEvaluator(config, model) if config.fewshot_every_steps else None
+  real = _real_config(config, num_classes)
   rng = jax.device_put(jax.random.PRNGKey(config.seed), replicated)
   last = total_steps if stop_after_steps is None else min(stop_after_steps, total_steps)
   result = {'step': start}
@@ -500,6 +518,9 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                      n, unit)
         writer.write_scalars(step, {'accuracy': accuracy})
         result.update(accuracy=accuracy)
+        if real:
+          result.update(_evaluate_real(eval_step, state['params'], real, batch_sharding, step,
+                                       writer))
       if fewshot and (_due(step, config.fewshot_every_steps) or step == total_steps):
         scores = fewshot(state['params'])
         logging.info('step %d  few-shot linear: %s', step,
