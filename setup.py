@@ -40,6 +40,7 @@ CONSOLE_SCRIPTS = [
     "vit-inspect = vit_jax.inspection:run_cli",
     "vit-predict = vit_jax.predict:run_cli",
     "vit-sweep = vit_jax.launch.sweep:main",
+    "vit-vtab = vit_jax.launch.vtab:main",
     "vit-tpu = vit_jax.launch.tpu_vm:main",
 ]
 

@@ -110,8 +110,6 @@ def get_config(arg=None):
 
   # Few-shot linear evaluation of the (frozen) representation, ready but off, as in
   # pretrain.py: --config.fewshot_every_steps=10000 when imagenet2012 is in data_dir.
-  c.fewshot_dataset = 'imagenet2012'
-  c.fewshot_train_split = 'train[:5%]'
-  c.fewshot_eval_split = 'validation'
+  c.fewshot_datasets = (('imagenet2012', 'train[:5%]', 'validation'),)
   c.fewshot_shots = (5,)
   return c

@@ -173,9 +173,7 @@ def get_config(arg=None):
   # The paper's "5-shot ImageNet linear" (Fig. 4), ready but off: turn it on with
   # --config.fewshot_every_steps=10000 when imagenet2012 is in data_dir. The pool is a
   # slice of the training set (about 64 images per class) so start-up stays short.
-  c.fewshot_dataset = 'imagenet2012'
-  c.fewshot_train_split = 'train[:5%]'
-  c.fewshot_eval_split = 'validation'
+  c.fewshot_datasets = (('imagenet2012', 'train[:5%]', 'validation'),)
   c.fewshot_shots = (5,)
   return c
 

@@ -649,9 +649,9 @@ def preflight_steps(args):
 
   datasets = [(config.dataset, config.data_dir, 'data_dir')]
   if config.fewshot_every_steps:
-    datasets.append((config.fewshot_dataset or config.dataset,
-                     config.fewshot_data_dir or config.data_dir,
-                     'fewshot_data_dir' if config.fewshot_data_dir else 'data_dir'))
+    datasets += [(entry[0], config.fewshot_data_dir or config.data_dir,
+                  'fewshot_data_dir' if config.fewshot_data_dir else 'data_dir')
+                 for entry in config.fewshot_datasets]
   checks = []
   for name, data_dir, field in dict.fromkeys(datasets):
     if name == 'fashion_mnist_local' or name.startswith('folder:'):

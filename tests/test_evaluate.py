@@ -7,7 +7,6 @@ import types
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -78,6 +77,56 @@ def test_separable_features_give_accuracy_one():
     assert r['mean'] == 1.0 and r['per_seed'] == [1.0, 1.0] and r['std'] == 0.0
 
 
+
+def test_standardised_fit_matches_numpy_and_ignores_feature_scales():
+  rng = np.random.default_rng(4)
+  train_y, test_y = np.repeat(np.arange(3), 8), np.repeat(np.arange(3), 10)
+  centres = np.pad(3 * rng.normal(size=(3, 2)), ((0, 0), (0, 4)))  # classes differ in dims 0-1
+  scales = np.array([1e-3, 1e-3, 1e2, 1e2, 1e2, 1e2])  # ... which are the tiny ones
+  train_x = (centres[train_y] + 0.8 * rng.normal(size=(24, 6))) * scales
+  test_x = (centres[test_y] + 0.8 * rng.normal(size=(30, 6))) * scales
+  draw = lambda k, seed: evaluate.sample_k_shot(train_y, k, seed)
+  got = evaluate.fewshot_accuracy(train_x, train_y, test_x, test_y, 3, shots=(2, 8),
+                                  seeds=(0, 1), l2_reg=4.0, standardise=True)
+  for k in (2, 8):
+    for seed, acc in zip((0, 1), got[k]['per_seed']):
+      idx = draw(k, seed)
+      mean, std = train_x[idx].mean(0), train_x[idx].std(0)
+      w, b = _lstsq_reference((train_x[idx] - mean) / std, train_y[idx], 3, 4.0)
+      pred = np.argmax(((test_x - mean) / std) @ w + b, -1)
+      assert acc == pytest.approx(np.mean(pred == test_y), abs=1e-12)
+  # Standardised: the same for any per-feature scaling; plain ridge is not.
+  rescale = rng.uniform(0.01, 100.0, 6)
+  again = evaluate.fewshot_accuracy(train_x * rescale, train_y, test_x * rescale, test_y, 3,
+                                    shots=(2, 8), seeds=(0, 1), l2_reg=4.0, standardise=True)
+  assert again == got
+  plain, unit = [evaluate.fewshot_accuracy(train_x * r, train_y, test_x * r, test_y, 3,
+                                           shots=(8,), seeds=(0,), l2_reg=4.0)[8]['mean']
+                 for r in (1.0, 1.0 / scales)]
+  assert plain < unit - 0.2 and got[8]['mean'] > plain + 0.2, (plain, unit, got[8]['mean'])
+  # A feature constant over the k-shot set is only centred (no division by zero).
+  x = np.concatenate([train_x, np.ones((24, 1))], 1)
+  fit, held = evaluate.standardised(x, np.concatenate([test_x, 2 * np.ones((30, 1))], 1))
+  assert np.all(fit[:, -1] == 0) and np.all(held[:, -1] == 1)
+
+
+def test_fewshot_config_errors_name_the_fix():
+  from vit_jax.configs import common  # pylint: disable=g-import-not-at-top
+  c = common.get_config()
+  c.fewshot_every_steps = 10
+  evaluate.validate_fewshot(c)
+  c.fewshot_dataset = 'cifar100'  # the field before fewshot_datasets
+  with pytest.raises(ValueError, match=r'^fewshot_dataset: replaced by fewshot_datasets'):
+    evaluate.validate_fewshot(c)
+  del c.fewshot_dataset
+  c.fewshot_datasets = ('cifar100',)
+  with pytest.raises(ValueError, match="entry 'cifar100' is not \\(dataset, k-shot pool split"):
+    evaluate.validate_fewshot(c)
+  c.fewshot_datasets = (('folder:/a/pets', 'train', 'test'), ('folder:/b/pets/', 'train', 'test'))
+  with pytest.raises(ValueError, match="names 'pets' twice"):
+    evaluate.validate_fewshot(c)
+
+
 # ------------------------------------------------------------- end to end
 @pytest.fixture(scope='module')
 def tiny(tmp_path_factory):
@@ -87,9 +136,9 @@ def tiny(tmp_path_factory):
   params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 3)))['params']
   path = str(tmp / 'tiny.npz')
   checkpoint.save_npz(path, params)
-  config = ml_collections.ConfigDict(dict(
+  config = evaluate.cli_config(
       dataset='fashion_mnist_local', data_dir=idx_dir, image_size=28, eval_batch_size=16,
-      fewshot_shots=(1, 5), fewshot_seeds=(0, 1)))
+      fewshot_shots=(1, 5), fewshot_seeds=(0, 1))
   return dict(idx_dir=idx_dir, model=model, params=params, path=path, config=config)
 
 
@@ -105,18 +154,24 @@ def test_extract_features_matches_direct_apply(tiny):
   np.testing.assert_allclose(feats, direct, atol=1e-5)
 
 
-def test_evaluator_matches_pure_functions(tiny):
-  fewshot = evaluate.FewShotEvaluator(tiny['config'], tiny['model'])
+@pytest.mark.parametrize('standardise', [True, False])
+def test_evaluator_matches_pure_functions(tiny, standardise):
+  config = tiny['config'].copy_and_resolve_references()
+  config.fewshot_standardise = standardise
+  fewshot = evaluate.FewShotEvaluator(config, tiny['model'])
   # Only the drawn k-shot images are cached: <= classes x max shots x seeds.
-  cached = sum(int(b['mask'].sum()) for b in fewshot._train_batches)
+  cached = sum(int(b['mask'].sum()) for b in fewshot.tasks['fashion_mnist_local']._train_batches)
   assert 10 * 5 <= cached <= 10 * 5 * 2
   metrics = fewshot(tiny['params'])
-  assert set(metrics) == {'fewshot/1shot', 'fewshot/5shot'}
-  tx, ty = evaluate.extract_features(tiny['model'], tiny['params'], tiny['config'], 'train', 16)
-  ex, ey = evaluate.extract_features(tiny['model'], tiny['params'], tiny['config'], 'test', 16)
-  ref = evaluate.fewshot_accuracy(tx, ty, ex, ey, 10, (1, 5), (0, 1))
+  assert set(metrics) == {'fewshot/fashion_mnist_local/1shot', 'fewshot/fashion_mnist_local/5shot',
+                          'fewshot/mean/1shot', 'fewshot/mean/5shot'}
+  tx, ty = evaluate.extract_features(tiny['model'], tiny['params'], config, 'train', 16)
+  ex, ey = evaluate.extract_features(tiny['model'], tiny['params'], config, 'test', 16)
+  ref = evaluate.fewshot_accuracy(tx, ty, ex, ey, 10, (1, 5), (0, 1), standardise=standardise)
   for k in (1, 5):
-    assert metrics[f'fewshot/{k}shot'] == pytest.approx(ref[k]['mean'], abs=1e-6)
+    assert metrics[f'fewshot/fashion_mnist_local/{k}shot'] == pytest.approx(ref[k]['mean'],
+                                                                           abs=1e-6)
+    assert metrics[f'fewshot/mean/{k}shot'] == metrics[f'fewshot/fashion_mnist_local/{k}shot']
   assert fewshot(tiny['params']) == metrics  # cached data, same answer
 
 
@@ -132,7 +187,8 @@ def test_cli_end_to_end(tiny):
   lines = out.stdout.strip().splitlines()
   assert lines[0].split() == ['mode', 'metric', 'value']
   assert lines[1].startswith('top1') and '(20 images)' in lines[1]
-  assert [l.split()[1] for l in lines[2:]] == ['1-shot', '5-shot']
+  assert [l.split()[1:3] for l in lines[2:]] == [['fashion_mnist_local', '1-shot'],
+                                                  ['fashion_mnist_local', '5-shot']]
   # Errors are one line naming the fix (in-process: the same code path as the CLI).
   args = dict(checkpoint=tiny['path'], model='ViT-Ti_16', model_overrides='num_layers=2,'
               'hidden_size=32,mlp_dim=64,num_heads=2,patch_size=7', dataset='fashion_mnist_local',
@@ -206,3 +262,48 @@ def test_cli_real_on_mocked_imagenet2012_real(tmp_path):
   assert few.stderr.strip().splitlines()[-1] == (
       "vit-evaluate: imagenet2012_real holds only the ReaL labels of ImageNet's validation "
       'images, for top-1: use --mode top1')
+
+
+# ------------------------------------------------------------- several datasets
+def test_fewshot_over_two_datasets_reports_each_and_the_mean(tiny, tmp_path):
+  """Fashion-MNIST-like IDX files and an image folder: per-dataset accuracies equal the pure
+  functions on each dataset's features, and the mean is theirs; the CLI prints both, run
+  from a shell in tmp_path with relative paths."""
+  folder = tmp_path / 'shapes'
+  data_fixtures.write_folder(str(folder), 'train', {c: list(range(100 + 10 * i, 106 + 10 * i))
+                                                    for i, c in enumerate('abc')})
+  data_fixtures.write_folder(str(folder), 'test', {c: list(range(200 + 10 * i, 204 + 10 * i))
+                                                   for i, c in enumerate('abc')})
+  config = tiny['config'].copy_and_resolve_references()
+  config.fewshot_datasets = (('fashion_mnist_local', 'train', 'test'),
+                             (f'folder:{folder}', 'train', 'test'))
+  metrics = evaluate.FewShotEvaluator(config, tiny['model'])(tiny['params'])
+  model, params = tiny['model'], tiny['params']
+  for label, dataset, classes in (('fashion_mnist_local', 'fashion_mnist_local', 10),
+                                  ('shapes', f'folder:{folder}', 3)):
+    cfg = evaluate.data_config(config, dataset=dataset, split='test')
+    tx, ty = evaluate.extract_features(model, params, cfg, 'train', 16)
+    ex, ey = evaluate.extract_features(model, params, cfg, 'test', 16)
+    ref = evaluate.fewshot_accuracy(tx, ty, ex, ey, classes, (1, 5), (0, 1), standardise=True)
+    for k in (1, 5):
+      assert metrics[f'fewshot/{label}/{k}shot'] == pytest.approx(ref[k]['mean'], abs=1e-6)
+  for k in (1, 5):
+    mean = (metrics[f'fewshot/fashion_mnist_local/{k}shot'] + metrics[f'fewshot/shapes/{k}shot'])
+    assert metrics[f'fewshot/mean/{k}shot'] == pytest.approx(mean / 2, abs=1e-12)
+
+  os.symlink(tiny['idx_dir'], tmp_path / 'idx')
+  cmd = ['vit-evaluate', '--checkpoint', tiny['path'], '--model', 'ViT-Ti_16',
+         '--model_overrides', ','.join(f'{k}={v}' for k, v in TINY.items()),
+         '--data_dir', 'idx', '--image_size', '28', '--fewshot_datasets',
+         'fashion_mnist_local,folder:shapes', '--shots', '1,5', '--seeds', '0,1',
+         '--batch_size', '8']
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2',
+             PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ['PATH'])
+  out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  table = {' '.join(l.split()[1:3]): l.split()[3] for l in out.stdout.strip().splitlines()[1:]}
+  assert list(table) == ['fashion_mnist_local 1-shot', 'fashion_mnist_local 5-shot',
+                         'shapes 1-shot', 'shapes 5-shot', 'mean 1-shot', 'mean 5-shot']
+  for k in (1, 5):
+    assert table[f'shapes {k}-shot'] == f'{metrics[f"fewshot/shapes/{k}shot"]:.4f}'
+    assert table[f'mean {k}-shot'] == f'{metrics[f"fewshot/mean/{k}shot"]:.4f}'

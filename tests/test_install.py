@@ -44,7 +44,7 @@ def test_train_then_evaluate_from_elsewhere(wheel_venv, tmp_path):
   lines = out.stdout.strip().splitlines()
   assert lines[0].split() == ['mode', 'metric', 'value']
   assert lines[1].startswith('top1') and '(64 images)' in lines[1]
-  assert lines[2].split()[:2] == ['fewshot', '1-shot']
+  assert lines[2].split()[:3] == ['fewshot', 'fashion_mnist_local', '1-shot']
   # A mistake typed from the shell is one line naming the fix.
   out = subprocess.run(['vit-train', '--config=quickstart', '--workdir=w', '--config.base_lrr=1'],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

@@ -88,7 +88,7 @@ def rule(argv):
     if _flag(argv, 'config') == 'quickstart':
       return 'run', SMALL_SWEEP + ['--set', f'config.data_dir={USER_DATA}']
     return 'run', ['--dry-run']
-  if prog == 'vit-tpu':
+  if prog in ('vit-tpu', 'vit-vtab'):
     return 'run', ['--dry-run']
   return None, []
 

@@ -219,11 +219,16 @@ def test_fine_tuning_starts_from_the_checkpoint(idx_dir, tmp_path):
   assert not np.any(np.asarray(params['head']['kernel']))
 
 
-def test_fewshot_evaluation_runs_inside_training(idx_dir, tmp_path):
-  out = _run(idx_dir, tmp_path, 'fewshot', total_steps=2, fewshot_every_steps=1,
-             fewshot_shots=(1, 3), fewshot_seeds=(0, 1))
-  assert set(k for k in out if k.startswith('fewshot/')) == {'fewshot/1shot', 'fewshot/3shot'}
-  assert all(0.0 <= out[k] <= 1.0 for k in ('fewshot/1shot', 'fewshot/3shot'))
+def test_fewshot_evaluation_runs_inside_training(idx_dir, tmp_path, caplog):
+  with caplog.at_level(logging.INFO):
+    out = _run(idx_dir, tmp_path, 'fewshot', total_steps=2, fewshot_every_steps=1,
+               fewshot_shots=(1, 3), fewshot_seeds=(0, 1))
+  keys = ('fewshot/fashion_mnist_local/1shot', 'fewshot/fashion_mnist_local/3shot',
+          'fewshot/mean/1shot', 'fewshot/mean/3shot')
+  assert set(k for k in out if k.startswith('fewshot/')) == set(keys)
+  assert all(0.0 <= out[k] <= 1.0 for k in keys)
+  assert (f'step 2  few-shot linear: fashion_mnist_local/1shot {out[keys[0]]:.4f}  '
+          f'fashion_mnist_local/3shot {out[keys[1]]:.4f}  mean/1shot') in caplog.text
 
 
 @pytest.mark.parametrize('overrides,message', [

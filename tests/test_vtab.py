@@ -1,7 +1,12 @@
 """vit_jax/vtab.py: the 7 derived VTAB-1k labels against task_adaptation's definitions, on
 hand-made features and on TFDS mock examples read by the input pipeline; launch/vtab.py."""
 import functools
+import json
+import os
 import re
+import shlex
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +17,7 @@ from tensorflow_datasets.testing import mocking
 from vit_jax import input_pipeline
 from vit_jax import vtab
 from vit_jax.configs import finetune
+from vit_jax.launch import vtab as vtab_launch
 
 NUM_EXAMPLES = 24
 
@@ -187,3 +193,84 @@ def test_derived_label_through_the_input_pipeline(task):
     np.testing.assert_allclose(images, np.broadcast_to(pixels / 127.5 - 1, images.shape),
                                atol=1e-6)
     assert {-1.0, 1.0} <= set(np.unique(images))
+
+
+# ------------------------------------------------------------------- launch/vtab.py
+# The processes of a runner test see TFDS mock data: Python imports sitecustomize from
+# PYTHONPATH at start-up, and this one enters tfds.testing.mock_data for the whole process.
+MOCK_SITECUSTOMIZE = """
+import os
+if os.environ.get('VIT_TEST_TFDS_MOCK_EXAMPLES'):
+  import tensorflow_datasets as tfds
+  MOCK = tfds.testing.mock_data(  # Kept: collecting it would end the mock.
+      num_examples=int(os.environ['VIT_TEST_TFDS_MOCK_EXAMPLES']), max_value=2)
+  MOCK.__enter__()
+"""
+TINY = ['--config.image_size=32', '--config.total_steps=2',
+        '--config.warmup_steps=1', '--config.batch_size=8', '--config.eval_batch_size=8',
+        '--config.pretrained_path=', '--config.log_every_steps=1', '--config.shuffle_buffer=8',
+        '--config.train_split=train', '--config.eval_split=test']  # VTAB slices pass 16 examples.
+RUN_TASKS = ('dtd', 'dsprites_location', 'smallnorb_elevation')  # natural + 2 structured
+
+
+def _vtab_shell(command, cwd, shim):
+  env = dict(os.environ, PYTHONPATH=str(shim), VIT_TEST_TFDS_MOCK_EXAMPLES='16',
+             XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  return subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True, text=True,
+                        timeout=600)
+
+
+def test_vtab_runner_on_mock_tasks(tmp_path):
+  """Three tasks run from a shell with a relative workdir, the same command again skips
+  them, and the tables hold each run's final accuracy and the means of those."""
+  shim = tmp_path / 'shim'
+  shim.mkdir()
+  (shim / 'sitecustomize.py').write_text(MOCK_SITECUSTOMIZE)
+  command = shlex.join([sys.executable, '-m', 'vit_jax.launch.vtab', '--model=ViT-Ti_16',
+                        '--workdir=runs/vtab', f'--tasks={",".join(RUN_TASKS)}', *TINY])
+  first = _vtab_shell(command, tmp_path, shim)
+  assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+  workdir = tmp_path / 'runs' / 'vtab'
+  finals = {}
+  for task in RUN_TASKS:
+    assert (workdir / task / 'final.npz').exists()
+    log = (workdir / task / 'vtab.log').read_text()
+    finals[task] = float(re.findall(r'Final test top-1 accuracy[^0-9]*([0-9.]+)', log)[-1])
+  with open(workdir / 'vtab_results.json') as f:
+    results = json.load(f)
+  rows = {r['task']: r for r in results['tasks']}
+  assert list(rows) == list(RUN_TASKS)
+  for task in RUN_TASKS:
+    assert rows[task]['accuracy'] == pytest.approx(finals[task], abs=1e-4)
+    assert (rows[task]['steps'], rows[task]['status'], rows[task]['group']) == (
+        2, 'ok', vtab.VTAB[task].group)
+  structured = [finals['dsprites_location'], finals['smallnorb_elevation']]
+  m = results['means']
+  assert m['natural'] == {'mean': pytest.approx(finals['dtd'], abs=1e-4), 'tasks': 1, 'of': 1}
+  assert m['specialized'] == {'mean': None, 'tasks': 0, 'of': 0}
+  assert m['structured']['mean'] == pytest.approx(np.mean(structured), abs=1e-4)
+  assert m['overall']['mean'] == pytest.approx(np.mean(list(finals.values())), abs=1e-4)
+  md = (workdir / 'vtab_results.md').read_text()
+  assert f'| natural | dtd | {100 * rows["dtd"]["accuracy"]:.2f} | 2 | ok |' in md
+  assert f'{100 * m["overall"]["mean"]:.2f} (3 of 19)' in md
+
+  again = _vtab_shell(command, tmp_path, shim)  # Finished tasks are skipped, not rerun.
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert again.stdout.count('final.npz present, skipped') == 3
+  with open(workdir / 'vtab_results.json') as f:
+    assert json.load(f)['means'] == results['means']
+
+
+def test_vtab_runner_dry_run_and_bad_arguments(capsys):
+  vtab_launch.main(['--model=ViT-B_16', '--workdir=/tmp/v', '--dry-run',
+                    '--config.total_steps=10'])
+  lines = capsys.readouterr().out.splitlines()
+  assert [shlex.split(line) for line in lines] == [
+      [sys.executable, '-m', 'vit_jax.main', f'--config=finetune:ViT-B_16,vtab/{t}',
+       f'--workdir=/tmp/v/{t}', '--config.total_steps=10'] for t in vtab.VTAB]
+  for argv, message in [(['--tasks=dtd,nope'], 'nope is not a VTAB-1k task'),
+                        (['--config.total_stepz=1'], "no field 'total_stepz'"),
+                        (['--bogus'], "unknown argument '--bogus'")]:
+    with pytest.raises(SystemExit) as e:
+      vtab_launch.main(['--model=ViT-B_16', '--workdir=/tmp/v', '--dry-run', *argv])
+    assert message in str(e.value) and '\n' not in str(e.value)

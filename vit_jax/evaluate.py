@@ -9,13 +9,19 @@ details open; the choices here:
   - the regulariser is `l2_reg * ||W||^2` on the sum (not mean) of squared errors,
     default 2**10; large values tend to the nearest-class-mean classifier, which is
     a safe place to be with 1-shot data;
-  - features are used as the model returns them (no standardisation);
+  - optional standardisation (config.fewshot_standardise, on by default; the reason is
+    in configs/common.py): each feature is centred and scaled by its mean and standard
+    deviation over the k-shot training features, and the held-out features get the
+    same map; a feature constant over the k-shot set is only centred;
   - the k-shot draw is a per-class random subset for each seed; draws are nested
     (the 5-shot set of a seed is part of its 10-shot set), accuracy is reported per
-    seed and as the mean over seeds.
+    seed and as the mean over seeds;
+  - several datasets (config.fewshot_datasets): accuracy per dataset, and for each k
+    the mean over the datasets, as the paper averages few-shot results (Fig. 4, Table 8).
 
-Pure functions: fit_linear, predict, sample_k_shot, fewshot_accuracy. Features come
-from extract_features; FewShotEvaluator caches images for periodic use in training.
+Pure functions: fit_linear, predict, standardised, sample_k_shot, fewshot_accuracy.
+Features come from extract_features; FewShotEvaluator caches images for periodic use
+in training.
 
 ImageNet ReaL (Beyer et al. 2020; the paper's "ReaL" column, Tables 2, 5, 6): TFDS
 imagenet2012_real gives each validation image a set of plausible labels ('real_label');
@@ -27,6 +33,7 @@ CLI (vit-evaluate = python -m vit_jax.evaluate):
   vit-evaluate --workdir workdirs/quickstart      # a finished run: top-1 and few-shot
   vit-evaluate --checkpoint ViT-B_16.npz --model ViT-B_16 --dataset cifar10 --mode fewshot
   vit-evaluate --workdir workdirs/imagenet --dataset imagenet2012_real   # ReaL top-1
+  vit-evaluate --workdir workdirs/jft --mode fewshot --fewshot_datasets cifar100,oxford_iiit_pet
 """
 import functools
 import math
@@ -44,25 +51,14 @@ import numpy as np
 from vit_jax import input_pipeline
 from vit_jax import model_flags
 from vit_jax import sharding
+from vit_jax.configs import common
 
-DEFAULT_L2_REG = 2.0**10
+# The defaults are those of every config (configs/common.py).
+_DEFAULTS = common.get_config()
+DEFAULT_L2_REG = _DEFAULTS.fewshot_l2_reg
+DEFAULT_SHOTS = tuple(_DEFAULTS.fewshot_shots)
+DEFAULT_SEEDS = tuple(_DEFAULTS.fewshot_seeds)
 REAL_DATASET, REAL_SPLIT, REAL_LABEL_KEY = 'imagenet2012_real', 'validation', 'real_label'
-DEFAULT_SHOTS = (1, 5, 10, 25)
-DEFAULT_SEEDS = (0, 1, 2)
-
-# Few-shot config fields, with the defaults used while a config does not have them.
-FEWSHOT_DEFAULTS = dict(
-    fewshot_every_steps=0,  # 0: off.
-    fewshot_dataset='',  # '' means config.dataset.
-    fewshot_data_dir='',  # '' means config.data_dir.
-    fewshot_train_split='train',  # The pool the k-shot examples are drawn from.
-    fewshot_eval_split='test',  # The held-out split accuracy is measured on.
-    fewshot_shots=DEFAULT_SHOTS,
-    fewshot_seeds=DEFAULT_SEEDS,
-    fewshot_l2_reg=DEFAULT_L2_REG,
-    fewshot_batch_size=0,  # 0 means config.eval_batch_size.
-    fewshot_cache_mb=2048,  # Held-out images larger than this are re-read each call.
-)
 
 
 # ------------------------------------------------------------ pure functions
@@ -102,6 +98,15 @@ def predict(w, b, features):
   return np.asarray(features, np.float64) @ w + b
 
 
+def standardised(train_x, test_x):
+  """(train_x, test_x) mapped by train_x's per-feature mean and standard deviation (a
+  feature constant over train_x is only centred), in float64."""
+  train_x, test_x = np.asarray(train_x, np.float64), np.asarray(test_x, np.float64)
+  mean, std = train_x.mean(0), train_x.std(0)
+  std = np.where(std > 0, std, 1.0)
+  return (train_x - mean) / std, (test_x - mean) / std
+
+
 def sample_k_shot(labels, k, seed):
   """Indices of k examples of each class present in `labels`, sorted.
 
@@ -120,12 +125,13 @@ def sample_k_shot(labels, k, seed):
 
 
 def fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes, shots=DEFAULT_SHOTS,
-                     seeds=DEFAULT_SEEDS, l2_reg=DEFAULT_L2_REG, draw=None):
+                     seeds=DEFAULT_SEEDS, l2_reg=DEFAULT_L2_REG, draw=None, standardise=False):
   """Few-shot linear accuracy for each k in `shots`.
 
   The k-shot training set is drawn from (train_x, train_y) for each seed, by
   `draw(k, seed) -> indices` (default: sample_k_shot(train_y, k, seed)); the
-  regression is scored on all of (test_x, test_y).
+  regression is scored on all of (test_x, test_y). `standardise`: features mapped by
+  standardised() from each k-shot set before the fit.
 
   Returns:
     {k: {'mean': float, 'std': float, 'per_seed': [float, ...]}}.
@@ -138,8 +144,10 @@ def fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes, shots=DEFAUL
     accs = []
     for seed in seeds:
       idx = draw(k, seed)
-      w, b = fit_linear(train_x[idx], train_y[idx], num_classes, l2_reg)
-      accs.append(float(np.mean(np.argmax(predict(w, b, test_x), -1) == test_y)))
+      fit_x, eval_x = (standardised(train_x[idx], test_x) if standardise
+                       else (train_x[idx], test_x))
+      w, b = fit_linear(fit_x, train_y[idx], num_classes, l2_reg)
+      accs.append(float(np.mean(np.argmax(predict(w, b, eval_x), -1) == test_y)))
     out[k] = {'mean': float(np.mean(accs)), 'std': float(np.std(accs)), 'per_seed': accs}
   return out
 
@@ -161,6 +169,12 @@ def top1_hits(logits, labels, mask):
   return correct.astype(jnp.float32) * mask, mask
 
 
+def mean_over_datasets(results):
+  """{name: {k: {'mean': ...}}} -> {k: mean over the datasets of their mean accuracy}."""
+  shots = next(iter(results.values())).keys()
+  return {k: float(np.mean([r[k]['mean'] for r in results.values()])) for k in shots}
+
+
 # ------------------------------------------------------------- data & models
 def real_config(config):
   """A copy of `config` whose evaluation split is ImageNet ReaL (imagenet2012_real
@@ -170,37 +184,27 @@ def real_config(config):
   return c
 
 
-def _get(config, name, default=None):
-  """config.name, or `default` if the config (ConfigDict or dict) lacks it."""
-  try:
-    return config[name]
-  except (KeyError, AttributeError):
-    return default
-
-
 def data_config(config, *, dataset=None, data_dir=None, split):
-  """An unlocked copy of `config` that makes eval_batches read `split`."""
-  c = ml_collections.ConfigDict(config.to_dict() if hasattr(config, 'to_dict') else config)
-  defaults = {'data_dir': '', 'shuffle_buffer': 1, 'num_train_examples': -1,
-              'train_split': split}
-  for name, value in defaults.items():
-    if name not in c:
-      c[name] = value
-  if 'pp' not in c:
-    c.pp = ml_collections.ConfigDict()
-  c.pp.eval_crop = _get(c.pp, 'eval_crop', 'resize')
-  c.pp.central_crop_fraction = _get(c.pp, 'central_crop_fraction', 0.875)
+  """A copy of `config` (a full config, configs/common.py) whose evaluation split is
+  `split` of `dataset` in `data_dir` (None: the config's)."""
+  c = ml_collections.ConfigDict(config.to_dict())
   if dataset:
     c.dataset = dataset
   if data_dir:
     c.data_dir = data_dir
-  c.eval_split = split
+  c.eval_split = c.train_split = split
   return c
 
 
-def _mesh(config):
-  return sharding.make_mesh(ml_collections.ConfigDict(
-      {'mesh_data': _get(config, 'mesh_data', -1)}))
+def cli_config(**fields):
+  """A full config (configs/common.py) with `fields` set: the CLI's, and tests'."""
+  c = common.get_config()
+  for name, value in fields.items():
+    if name == 'pp':
+      c.pp.update(value)
+    else:
+      c[name] = value
+  return c
 
 
 @functools.partial(jax.jit, static_argnums=0)  # modules hash by their fields
@@ -249,7 +253,7 @@ def extract_features(model, params, config, split, batch_size):
   padding and undecodable images (mask False) are dropped. On several hosts every
   host returns the whole split.
   """
-  mesh = _mesh(config)
+  mesh = sharding.make_mesh(config)
   _check_batch(batch_size, mesh)
   cfg = data_config(config, split=split)
   feats, _, labels = _run_batches(
@@ -261,7 +265,7 @@ def top1_accuracy(model, params, config, split, batch_size):
   """(accuracy, examples counted) of the model's head on `split` (top1_hits)."""
   if not model.num_classes:
     raise ValueError('The model has no head: use few-shot evaluation (--mode fewshot)')
-  mesh = _mesh(config)
+  mesh = sharding.make_mesh(config)
   _check_batch(batch_size, mesh)
   cfg = data_config(config, split=split)
   _, logits, labels = _run_batches(
@@ -272,46 +276,107 @@ def top1_accuracy(model, params, config, split, batch_size):
 
 
 # --------------------------------------------------------------- evaluator
+def dataset_label(dataset):
+  """The short name of a dataset in metrics and tables ('folder:<dir>': the folder's name)."""
+  if dataset.startswith('folder:'):
+    return dataset[len('folder:'):].rstrip('/').rsplit('/', 1)[-1]
+  return dataset
+
+
+def fewshot_tasks(config):
+  """[(label, dataset, train_split, eval_split)] of config.fewshot_datasets (empty: the
+  run's dataset and splits); the label names the dataset in metrics and tables."""
+  entries = tuple(config.fewshot_datasets) or (
+      (config.dataset, config.train_split, config.eval_split),)
+  tasks = []
+  for entry in entries:
+    if isinstance(entry, str) or len(entry) != 3:
+      raise ValueError(f'fewshot_datasets entry {entry!r} is not (dataset, k-shot pool split, '
+                       'held-out split): set e.g. --config.fewshot_datasets="(('
+                       "'cifar100', 'train', 'test'),)\"")
+    label = dataset_label(entry[0])
+    if label in [t[0] for t in tasks]:
+      raise ValueError(f'fewshot_datasets names {label!r} twice: list each dataset once')
+    tasks.append((label, *entry))
+  return tasks
+
+
+def validate_fewshot(config):
+  """Start-up check of the few-shot fields (one line naming the fix)."""
+  old = [k for k in ('fewshot_dataset', 'fewshot_train_split', 'fewshot_eval_split')
+         if k in config]
+  if old:
+    raise ValueError(f'{", ".join(old)}: replaced by fewshot_datasets, a tuple of (dataset, '
+                     'k-shot pool split, held-out split): set e.g. --config.fewshot_datasets='
+                     '"((\'imagenet2012\', \'train[:5%]\', \'validation\'),)"')
+  if config.fewshot_every_steps:
+    fewshot_tasks(config)
+
+
 class FewShotEvaluator:
   """Few-shot linear accuracy of a model's current parameters, for the train loop.
 
     fewshot = FewShotEvaluator(config, model)   # reads the data once
-    metrics = fewshot(params)   # {'fewshot/1shot': acc, 'fewshot/5shot': acc, ...}
+    metrics = fewshot(params)
+    # {'fewshot/<dataset>/<k>shot': mean over seeds, 'fewshot/mean/<k>shot': over datasets}
 
-  At construction it reads `fewshot_train_split` twice (labels, then the images of
-  the drawn k-shot examples only: classes x max(shots) x seeds at most) and keeps
-  the held-out images in memory if they fit in `fewshot_cache_mb`. Each call then
-  only runs the model on cached images (the held-out split is re-read when too
-  big). Config fields (FEWSHOT_DEFAULTS while a config lacks them): see
-  FEWSHOT_DEFAULTS, plus dataset, data_dir, image_size, pp, eval_batch_size, mesh_data.
+  One _FewShotTask per entry of config.fewshot_datasets (fewshot_tasks); the fields
+  read are the fewshot_* ones of configs/common.py, plus image_size, pp,
+  eval_batch_size, mesh_data.
   """
 
   def __init__(self, config, model):
-    get = lambda name: _get(config, name, FEWSHOT_DEFAULTS.get(name))
-    self.model = model
-    self._fn = apply_fn(model)
-    self.shots = tuple(int(k) for k in get('fewshot_shots'))
-    self.seeds = tuple(int(s) for s in get('fewshot_seeds'))
-    self.l2_reg = float(get('fewshot_l2_reg'))
-    self.batch_size = int(get('fewshot_batch_size') or _get(config, 'eval_batch_size', 64))
-    self.mesh = _mesh(config)
+    fn = apply_fn(model)
+    self.tasks = {label: _FewShotTask(config, fn, dataset, train_split, eval_split)
+                  for label, dataset, train_split, eval_split in fewshot_tasks(config)}
+
+  def results(self, params):
+    """{label: fewshot_accuracy(...) of that dataset}."""
+    return {label: task(params) for label, task in self.tasks.items()}
+
+  def __call__(self, params):
+    results = self.results(params)
+    metrics = {f'fewshot/{label}/{k}shot': r['mean'] for label, per_k in results.items()
+               for k, r in per_k.items()}
+    metrics.update({f'fewshot/mean/{k}shot': acc
+                    for k, acc in mean_over_datasets(results).items()})
+    return metrics
+
+
+class _FewShotTask:
+  """The few-shot evaluation of one dataset.
+
+  At construction it reads the k-shot pool split twice (labels, then the images of
+  the drawn k-shot examples only: classes x max(shots) x seeds at most) and keeps
+  the held-out images in memory if they fit in `fewshot_cache_mb`. Each call then
+  only runs the model on cached images (the held-out split is re-read when too big).
+  """
+
+  def __init__(self, config, fn, dataset, train_split, eval_split):
+    self._fn = fn
+    self.shots = tuple(int(k) for k in config.fewshot_shots)
+    self.seeds = tuple(int(s) for s in config.fewshot_seeds)
+    self.l2_reg = float(config.fewshot_l2_reg)
+    self.standardise = bool(config.fewshot_standardise)
+    self.batch_size = int(config.fewshot_batch_size or config.eval_batch_size)
+    self.mesh = sharding.make_mesh(config)
     _check_batch(self.batch_size, self.mesh)
-    dataset = get('fewshot_dataset') or config.dataset
-    data_dir = get('fewshot_data_dir') or _get(config, 'data_dir', '')
-    self._train_cfg = data_config(config, dataset=dataset, data_dir=data_dir,
-                                  split=get('fewshot_train_split'))
-    self._eval_cfg = data_config(config, dataset=dataset, data_dir=data_dir,
-                                 split=get('fewshot_eval_split'))
-    self.num_classes = input_pipeline.get_info(self._eval_cfg).num_classes
+    data_dir = config.fewshot_data_dir or config.data_dir
+    self._train_cfg = data_config(config, dataset=dataset, data_dir=data_dir, split=train_split)
+    self._eval_cfg = data_config(config, dataset=dataset, data_dir=data_dir, split=eval_split)
+    info = input_pipeline.get_info(self._eval_cfg)
+    if info.multi_label:
+      raise ValueError(f'few-shot dataset {dataset} has label sets: use a single-label dataset '
+                       '(or its label_key) in --config.fewshot_datasets')
+    self.num_classes = info.num_classes
     self._train_batches = self._kshot_batches()
-    nbytes = (input_pipeline.get_info(self._eval_cfg).num_eval_examples
-              * 3 * 4 * self._eval_cfg.image_size**2)
+    nbytes = info.num_eval_examples * 3 * 4 * self._eval_cfg.image_size**2
     self._eval_batches = None
-    if nbytes <= float(get('fewshot_cache_mb')) * 2**20:
+    if nbytes <= float(config.fewshot_cache_mb) * 2**20:
       self._eval_batches = list(self._read(self._eval_cfg))
-    logging.info('FewShotEvaluator: %s %s -> %s, %d-way, shots %s, seeds %s, l2_reg %g',
-                 dataset, self._train_cfg.eval_split, self._eval_cfg.eval_split,
-                 self.num_classes, self.shots, self.seeds, self.l2_reg)
+    logging.info('FewShotEvaluator: %s %s -> %s, %d-way, shots %s, seeds %s, l2_reg %g%s',
+                 dataset, train_split, eval_split, self.num_classes, self.shots, self.seeds,
+                 self.l2_reg, ', standardised' if self.standardise else '')
 
   def _read(self, cfg):
     return input_pipeline.eval_batches(cfg, global_batch=self.batch_size)
@@ -360,16 +425,16 @@ class FewShotEvaluator:
     return out
 
   def __call__(self, params):
-    """{'fewshot/<k>shot': mean accuracy over seeds} for `params`."""
+    """fewshot_accuracy(...) of `params` on this dataset: {k: {'mean', 'std', 'per_seed'}}."""
     train_x, _, train_y, rows = _run_batches(self._fn, params, self._train_batches, self.mesh)
     position = np.full(len(self._pool_labels), -1)
     position[rows] = np.arange(len(rows))
     eval_batches = self._eval_batches or self._read(self._eval_cfg)
     test_x, _, test_y = _run_batches(self._fn, params, eval_batches, self.mesh)
-    results = fewshot_accuracy(train_x, train_y, test_x, test_y, self.num_classes,
-                               self.shots, self.seeds, self.l2_reg,
-                               draw=lambda k, seed: position[self._draws[(k, seed)]])
-    return {f'fewshot/{k}shot': r['mean'] for k, r in results.items()}
+    return fewshot_accuracy(train_x, train_y, test_x, test_y, self.num_classes, self.shots,
+                            self.seeds, self.l2_reg,
+                            draw=lambda k, seed: position[self._draws[(k, seed)]],
+                            standardise=self.standardise)
 
 
 # ----------------------------------------------------------------------- CLI
@@ -388,7 +453,13 @@ def _define_flags():
                       'run\'s, else train).')
   flags.DEFINE_string('eval_split', None, 'Held-out split, top-1 and few-shot (default: the '
                       'run\'s, else test).')
+  flags.DEFINE_list('fewshot_datasets', None, 'Datasets of the few-shot evaluation, each read '
+                    'with --train_split and --eval_split; several give per-dataset rows and '
+                    'their mean (default: --dataset).')
   flags.DEFINE_list('shots', [str(k) for k in DEFAULT_SHOTS], 'Shots per class.')
+  flags.DEFINE_bool('standardise', _DEFAULTS.fewshot_standardise, 'Standardise the features '
+                    'by the k-shot set\'s mean and deviation before the fit (see fewshot_standardise '
+                    'in configs/common.py).')
   flags.DEFINE_list('seeds', [str(s) for s in DEFAULT_SEEDS], 'Seeds of the k-shot draws.')
   flags.DEFINE_float('l2_reg', DEFAULT_L2_REG, 'Ridge regulariser of the few-shot regression.')
   flags.DEFINE_integer('batch_size', 64, 'Global evaluation batch size.')
@@ -420,14 +491,16 @@ def run(flags_):
   real = dataset == REAL_DATASET
   label_key = (REAL_LABEL_KEY if real else
                rc.get('label_key', 'label') if dataset == rc.get('dataset') else 'label')
-  config = ml_collections.ConfigDict(dict(
-      dataset=dataset, data_dir=get('data_dir', ''), label_key=label_key,
+  config = cli_config(
+      dataset=dataset, data_dir=get('data_dir', _DEFAULTS.data_dir), label_key=label_key,
       image_size=image_size,
-      pp=dict(eval_crop=_setting(flags_, 'eval_crop', run_config, pp.get('eval_crop'), 'resize'),
-              central_crop_fraction=pp.get('central_crop_fraction', 0.875))))
+      pp=dict(eval_crop=_setting(flags_, 'eval_crop', run_config, pp.get('eval_crop'),
+                                 _DEFAULTS.pp.eval_crop),
+              central_crop_fraction=pp.get('central_crop_fraction',
+                                           _DEFAULTS.pp.central_crop_fraction)))
   eval_split = (getattr(flags_, 'eval_split', None) or REAL_SPLIT) if real else get(
-      'eval_split', 'test')
-  train_split = get('train_split', 'train')
+      'eval_split', _DEFAULTS.eval_split)
+  train_split = get('train_split', _DEFAULTS.train_split)
   mode = getattr(flags_, 'mode', None) or (
       'top1' if real else 'all' if run_config is not None else 'fewshot')
   if real and mode != 'top1':
@@ -443,17 +516,32 @@ def run(flags_):
     rows.append(('top1', f'{eval_split} ReaL' if real else eval_split,
                  f'{acc:.4f}  ({n} images{" with a ReaL label" if real else ""})'))
   if mode in ('fewshot', 'all'):
-    shots = [int(k) for k in flags_.shots]
-    seeds = [int(s) for s in flags_.seeds]
-    train_x, train_y = extract_features(model, params, config, train_split, flags_.batch_size)
-    test_x, test_y = extract_features(model, params, config, eval_split, flags_.batch_size)
-    results = fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes, shots, seeds,
-                               flags_.l2_reg)
-    for k, r in results.items():
-      per_seed = ' '.join(f'{a:.4f}' for a in r['per_seed'])
-      rows.append(('fewshot', f'{k}-shot', f'{r["mean"]:.4f} ± {r["std"]:.4f}  '
-                   f'(seeds {",".join(map(str, seeds))}: {per_seed})'))
+    rows += _fewshot_rows(flags_, model, params, config, train_split, eval_split)
   return format_table(rows)
+
+
+def _fewshot_rows(flags_, model, params, config, train_split, eval_split):
+  """Table rows: each dataset's k-shot accuracy, then the mean over datasets if several."""
+  shots = [int(k) for k in flags_.shots]
+  seeds = [int(s) for s in flags_.seeds]
+  standardise = getattr(flags_, 'standardise', _DEFAULTS.fewshot_standardise)
+  results, rows = {}, []
+  for dataset in getattr(flags_, 'fewshot_datasets', None) or [config.dataset]:
+    cfg = data_config(config, dataset=dataset, split=eval_split)
+    num_classes = input_pipeline.get_info(cfg).num_classes
+    train_x, train_y = extract_features(model, params, cfg, train_split, flags_.batch_size)
+    test_x, test_y = extract_features(model, params, cfg, eval_split, flags_.batch_size)
+    label = dataset_label(dataset)
+    results[label] = fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes, shots,
+                                      seeds, flags_.l2_reg, standardise=standardise)
+    for k, r in results[label].items():
+      per_seed = ' '.join(f'{a:.4f}' for a in r['per_seed'])
+      rows.append(('fewshot', f'{label} {k}-shot', f'{r["mean"]:.4f} ± {r["std"]:.4f}  '
+                   f'(seeds {",".join(map(str, seeds))}: {per_seed})'))
+  if len(results) > 1:
+    rows += [('fewshot', f'mean {k}-shot', f'{acc:.4f}  (over {len(results)} datasets)')
+             for k, acc in mean_over_datasets(results).items()]
+  return rows
 
 
 def main(argv):

@@ -93,6 +93,7 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
     raise ValueError('pretrained_keep_prelogits needs the pre-logits layer in the model: set '
                      '--config.model.representation_size to the checkpoint\'s size')
   masked_patches.validate(config)
+  evaluate_lib.validate_fewshot(config)
   optim.validate(config, num_train_examples)
 
 
@@ -524,7 +525,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       if fewshot and (_due(step, config.fewshot_every_steps) or step == total_steps):
         scores = fewshot(state['params'])
         logging.info('step %d  few-shot linear: %s', step,
-                     '  '.join(f'{k.split("/")[1]} {v:.4f}' for k, v in scores.items()))
+                     '  '.join(f'{k[len("fewshot/"):]} {v:.4f}' for k, v in scores.items()))
         writer.write_scalars(step, scores)
         result.update(scores)
       result['step'] = step

@@ -1,0 +1,198 @@
+r"""VTAB-1k: fine-tune one model on the 19 tasks, then the per-task table and the group means.
+
+  vit-vtab --model=ViT-B_16 --workdir=DIR [--tasks=dtd,clevr_count,...] [--dev]
+      [--config.FIELD=VALUE ...] [--dry-run] [--summarize-only]
+
+Task t runs as vit-train runs it, `python -m vit_jax.main --config=finetune:<model>,vtab/<t>
+--workdir=DIR/<t>` with the --config.* overrides, one task after another (its output also
+in DIR/<t>/vtab.log). A task whose DIR/<t>/final.npz exists is finished and skipped; any
+other starts, or resumes from its checkpoints. A failed task is recorded and the others go
+on. Then DIR/vtab_results.md and DIR/vtab_results.json: each finished task's final top-1
+accuracy on its test split (with --dev: on val200, the configs' development protocol), the
+mean of the natural, specialized and structured tasks and the overall mean over all tasks:
+the layout of the paper's Table 9 (per task) and Figure 2 (groups). The overall VTAB score
+is the mean over the tasks, not the mean of the three group means; a mean over fewer tasks
+than its group has says how many it has.
+"""
+import argparse
+import json
+import shlex
+import sys
+
+from vit_jax import configs
+from vit_jax import paths
+from vit_jax import vtab
+from vit_jax.launch import sweep
+
+RESULTS = 'vtab_results'  # DIR/vtab_results.md and .json
+
+
+class VtabError(Exception):
+  """A bad argument; main prints it as one line."""
+
+
+def parse_tasks(spec):
+  """'dtd,clevr_count' -> ['dtd', 'clevr_count'] (table order); '' -> all 19."""
+  if not spec:
+    return vtab.task_names()
+  asked = [t.strip() for t in spec.split(',') if t.strip()]
+  unknown = [t for t in asked if t not in vtab.VTAB]
+  if unknown or not asked:
+    raise VtabError(f'--tasks {spec!r}: {", ".join(unknown) or "no task"} is not a VTAB-1k '
+                    f'task; choose among {",".join(vtab.VTAB)}')
+  return [t for t in vtab.task_names() if t in asked]
+
+
+def task_config(model, task, dev):
+  return f'finetune:{model},vtab/{task}' + (',dev' if dev else '')
+
+
+def task_argv(model, task, dev, workdir, overrides, python=sys.executable):
+  """The vit-train command line of one task."""
+  return [python, '-m', 'vit_jax.main', f'--config={task_config(model, task, dev)}',
+          f'--workdir={sweep.join(workdir, task)}', *overrides]
+
+
+def is_finished(task_dir):
+  return paths.exists(sweep.join(task_dir, 'final.npz'))
+
+
+def run_tasks(args, tasks, overrides, runner=sweep.run_local, out=None):
+  """Runs each unfinished task in turn; returns {task: status}."""
+  out = out or sys.stdout
+  statuses = {}
+  for i, task in enumerate(tasks):
+    task_dir = sweep.join(args.workdir, task)
+    if is_finished(task_dir):
+      statuses[task] = 'done'
+      print(f'== vtab task {i + 1}/{len(tasks)}: {task}: final.npz present, skipped', file=out,
+            flush=True)
+      continue
+    argv = task_argv(args.model, task, args.dev, args.workdir, overrides)
+    print(f'== vtab task {i + 1}/{len(tasks)}: {task}\n{shlex.join(argv)}', file=out, flush=True)
+    paths.makedirs(task_dir)
+    try:
+      rc = runner(argv, sweep.join(task_dir, 'vtab.log'))
+    except OSError as e:
+      rc = f'{type(e).__name__}: {e}'
+    statuses[task] = 'ok' if rc == 0 else f'failed (exit {rc})'
+    print(f'== {task}: {statuses[task]}', file=out, flush=True)
+  return statuses
+
+
+def collect(workdir, tasks, statuses=None):
+  """Rows {task, group, status, accuracy, steps}: the accuracy of finished tasks only (an
+  unfinished run's last evaluation is not its result)."""
+  statuses = statuses or {}
+  rows = []
+  for task in tasks:
+    task_dir = sweep.join(workdir, task)
+    finished = is_finished(task_dir)
+    accuracy = sweep.read_accuracy(task_dir) if finished else []
+    status = statuses.get(task) or ('done' if finished else 'not finished')
+    rows.append({'task': task, 'group': vtab.VTAB[task].group, 'status': status,
+                 'accuracy': accuracy[-1][1] if accuracy else None,
+                 'steps': accuracy[-1][0] if accuracy else None})
+  return rows
+
+
+def means(rows):
+  """{group or 'overall': {'mean', 'tasks' (with an accuracy), 'of' (asked)}}."""
+  out = {}
+  for name in (*vtab.GROUPS, 'overall'):
+    asked = [r for r in rows if name in ('overall', r['group'])]
+    values = [r['accuracy'] for r in asked if r['accuracy'] is not None]
+    out[name] = {'mean': sum(values) / len(values) if values else None,
+                 'tasks': len(values), 'of': len(asked)}
+  return out
+
+
+def _percent(value):
+  return '-' if value is None else f'{100 * value:.2f}'
+
+
+def markdown(model, dev, rows, group_means):
+  split = 'val200 (dev)' if dev else 'test'
+  lines = [f'# VTAB-1k: {model}, top-1 accuracy (%) on each task\'s {split} split', '',
+           '| group | task | accuracy | steps | status |', '|---|---|---|---|---|']
+  lines += [f'| {r["group"]} | {r["task"]} | {_percent(r["accuracy"])} | '
+            f'{"-" if r["steps"] is None else r["steps"]} | {r["status"]} |' for r in rows]
+  names = (*vtab.GROUPS, 'overall')
+  lines += ['', '| ' + ' | '.join(names) + ' |', '|' + '---|' * len(names)]
+  cells = []
+  for name in names:
+    m = group_means[name]
+    size = len(vtab.task_names(None if name == 'overall' else name))
+    cells.append(_percent(m['mean']) + ('' if m['tasks'] == size else f' ({m["tasks"]} of {size})'))
+  lines.append('| ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines) + '\n'
+
+
+def write_results(args, rows):
+  """DIR/vtab_results.md and .json; returns the markdown."""
+  group_means = means(rows)
+  text = markdown(args.model, args.dev, rows, group_means)
+  with paths.open_file(sweep.join(args.workdir, f'{RESULTS}.md'), 'w') as f:
+    f.write(text)
+  record = {'model': args.model, 'split': 'val200' if args.dev else 'test',
+            'tasks': rows, 'means': group_means}
+  with paths.open_file(sweep.join(args.workdir, f'{RESULTS}.json'), 'w') as f:
+    json.dump(record, f, indent=1)
+    f.write('\n')
+  return text
+
+
+class _Parser(argparse.ArgumentParser):
+
+  def error(self, message):
+    raise VtabError(message)
+
+
+def parser():
+  p = _Parser(prog='vit-vtab', description=__doc__.split('\n')[0])
+  p.add_argument('--model', required=True, help='a finetune.py model, e.g. ViT-B_16')
+  p.add_argument('--workdir', required=True, help='one sub-directory per task (may be gs://)')
+  p.add_argument('--tasks', default='', help='comma-separated VTAB-1k tasks (default: all 19)')
+  p.add_argument('--dev', action='store_true',
+                 help='train on train800, evaluate on val200 (the development protocol)')
+  p.add_argument('--dry-run', '--dry_run', dest='dry_run', action='store_true',
+                 help='print the commands, run nothing')
+  p.add_argument('--summarize-only', '--summarize_only', dest='summarize_only',
+                 action='store_true', help='only read the results and write the tables')
+  return p
+
+
+def main(argv=None, runner=sweep.run_local, out=None):
+  """The CLI; `runner(argv, log_path) -> exit code` runs one task (tests may inject one)."""
+  out = out or sys.stdout
+  try:
+    args, overrides = parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    bad = [a for a in overrides if not a.startswith('--config.')]
+    if bad:
+      raise VtabError(f'unknown argument {bad[0]!r}: pass config fields as --config.FIELD=VALUE')
+    tasks = parse_tasks(args.tasks)
+    try:  # The first task's config with the overrides, as vit-train will build it.
+      configs.load(task_config(args.model, tasks[0], args.dev), overrides)
+    except ValueError as e:
+      raise VtabError(str(e).splitlines()[0]) from None
+    statuses = None
+    if args.dry_run:
+      for task in tasks:
+        skip = '# final.npz present, skipped: ' if is_finished(
+            sweep.join(args.workdir, task)) else ''
+        print(skip + shlex.join(task_argv(args.model, task, args.dev, args.workdir, overrides)),
+              file=out)
+      return
+    if not args.summarize_only:
+      statuses = run_tasks(args, tasks, overrides, runner, out)
+    print(write_results(args, collect(args.workdir, tasks, statuses)), file=out)
+    failed = [t for t, s in (statuses or {}).items() if s.startswith('failed')]
+    if failed:
+      sys.exit(f'vtab: {len(failed)} of {len(tasks)} tasks failed (the table lists them): see '
+               f'{sweep.join(sweep.join(args.workdir, failed[0]), "vtab.log")}')
+  except VtabError as e:
+    sys.exit(f'vtab: error: {e}')
+
+
+if __name__ == '__main__':
+  main()
