@@ -236,7 +236,7 @@ def test_fewshot_evaluation_runs_inside_training(idx_dir, tmp_path, caplog):
     (dict(batch_size=12), 'must be a multiple of the 8 devices'),
     (dict(dtype='float16'), "dtype 'float16' is unknown"),
     (dict(warmup_steps=5), 'warmup_steps 5 >= total_steps 3'),
-    (dict(vtab_task='clevr_count'), "vtab_task 'clevr_count' needs labels derived"),
+    (dict(vtab_task='clevr_cnt'), "vtab_task 'clevr_cnt' is not a VTAB-1k task"),
 ])
 def test_bad_config_fails_at_start_up(idx_dir, tmp_path, overrides, message):
   with pytest.raises(ValueError, match=message):
