@@ -254,9 +254,12 @@ def test_vtab_runner_on_mock_tasks(tmp_path):
   assert f'| natural | dtd | {100 * rows["dtd"]["accuracy"]:.2f} | 2 | ok |' in md
   assert f'{100 * m["overall"]["mean"]:.2f} (3 of 19)' in md
 
-  again = _vtab_shell(command, tmp_path, shim)  # Finished tasks are skipped, not rerun.
+  # Again: finished tasks are skipped, an unfinished one (no final.npz) resumes.
+  (workdir / 'dtd' / 'final.npz').unlink()
+  again = _vtab_shell(command, tmp_path, shim)
   assert again.returncode == 0, again.stderr[-3000:]
-  assert again.stdout.count('final.npz present, skipped') == 3
+  assert again.stdout.count('final.npz present, skipped') == 2
+  assert 'Resuming from the checkpoint of step 2' in (workdir / 'dtd' / 'vtab.log').read_text()
   with open(workdir / 'vtab_results.json') as f:
     assert json.load(f)['means'] == results['means']
 
