@@ -195,6 +195,23 @@ def test_derived_label_through_the_input_pipeline(task):
     assert {-1.0, 1.0} <= set(np.unique(images))
 
 
+def test_other_dataset_of_a_derived_task_config_keeps_its_labels():
+  """A few-shot evaluator reads another dataset with the run's config: its own labels."""
+  assert vtab.derives_label('clevr_count', 'clevr') and vtab.derives_label('kitti_distance',
+                                                                          'kitti:3.1.0')
+  assert not vtab.derives_label('clevr_count', 'dmlab') and not vtab.derives_label('dmlab',
+                                                                                   'dmlab')
+  c = finetune.get_config('ViT-B_16,vtab/clevr_count')
+  c.dataset, c.train_split, c.eval_split, c.image_size = 'dmlab', 'train', 'train', 16
+  with tfds.testing.mock_data(num_examples=8):
+    input_pipeline._source.cache_clear()  # pylint: disable=protected-access
+    info = input_pipeline.get_info(c)
+    labels = np.concatenate([b['label'] for b in input_pipeline.eval_batches(c, global_batch=8)])
+    raw = [ex['label'] for ex in tfds.as_numpy(tfds.builder('dmlab').as_dataset(split='train'))]
+  input_pipeline._source.cache_clear()  # pylint: disable=protected-access
+  assert info.num_classes == 6 and list(labels) == raw
+
+
 # ------------------------------------------------------------------- launch/vtab.py
 # The processes of a runner test see TFDS mock data: Python imports sitecustomize from
 # PYTHONPATH at start-up, and this one enters tfds.testing.mock_data for the whole process.

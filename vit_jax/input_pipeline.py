@@ -13,6 +13,9 @@ Sources (`config.dataset`):
                          labels; a Sequence(ClassLabel) feature (a set of labels,
                          e.g. imagenet2012_real's 'real_label') gives multi-hot
                          float32 [num_classes] labels, all zero for an empty set.
+                         With config.vtab_task one of the 7 VTAB-1k tasks that
+                         compute their label from other features of this
+                         dataset, that label (vit_jax/vtab.py).
 Split names accept TFDS slicing for every source ('train[:90%]', 'test[:500]',
 'train+test').
 
@@ -397,8 +400,9 @@ class _TfdsSource:
     # The data_dir root, as a user would pass it to `tfds build --data_dir`.
     self.data_dir = data_dir or os.path.dirname(os.path.dirname(
         self.builder.data_dir))
-    # A VTAB-1k task whose label is computed from other features (vit_jax/vtab.py).
-    self.vtab_task = vtab_task if vtab_task in vtab.DERIVED_LABEL_TASKS else ''
+    # A VTAB-1k task whose label is computed from other features (vit_jax/vtab.py); not
+    # for another dataset read with the same config (a few-shot evaluator's).
+    self.vtab_task = vtab_task if vtab.derives_label(vtab_task, name) else ''
     if self.vtab_task:
       self.label_key, self.multi_label = '', False
       self.num_classes = vtab.VTAB[vtab_task].num_classes

@@ -100,6 +100,11 @@ DERIVED_LABEL_TASKS = ('clevr_count', 'clevr_distance', *DSPRITES_BINNED,
                        'kitti_distance', *SMALLNORB_FEATURE)
 
 
+def derives_label(task, tfds_name):
+  """Whether reading TFDS dataset `tfds_name` for VTAB task `task` computes the label."""
+  return task in DERIVED_LABEL_TASKS and tfds_name.split(':')[0] == VTAB[task].tfds_name
+
+
 def task_names(group=None):
   """The tasks of a group (all 19 for None), in the order of the table."""
   return [t for t, row in VTAB.items() if group in (None, row.group)]
