@@ -9,12 +9,13 @@ Seven structured tasks have no 'label' feature to predict: `example(task, featur
 computes their label from other TFDS features, as task_adaptation's preprocess functions
 do, and the input pipeline applies it when config.vtab_task names such a task.
 
-TFDS versions: task_adaptation asks for these major versions, and the builders of
-tensorflow-datasets 4.9.10 are at them, except two whose images and labels used here are
-unchanged: oxford_iiit_pet 4.0.0 (asked 3.*: 4.0.0 adds head boxes and re-encodes corrupt
-images) and kitti 3.3.0 (asked 3.1.0: 3.2.0 updated the devkit URL, 3.3.0 named the
-`occluded` classes; the builder code has no version switch, so a 3.1.0 build today holds
-the same examples).
+TFDS versions: the builders of tensorflow-datasets 4.9.10 are at the major versions that
+task_adaptation asks for, except two, which we leave unpinned: oxford_iiit_pet 4.0.0
+(asked 3.*; its release note: "Add head bounding boxes. Fix corrupt images. Update dataset
+URL.") and kitti 3.3.0 (asked 3.1.0; notes: 3.2.0 "Devkit updated.", 3.3.0 labels for
+`occluded`). The 4.9.10 kitti builder has no version switch, so building 3.1.0 with it
+gives the same examples as 3.3.0; whether the devkit update moved images between kitti's
+train/validation/test could not be checked here (no network).
 """
 import collections
 
