@@ -209,33 +209,29 @@ def cli_config(**fields):
 
 @functools.partial(jax.jit, static_argnums=0)  # modules hash by their fields
 def _apply(model, params, images):
-  out, state = model.apply({'params': params}, images, train=False, mutable=['intermediates'])
-  return state['intermediates']['pre_logits'][0], (out if model.num_classes else None)
+  _, state = model.apply({'params': params}, images, train=False, mutable=['intermediates'])
+  return state['intermediates']['pre_logits'][0]
 
 
 def apply_fn(model):
-  """jitted (params, images) -> (pre-logit features, logits or None)."""
+  """jitted (params, images) -> pre-logit features."""
   return functools.partial(_apply, model)
 
 
 def _run_batches(fn, params, batches, mesh):
-  """Features, logits, labels of the valid rows of host-local `batches`, all hosts."""
+  """Features, labels (and 'row's) of the valid rows of host-local `batches`, all hosts."""
   batch_sharding = sharding.data_sharding(mesh)
-  feats, logits, labels, rows = [], [], [], []
+  feats, labels, rows = [], [], []
   for batch in batches:
     images = input_pipeline.to_global({'image': batch['image']}, batch_sharding)['image']
-    f, z = fn(params, images)
     ok = multihost_utils.process_allgather(batch['mask'], tiled=True)
-    feats.append(multihost_utils.process_allgather(f, tiled=True)[ok])
+    feats.append(multihost_utils.process_allgather(fn(params, images), tiled=True)[ok])
     labels.append(multihost_utils.process_allgather(batch['label'], tiled=True)[ok])
-    if z is not None:
-      logits.append(multihost_utils.process_allgather(z, tiled=True)[ok])
     if 'row' in batch:
       rows.append(multihost_utils.process_allgather(batch['row'], tiled=True)[ok])
   if not feats:
     raise ValueError('No batches were read: the split is empty; choose another split')
-  out = (np.concatenate(feats).astype(np.float32),
-         np.concatenate(logits) if logits else None, np.concatenate(labels))
+  out = (np.concatenate(feats).astype(np.float32), np.concatenate(labels))
   return out + (np.concatenate(rows),) if rows else out
 
 
@@ -256,9 +252,35 @@ def extract_features(model, params, config, split, batch_size):
   mesh = sharding.make_mesh(config)
   _check_batch(batch_size, mesh)
   cfg = data_config(config, split=split)
-  feats, _, labels = _run_batches(
+  return _run_batches(
       apply_fn(model), params, input_pipeline.eval_batches(cfg, global_batch=batch_size), mesh)
-  return feats, labels
+
+
+def top1_step(model):
+  """(params, global batch) -> {'correct', 'count'} of the batch (top1_hits); to be jitted."""
+  def step(params, batch):
+    logits = model.apply({'params': params}, batch['image'], train=False)
+    correct, counted = top1_hits(logits, batch['label'], batch['mask'])
+    return {'correct': jnp.sum(correct), 'count': jnp.sum(counted)}
+  return step
+
+
+def accuracy_over_split(eval_step, params, config, batch_sharding, check_labels=None):
+  """(correct / count, count) summed over every batch of config.eval_split.
+
+  eval_step: jitted (params, global batch) -> replicated {'correct', 'count'} (top1_step,
+  or the masked-patch objective's). check_labels: called with each batch's valid host
+  labels before the step.
+  """
+  correct = count = 0.0
+  for batch in input_pipeline.eval_batches(config, global_batch=config.eval_batch_size):
+    if check_labels is not None:
+      check_labels(batch['label'][batch['mask']])
+    out = eval_step(params, input_pipeline.to_global(batch, batch_sharding))
+    # Replicated: every device holds the sums (several hosts: not all addressable).
+    correct += float(np.asarray(out['correct'].addressable_data(0)))
+    count += float(np.asarray(out['count'].addressable_data(0)))
+  return correct / max(count, 1.0), int(count)
 
 
 def top1_accuracy(model, params, config, split, batch_size):
@@ -268,11 +290,11 @@ def top1_accuracy(model, params, config, split, batch_size):
   mesh = sharding.make_mesh(config)
   _check_batch(batch_size, mesh)
   cfg = data_config(config, split=split)
-  _, logits, labels = _run_batches(
-      apply_fn(model), params, input_pipeline.eval_batches(cfg, global_batch=batch_size), mesh)
-  correct, counted = top1_hits(logits, labels, np.ones(len(labels), bool))
-  n = int(np.sum(counted))
-  return float(np.sum(correct)) / max(n, 1), n
+  cfg.eval_batch_size = batch_size
+  step = jax.jit(top1_step(model), in_shardings=(sharding.replicated(mesh),
+                                                 sharding.data_sharding(mesh)),
+                 out_shardings=sharding.replicated(mesh))
+  return accuracy_over_split(step, params, cfg, sharding.data_sharding(mesh))
 
 
 # --------------------------------------------------------------- evaluator
@@ -426,11 +448,11 @@ class _FewShotTask:
 
   def __call__(self, params):
     """fewshot_accuracy(...) of `params` on this dataset: {k: {'mean', 'std', 'per_seed'}}."""
-    train_x, _, train_y, rows = _run_batches(self._fn, params, self._train_batches, self.mesh)
+    train_x, train_y, rows = _run_batches(self._fn, params, self._train_batches, self.mesh)
     position = np.full(len(self._pool_labels), -1)
     position[rows] = np.arange(len(rows))
     eval_batches = self._eval_batches or self._read(self._eval_cfg)
-    test_x, _, test_y = _run_batches(self._fn, params, eval_batches, self.mesh)
+    test_x, test_y = _run_batches(self._fn, params, eval_batches, self.mesh)
     return fewshot_accuracy(train_x, train_y, test_x, test_y, self.num_classes, self.shots,
                             self.seeds, self.l2_reg,
                             draw=lambda k, seed: position[self._draws[(k, seed)]],
