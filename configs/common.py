@@ -11,7 +11,7 @@ def get_config():
   c.model_name = 'ViT-B_16'  # A name from vit_jax.models.VARIANTS.
   c.model = ml_collections.ConfigDict()  # Variant overrides, e.g. dropout_rate, representation_size.
   c.dtype = 'float32'  # Compute dtype ('float32' or 'bfloat16'); parameters stay float32.
-  c.remat = False  # Rematerialise encoder blocks / ResNet units to save memory.
+  c.remat = ml_collections.FieldReference('', field_type=object)  # Remat policy (models/remat.py).
   c.num_classes = -1  # Head size; -1 takes it from the dataset.
   c.head_bias_init = 0.0  # Head bias init (-10 for sigmoid pre-training on ImageNet-21k/JFT).
 

@@ -1,11 +1,14 @@
 """Tests for vit_jax.models: the variant table, parameter counts, forward passes, options."""
 import flax
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from vit_jax import models
+from vit_jax.models import precision
+from vit_jax.models import remat as remat_lib
 from vit_jax.models import resnet
 
 # Exact parameter counts at 224 px and 1000 classes, from jax.eval_shape. Independent
@@ -256,3 +259,97 @@ def test_1x1_std_conv_as_matmul_equals_the_convolution(strides, padding, size):
   g_ref = jax.grad(loss(reference), (0, 1))(params, x)
   for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_ref)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _bf16_exact(key, shape):
+  """Random values that bfloat16 holds exactly: a dot of them has no input rounding."""
+  return jax.random.normal(key, shape).astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def test_bf16_dot_accumulates_in_float32_forward_and_backward():
+  # K = 4096 products of bf16-exact operands: float32 accumulation matches the float64
+  # reference to ~1e-6 relative; a bf16 result (or bf16 gradients) would be off by ~1e-3.
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+  a = _bf16_exact(k1, (2, 16, 4096))
+  w = _bf16_exact(k2, (4096, 8))
+  ct = _bf16_exact(k3, (2, 16, 8))
+  dims = (((2,), (0,)), ((), ()))
+  out, vjp = jax.vjp(lambda a, w: precision.dot_general(a, w, dims), a, w)
+  da, dw = vjp(ct)
+  a64, w64, ct64 = (np.asarray(v, np.float64) for v in (a, w, ct))
+  refs = {'out': a64 @ w64, 'da': ct64 @ w64.T, 'dw': np.einsum('bnk,bnf->kf', a64, ct64)}
+  for name, got in {'out': out, 'da': da, 'dw': dw}.items():
+    assert got.dtype == jnp.float32, name
+    ref = refs[name]
+    err = float(np.max(np.abs(np.asarray(got, np.float64) - ref)) / np.max(np.abs(ref)))
+    assert err < 1e-5, (name, err)
+
+
+@pytest.mark.parametrize('dims,shapes', [
+    ((((3,), (3,)), ((0, 2), (0, 2))), ((2, 5, 3, 4), (2, 6, 3, 4))),  # attention logits
+    ((((3,), (1,)), ((0, 1), (0, 2))), ((2, 3, 5, 6), (2, 6, 3, 4))),  # weights . values
+    ((((1, 2), (0, 1)), ((), ())), ((7, 3, 4), (3, 4, 5))),  # attention out projection
+    ((((0,), (0,)), ((), ())), ((7, 5), (7, 3))),
+])
+def test_bf16_dot_gradients_equal_lax_dot_general(dims, shapes):
+  # Small integers are exact in bf16 and their sums in f32: the gradients must be equal.
+  rng = np.random.default_rng(0)
+  a, b = (jnp.asarray(rng.integers(-3, 4, s), jnp.float32) for s in shapes)
+  ref_out, ref_vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dims), a, b)
+  out, vjp = jax.vjp(lambda a, b: precision.dot_general(a, b, dims), a, b)
+  ct = jnp.asarray(rng.integers(-3, 4, out.shape), jnp.float32)
+  np.testing.assert_array_equal(out, ref_out)
+  for got, ref in zip(vjp(ct), ref_vjp(ct)):
+    np.testing.assert_array_equal(got, ref)
+
+
+def _dot_generals(jaxpr):
+  """Every dot_general equation of a (closed) jaxpr, nested jaxprs included."""
+  yield from (eqn for eqn in jaxpr.eqns if eqn.primitive.name == 'dot_general')
+  for sub in jax.extend.core.subjaxprs(jaxpr):
+    yield from _dot_generals(sub)
+
+
+@pytest.mark.parametrize('family', ['vit', 'hybrid', 'bit'])
+def test_bf16_model_every_dot_is_bf16_with_float32_accumulation(family):
+  # Forward and backward: bf16 operands, float32 results (preferred_element_type).
+  name, overrides, size = FAMILIES[family]
+  x = _images(size=size)
+  model = models.get_model(name, num_classes=3, dtype='bfloat16', **overrides)
+  params = model.init(jax.random.PRNGKey(0), x, train=False)['params']
+  loss = lambda p: jnp.sum(model.apply({'params': p}, x, train=False) ** 2)
+  eqns = list(_dot_generals(jax.make_jaxpr(jax.grad(loss))(params).jaxpr))
+  assert len(eqns) >= 3
+  for eqn in eqns:
+    assert [v.aval.dtype for v in eqn.invars] == [jnp.bfloat16] * 2, eqn
+    assert eqn.outvars[0].aval.dtype == jnp.float32, eqn
+
+
+@pytest.mark.parametrize('policy', ['', 'nothing_saveable', 'dots_saveable',
+                                    'dots_with_no_batch_dims_saveable', True, False])
+def test_remat_policies_give_the_gradients_of_no_remat(policy):
+  name, overrides, size = REMAT_CASES['vit']
+  x = _images(size=size)
+  plain = models.get_model(name, num_classes=3, **overrides)
+  remat = models.get_model(name, num_classes=3, remat=policy, **overrides)
+  params = plain.init(jax.random.PRNGKey(0), x, train=False)['params']
+  params['head']['kernel'] = jax.random.normal(jax.random.PRNGKey(1), params['head']['kernel'].shape)
+
+  def loss(p, m):
+    y = m.apply({'params': p}, x, train=True, rngs={'dropout': jax.random.PRNGKey(3)})
+    return jnp.sum(y**2)
+
+  g1 = jax.grad(loss)(params, plain)
+  g2 = jax.grad(loss)(params, remat)
+  scale = max(float(jnp.abs(a).max()) for a in jax.tree.leaves(g1))
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale)
+  # The policy is really applied: remat shows in the gradient's jaxpr unless off.
+  text = str(jax.make_jaxpr(jax.grad(loss), static_argnums=1)(params, remat))
+  assert ('checkpoint' in text or 'remat' in text) == bool(remat_lib.policy_name(policy))
+
+
+def test_unknown_remat_policy_names_the_choices():
+  with pytest.raises(ValueError, match=r"remat 'dots' is unknown: set --config.remat to one of "
+                                       r"'' \(off\), nothing_saveable, dots_saveable"):
+    models.get_model('ViT-Ti_16', num_classes=3, remat='dots')

@@ -5,6 +5,7 @@
 """
 import jax.numpy as jnp
 
+from vit_jax.models import remat
 from vit_jax.models.bit import BiTResNet
 from vit_jax.models.variants import VARIANTS, get_variant, pixels_per_token
 from vit_jax.models.vit import VisionTransformer
@@ -19,9 +20,12 @@ def get_model(name, num_classes, **overrides):
 
   `overrides` replace variant fields (patch_size, classifier, representation_size,
   dropout_rate, ...) or set module options: head_bias_init, dtype ('float32',
-  'bfloat16' or a jnp dtype; parameters stay float32), remat (rematerialise blocks).
+  'bfloat16' or a jnp dtype; parameters stay float32), remat (a policy name of
+  models/remat.py, '' for none, or True/False).
   """
   options = {k: overrides.pop(k) for k in _MODULE_OPTIONS if k in overrides}
+  if 'remat' in options:
+    options['remat'] = remat.policy_name(options['remat'])
   if isinstance(options.get('dtype'), str):
     if options['dtype'] not in _DTYPES:
       raise ValueError(f'dtype {options["dtype"]!r} is not supported: use one of {", ".join(_DTYPES)}')

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from vit_jax.models import precision
 from vit_jax.models.resnet import Stage
 from vit_jax.models.resnet import StdConv
 
@@ -51,7 +52,7 @@ class BiTResNet(nn.Module):
   resnet_width: int = 1
   head_bias_init: float = 0.0
   dtype: Any = jnp.float32
-  remat: bool = False
+  remat: Any = ''  # a remat.py policy name ('' off) or the old True/False
 
   @nn.compact
   def __call__(self, images, *, train=False):
@@ -71,5 +72,6 @@ class BiTResNet(nn.Module):
     if not self.num_classes:
       return x
     x = nn.Dense(self.num_classes, dtype=self.dtype, kernel_init=nn.initializers.zeros,
-                 bias_init=nn.initializers.constant(self.head_bias_init), name='head')(x)
+                 bias_init=nn.initializers.constant(self.head_bias_init), name='head',
+                 **precision.dense_options(self.dtype))(x)
     return x.astype(jnp.float32)

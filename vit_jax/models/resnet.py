@@ -11,6 +11,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from vit_jax.models import precision
+from vit_jax.models import remat as remat_lib
+
 
 class StdConv(nn.Module):
   """Bias-free convolution whose kernel is standardised per output channel.
@@ -41,7 +44,10 @@ class StdConv(nn.Module):
       # gradient as one matmul over N*H*W, where the convolution's backward-filter
       # wrote a batch-minor transposed copy of the activations (slow; R50 stems).
       sh, sw = self.strides
-      return jnp.dot(x[:, ::sh, ::sw, :].astype(self.dtype), w[0, 0].astype(self.dtype))
+      x = x[:, ::sh, ::sw, :]
+      if precision.is_mixed(self.dtype):
+        return precision.dot_general(x, w[0, 0], (((3,), (0,)), ((), ()))).astype(self.dtype)
+      return jnp.dot(x.astype(self.dtype), w[0, 0].astype(self.dtype))
     return jax.lax.conv_general_dilated(
         x.astype(self.dtype), w.astype(self.dtype), tuple(self.strides), self.padding,
         dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
@@ -80,11 +86,11 @@ class Stage(nn.Module):
   first_stride: Sequence[int]
   unit_name: str = 'unit{}'
   dtype: Any = jnp.float32
-  remat: bool = False
+  remat: Any = ''  # a remat.py policy name ('' off) or the old True/False
 
   @nn.compact
   def __call__(self, x):
-    unit_cls = nn.remat(self.unit_cls) if self.remat else self.unit_cls
+    unit_cls = remat_lib.wrap(self.unit_cls, self.remat)
     for j in range(self.num_units):
       strides = self.first_stride if j == 0 else (1, 1)
       x = unit_cls(self.features, strides, dtype=self.dtype,
@@ -92,7 +98,7 @@ class Stage(nn.Module):
     return x
 
 
-def resnet_stem(x, layers, width_factor, dtype=jnp.float32, remat=False):
+def resnet_stem(x, layers, width_factor, dtype=jnp.float32, remat=''):
   """Root block and stages of a hybrid; call inside a compact method.
 
   The modules become children of the calling module, so their names sit at the top of

@@ -13,6 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from vit_jax.models import precision
+from vit_jax.models import remat as remat_lib
 from vit_jax.models import resnet
 
 
@@ -36,10 +38,11 @@ class MlpBlock(nn.Module):
   def __call__(self, x, *, deterministic):
     dense = lambda f, name: nn.Dense(
         f, dtype=self.dtype, kernel_init=nn.initializers.xavier_uniform(),
-        bias_init=nn.initializers.normal(stddev=1e-6), name=name)
-    y = nn.gelu(dense(self.mlp_dim, 'Dense_0')(x), approximate=True)
+        bias_init=nn.initializers.normal(stddev=1e-6), name=name,
+        **precision.dense_options(self.dtype))
+    y = nn.gelu(dense(self.mlp_dim, 'Dense_0')(x).astype(self.dtype), approximate=True)
     y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
-    y = dense(x.shape[-1], 'Dense_1')(y)
+    y = dense(x.shape[-1], 'Dense_1')(y).astype(self.dtype)
     return nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
 
 
@@ -47,8 +50,9 @@ class MultiHeadDotProductAttention(nn.Module):
   """Self-attention with the published parameter layout.
 
   query/key/value kernels are (D, heads, head_dim), out is (heads, head_dim, D).
-  Logits are scaled by 1/sqrt(head_dim) and the softmax is taken in float32. The
-  attention weights are sown into 'intermediates' for inspection (free otherwise).
+  Logits are scaled by 1/sqrt(head_dim) and the softmax is taken in float32. In a
+  bfloat16 model every dot has bf16 operands and float32 accumulation (precision.py).
+  The attention weights are sown into 'intermediates' for inspection (free otherwise).
   """
   num_heads: int
   dropout_rate: float = 0.0
@@ -60,20 +64,29 @@ class MultiHeadDotProductAttention(nn.Module):
     if d % self.num_heads:
       raise ValueError(f'hidden_size {d} is not divisible by num_heads {self.num_heads}')
     head_dim = d // self.num_heads
+    options = precision.dense_options(self.dtype)
     proj = lambda name: nn.DenseGeneral(
         (self.num_heads, head_dim), dtype=self.dtype,
-        kernel_init=nn.initializers.xavier_uniform(), name=name)
-    q, k, v = proj('query')(x), proj('key')(x), proj('value')(x)
+        kernel_init=nn.initializers.xavier_uniform(), name=name, **options)
+    q, k, v = (proj(name)(x).astype(self.dtype) for name in ('query', 'key', 'value'))
     q = q / jnp.sqrt(head_dim).astype(q.dtype)
-    logits = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
+    if options:  # bf16 x bf16 -> f32 dots in both directions, as the projections
+      logits = precision.dot_general(q, k, (((3,), (3,)), ((0, 2), (0, 2))))
+    else:
+      logits = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
     weights = jax.nn.softmax(logits, axis=-1)
     self.sow('intermediates', 'attention_weights', weights)
     if self.dropout_rate > 0.0:
       weights = nn.Dropout(self.dropout_rate, broadcast_dims=())(
           weights, deterministic=deterministic)
-    y = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(v.dtype), v)
+    if options:
+      y = precision.dot_general(weights, v, (((3,), (1,)), ((0, 1), (0, 2))))
+      y = jnp.transpose(y, (0, 2, 1, 3))
+    else:
+      y = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(v.dtype), v)
     return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype,
-                           kernel_init=nn.initializers.xavier_uniform(), name='out')(y)
+                           kernel_init=nn.initializers.xavier_uniform(), name='out',
+                           **options)(y.astype(self.dtype)).astype(self.dtype)
 
 
 class EncoderBlock(nn.Module):
@@ -105,14 +118,14 @@ class Encoder(nn.Module):
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
   dtype: Any = jnp.float32
-  remat: bool = False
+  remat: Any = ''  # a remat.py policy name ('' off) or the old True/False
 
   @nn.compact
   def __call__(self, x, *, train):
     x = AddPositionEmbs(name='posembed_input')(x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
     # `deterministic` is positional so remat can treat it as static.
-    block_cls = nn.remat(EncoderBlock, static_argnums=(2,)) if self.remat else EncoderBlock
+    block_cls = remat_lib.wrap(EncoderBlock, self.remat, static_argnums=(2,))
     for i in range(self.num_layers):
       x = block_cls(self.mlp_dim, self.num_heads, self.dropout_rate,
                     self.attention_dropout_rate, self.dtype, name=f'encoderblock_{i}')(
@@ -136,7 +149,7 @@ class VisionTransformer(nn.Module):
   resnet_width: float = 1
   head_bias_init: float = 0.0
   dtype: Any = jnp.float32
-  remat: bool = False
+  remat: Any = ''  # see Encoder
 
   @nn.compact
   def __call__(self, images, *, train=False, corrupt=None, patch_outputs=0):
@@ -178,13 +191,15 @@ class VisionTransformer(nn.Module):
     if corrupt is not None:
       x = x[:, 1:] if self.classifier == 'token' else x
       return nn.Dense(patch_outputs, dtype=self.dtype, kernel_init=nn.initializers.zeros,
-                      name='masked_patch_head')(x).astype(jnp.float32)
+                      name='masked_patch_head', **precision.dense_options(self.dtype))(x).astype(jnp.float32)
     x = x[:, 0] if self.classifier == 'token' else jnp.mean(x, axis=1)
     if self.representation_size is not None:
-      x = jnp.tanh(nn.Dense(self.representation_size, dtype=self.dtype, name='pre_logits')(x))
+      x = jnp.tanh(nn.Dense(self.representation_size, dtype=self.dtype, name='pre_logits',
+                            **precision.dense_options(self.dtype))(x).astype(self.dtype))
     self.sow('intermediates', 'pre_logits', x)  # few-shot features
     if not self.num_classes:
       return x
     x = nn.Dense(self.num_classes, dtype=self.dtype, kernel_init=nn.initializers.zeros,
-                 bias_init=nn.initializers.constant(self.head_bias_init), name='head')(x)
+                 bias_init=nn.initializers.constant(self.head_bias_init), name='head',
+                 **precision.dense_options(self.dtype))(x)
     return x.astype(jnp.float32)

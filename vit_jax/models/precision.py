@@ -1,0 +1,93 @@
+"""bfloat16 compute with float32 accumulation, forward and backward.
+
+`dot_general` has the signature of `lax.dot_general` (flax's `dot_general` hook, the
+`_dot_general` of `jnp.einsum`): it rounds both operands to bfloat16 and returns the
+float32 result of a float32-accumulated dot. Its backward does the same for the two
+gradient dots (the cotangent is rounded to bfloat16), so every matmul of a train step
+is bf16 x bf16 -> f32. JAX's own transpose of a dot with `preferred_element_type=f32`
+would multiply the f32 cotangent with the bf16 operand, which XLA runs as an f32 dot;
+and a dot with bf16 results is, on XLA:CPU, no faster than f32 (benchmarks/README.md).
+Operands keep their dtypes outside: a float32 kernel gets a float32 gradient,
+accumulated in float32 and never rounded to bf16.
+
+`dense_options(dtype)` are the flax Dense/DenseGeneral fields that use it for a
+bfloat16 model: inputs cast to bf16, kernel and bias left float32 (the bias is added
+to the float32 result). float32 models get no options, i.e. flax's own dots.
+"""
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+COMPUTE_DTYPE = jnp.bfloat16
+
+
+def _dot(lhs, rhs, dimension_numbers):
+  return lax.dot_general(lhs.astype(COMPUTE_DTYPE), rhs.astype(COMPUTE_DTYPE),
+                         dimension_numbers, preferred_element_type=jnp.float32)
+
+
+def _grads(g, lhs, rhs, dimension_numbers):
+  """f32 gradients of both operands, each a bf16 dot ordered so that its result needs
+  no transpose in the common cases (dense layers): XLA:CPU folds a transpose into
+  the dot, and YNNPACK does not take the folded form, whose fallback kernel has no
+  bf16 x bf16 -> f32 (UNIMPLEMENTED at run time)."""
+  (c_lhs, c_rhs), (b_lhs, b_rhs) = dimension_numbers
+  kept_lhs = [i for i in range(lhs.ndim) if i not in c_lhs and i not in b_lhs]
+  kept_rhs = [i for i in range(rhs.ndim) if i not in c_rhs and i not in b_rhs]
+  # g's axes, as the forward result's: batch, lhs kept, rhs kept.
+  nb, nl = len(b_lhs), len(kept_lhs)
+  g_batch = tuple(range(nb))
+  g_lhs_kept = tuple(range(nb, nb + nl))
+  g_rhs_kept = tuple(range(nb + nl, g.ndim))
+  g, lhs16, rhs16 = (a.astype(COMPUTE_DTYPE) for a in (g, lhs, rhs))
+  f32 = jnp.float32
+  # d lhs = g . rhs over rhs's kept axes: batch, lhs kept, rhs contracting (sorted).
+  d_lhs = lax.dot_general(g, rhs16, ((g_rhs_kept, tuple(kept_rhs)), (g_batch, tuple(b_rhs))),
+                          preferred_element_type=f32)
+  source = list(b_lhs) + kept_lhs + [c_lhs[list(c_rhs).index(j)] for j in sorted(c_rhs)]
+  d_lhs = jnp.transpose(d_lhs, np.argsort(source))
+  # d rhs = lhs . g over lhs's kept axes: batch, lhs contracting (sorted), rhs kept.
+  d_rhs = lax.dot_general(lhs16, g, ((tuple(kept_lhs), g_lhs_kept), (tuple(b_lhs), g_batch)),
+                          preferred_element_type=f32)
+  source = list(b_rhs) + [c_rhs[list(c_lhs).index(j)] for j in sorted(c_lhs)] + kept_rhs
+  d_rhs = jnp.transpose(d_rhs, np.argsort(source))
+  return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype)
+
+
+def _dot_fwd(lhs, rhs, dimension_numbers):
+  return _dot(lhs, rhs, dimension_numbers), (lhs, rhs)
+
+
+def _dot_bwd(dimension_numbers, residuals, g):
+  lhs, rhs = residuals
+  return _grads(g, lhs, rhs, dimension_numbers)
+
+
+_dot = jax.custom_vjp(_dot, nondiff_argnums=(2,))
+_dot.defvjp(_dot_fwd, _dot_bwd)
+
+
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                **unused):
+  """lax.dot_general on bf16-rounded operands with a float32 result (see module doc)."""
+  del precision, preferred_element_type, unused  # always bf16 operands, f32 result
+  (c_lhs, c_rhs), (b_lhs, b_rhs) = dimension_numbers
+  dimension_numbers = ((tuple(c_lhs), tuple(c_rhs)), (tuple(b_lhs), tuple(b_rhs)))
+  return _dot(lhs, rhs, dimension_numbers)
+
+
+def _promote_inputs_only(inputs, kernel, bias, dtype=None, inexact=True):
+  del inexact
+  return [inputs.astype(dtype), kernel, bias]
+
+
+def is_mixed(dtype):
+  return jnp.dtype(dtype) == jnp.dtype(COMPUTE_DTYPE)
+
+
+def dense_options(dtype):
+  """Fields for nn.Dense / nn.DenseGeneral of a model computing in `dtype`."""
+  if not is_mixed(dtype):
+    return {}
+  return {'dot_general': dot_general, 'promote_dtype': _promote_inputs_only}
