@@ -30,10 +30,11 @@ KNOWN_PEAKS = {
 }
 
 
-def setup_devices(n):
-  """Simulates `n` CPU devices (n > 1), adds vit_jax's XLA:CPU flags (as the training
-  CLI does; VIT_JAX_XLA_CPU_FLAGS=0 leaves them out) and quiets TensorFlow. Call before
-  importing jax."""
+def setup_devices(n, dtypes=('float32',)):
+  """Simulates `n` CPU devices (n > 1), adds vit_jax's XLA:CPU flags for `dtypes` (as the
+  training CLI does for its dtype; VIT_JAX_XLA_CPU_FLAGS=0 leaves them out) and quiets
+  TensorFlow. Call before importing jax. XLA reads its flags once per process, so dtypes
+  whose flags differ cannot be timed in one process as the CLI runs them: one line and exit."""
   from vit_jax import xla_cpu_flags  # pylint: disable=import-outside-toplevel
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   flags = [f for f in os.environ.get('XLA_FLAGS', '').split()
@@ -43,7 +44,12 @@ def setup_devices(n):
   elif 'jax' not in sys.modules:
     flags.append('--xla_force_host_platform_device_count=1')
   os.environ['XLA_FLAGS'] = ' '.join(flags)
-  xla_cpu_flags.apply()
+  wanted = {d: xla_cpu_flags.pending(dtype=d) for d in dtypes}
+  if len({tuple(f) for f in wanted.values()}) > 1:
+    sys.exit(f'the CLI runs {" and ".join(wanted)} under different XLA:CPU flags '
+             f'({wanted}, vit_jax/xla_cpu_flags.py): pass one --dtypes per run, or set '
+             'VIT_JAX_XLA_CPU_FLAGS=0 (XLA defaults for all) or XLA_FLAGS yourself')
+  xla_cpu_flags.apply(dtype=dtypes[0])
 
 
 def cores():

@@ -28,7 +28,7 @@ parser.add_argument('--matmul_n', type=int, default=4096)
 parser.add_argument('--out', default='')
 args = parser.parse_args()
 
-_common.setup_devices(args.mesh)
+_common.setup_devices(args.mesh, args.dtypes.split(','))
 import jax  # noqa: E402  pylint: disable=wrong-import-position
 import _jaxstep  # noqa: E402  pylint: disable=wrong-import-position
 from vit_jax import flops as vflops  # noqa: E402  pylint: disable=wrong-import-position

@@ -235,7 +235,7 @@ class Worker:
 
 # ----------------------------------------------------------------- JAX side
 def main():
-  _common.setup_devices(1)
+  _common.setup_devices(1, args.dtypes.split(','))
   import _jaxstep  # pylint: disable=import-outside-toplevel
   from vit_jax import models as vmodels  # pylint: disable=import-outside-toplevel
 

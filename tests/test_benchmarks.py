@@ -59,8 +59,9 @@ def test_xla_cpu_flags(tmp_path):
   p = _run('xla_cpu_flags', '--models', 'ViT-Ti_16', '--batch', '2', '--steps', '1',
            '--rounds', '1', *TINY, tmp_path=tmp_path)
   r = p['results'][0]
-  assert 'ynn_fusion_type' in r['xla_flags']['vit_jax flags']
+  assert 'ynn_fusion_type' in r['xla_flags']['ynnpack off']
   assert 'ynn_fusion_type' not in r['xla_flags']['xla defaults']
+  assert r['cli_side'] == 'ynnpack off'  # float32
   assert len(r['ratio_per_round']) == 1 and r['ratio_per_round'][0] > 0
 
 

@@ -34,6 +34,14 @@ def test_user_value_opt_out_and_unknown_jaxlib_win():
   assert xla_cpu_flags.flags_to_add('', '') == []
 
 
+def test_flags_are_chosen_per_dtype():
+  # bf16 dots are fast only in YNNPACK fusions: a bf16 run must keep them on.
+  assert xla_cpu_flags.flags_to_add('', '0.10.2', dtype='float32') == [xla_cpu_flags.YNNPACK_OFF]
+  assert xla_cpu_flags.flags_to_add('', '0.10.2', dtype='bfloat16') == []
+  env = {}
+  assert xla_cpu_flags.apply(env, dtype='bfloat16') == [] and 'XLA_FLAGS' not in env
+
+
 def test_installed_jaxlib_is_one_the_flags_are_known_for():
   from jaxlib import version  # pylint: disable=import-outside-toplevel
   assert '.'.join(version.__version__.split('.')[:2]) in xla_cpu_flags.KNOWN_JAXLIB
@@ -53,10 +61,11 @@ _GRADS = r'''
 import json, os, sys
 sys.path.insert(0, {repo!r})
 from vit_jax import xla_cpu_flags
-xla_cpu_flags.apply()
+dtype = sys.argv[2]
+xla_cpu_flags.apply(dtype=dtype)
 import jax, jax.numpy as jnp, numpy as np
 from vit_jax import models
-model = models.get_model('R+ViT-Ti_16', 10, num_layers=2, resnet_layers=(1, 1))
+model = models.get_model('R+ViT-Ti_16', 10, num_layers=2, resnet_layers=(1, 1), dtype=dtype)
 x = jax.random.uniform(jax.random.PRNGKey(1), (4, 64, 64, 3), minval=-1, maxval=1)
 params = model.init(jax.random.PRNGKey(0), x)['params']
 params['head']['kernel'] = 0.1 * jax.random.normal(jax.random.PRNGKey(2), params['head']['kernel'].shape)
@@ -67,10 +76,10 @@ print(json.dumps({{'flags': os.environ.get('XLA_FLAGS', '')}}))
 '''
 
 
-def _grads(opt_in, path):
-  env = {**os.environ, xla_cpu_flags.OPT_OUT: opt_in, 'TF_CPP_MIN_LOG_LEVEL': '2'}
-  env.pop('XLA_FLAGS', None)
-  proc = subprocess.run([sys.executable, '-c', _GRADS.format(repo=REPO), str(path)], env=env,
+def _grads(xla_flags, path, dtype='float32'):
+  env = {**os.environ, xla_cpu_flags.OPT_OUT: '0', 'TF_CPP_MIN_LOG_LEVEL': '2',
+         'XLA_FLAGS': xla_flags}
+  proc = subprocess.run([sys.executable, '-c', _GRADS.format(repo=REPO), str(path), dtype], env=env,
                         capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   flags = json.loads(proc.stdout.strip().splitlines()[-1])['flags']
@@ -80,14 +89,28 @@ def _grads(opt_in, path):
 
 def test_flags_are_accepted_and_leave_f32_numerics_unchanged(tmp_path):
   # XLA aborts at start-up on a flag it does not know: the run with flags proves they exist.
-  flags_on, on = _grads('1', tmp_path / 'on.npz')
-  flags_off, off = _grads('0', tmp_path / 'off.npz')
+  flags_on, on = _grads(FLAG, tmp_path / 'on.npz')
+  flags_off, off = _grads('', tmp_path / 'off.npz')
   assert NAME in flags_on and NAME not in flags_off
-  assert on.keys() == off.keys() and len(on) > 20
-  # float32 round-off only, relative to each gradient's scale (leaves that are zero but for
-  # round-off, such as those behind the zero-initialised GroupNorm scales, against the
-  # largest gradient's).
-  largest = max(float(np.max(np.abs(v))) for v in off.values())
-  for k in on:
-    scale = max(float(np.max(np.abs(off[k]))), 1e-3 * largest)
-    assert float(np.max(np.abs(on[k] - off[k]))) <= 1e-4 * scale, k
+  _assert_close(on, off, 1e-4)  # float32 round-off only
+
+
+def test_bf16_step_runs_with_and_without_ynnpack_fusions(tmp_path):
+  # With YNNPACK on (a bf16 run's setting), every bf16 x bf16 -> f32 dot of the step must
+  # be one YNNPACK takes: XLA's fallback kernel has no such type and fails at run time
+  # (UNIMPLEMENTED: ... DotThunk::Execute: BF16 x BF16 = F32), e.g. for a weight gradient
+  # whose result XLA transposes (models/precision.py). With YNNPACK off, XLA runs them
+  # as f32 dots of the same bf16 operands: equal gradients but for round-off.
+  _, on = _grads('', tmp_path / 'on.npz', 'bfloat16')
+  _, off = _grads(FLAG, tmp_path / 'off.npz', 'bfloat16')
+  _assert_close(on, off, 0.1)  # bf16 round-off (~0.4%) compounded through the layers
+
+
+def _assert_close(a, b, rtol):
+  """Relative to each gradient's scale (leaves that are zero but for round-off, such as
+  those behind the zero-initialised GroupNorm scales, against the largest gradient's)."""
+  assert a.keys() == b.keys() and len(a) > 20
+  largest = max(float(np.max(np.abs(v))) for v in b.values())
+  for k in a:
+    scale = max(float(np.max(np.abs(b[k]))), 1e-3 * largest)
+    assert float(np.max(np.abs(a[k] - b[k]))) <= rtol * scale, k

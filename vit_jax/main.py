@@ -115,7 +115,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   workdir = paths.resolve(FLAGS.workdir)  # once: orbax refuses relative paths
-  added_xla_flags = xla_cpu_flags.apply()  # before the first backend starts
+  added_xla_flags = xla_cpu_flags.apply(dtype=FLAGS.config.dtype)  # before the backend starts
   initialize_distributed()
   from vit_jax import train  # pylint: disable=g-import-not-at-top  (after distributed init)
   # The readable log: train.INFO (process 0), train.process<i>.INFO (the others).
