@@ -34,11 +34,8 @@ from vit_jax import paths
 from vit_jax import rundir
 from vit_jax import sharding
 
+from vit_jax import vtab
 DTYPES = ('float32', 'bfloat16')
-# VTAB-1k tasks whose label is computed from other features (configs/finetune.py).
-_DERIVED_LABEL_TASKS = ('clevr_count', 'clevr_distance', 'dsprites_location',
-                        'dsprites_orientation', 'kitti_distance', 'smallnorb_azimuth',
-                        'smallnorb_elevation')
 
 
 ConfigError = errors.ConfigError  # raised by train_and_evaluate; main prints it as one line
@@ -85,9 +82,9 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
   if config.eval_batch_size % n_dev:
     raise ValueError(f'eval_batch_size {config.eval_batch_size} is not a multiple of the {n_dev} '
                      'devices: set --config.eval_batch_size')
-  if config.vtab_task in _DERIVED_LABEL_TASKS:
-    raise ValueError(f'vtab_task {config.vtab_task!r} needs labels derived from other features, '
-                     'which the input pipeline does not do yet: choose another VTAB task')
+  if config.vtab_task and config.vtab_task not in vtab.VTAB:
+    raise ValueError(f'vtab_task {config.vtab_task!r} is not a VTAB-1k task: set '
+                     f'--config.vtab_task to one of {" ".join(vtab.VTAB)}, or \'\'')
   fields = models.get_variant(config.model_name, **config.model)
   if config.pretrained_keep_prelogits and fields.get('representation_size') is None:
     raise ValueError('pretrained_keep_prelogits needs the pre-logits layer in the model: set '
