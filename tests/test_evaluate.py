@@ -127,6 +127,15 @@ def test_fewshot_config_errors_name_the_fix():
     evaluate.validate_fewshot(c)
 
 
+
+def test_other_datasets_are_read_with_their_own_label_feature():
+  """A multi-label run (label_key 'labels') evaluated few-shot on a single-label dataset."""
+  run = evaluate.cli_config(dataset='imagenet21k', label_key='labels')
+  assert evaluate.data_config(run, dataset='cifar100', split='test').label_key == 'label'
+  assert evaluate.data_config(run, split='test').label_key == 'labels'
+  assert evaluate.data_config(run, dataset='imagenet21k', split='test').label_key == 'labels'
+
+
 # ------------------------------------------------------------- end to end
 @pytest.fixture(scope='module')
 def tiny(tmp_path_factory):

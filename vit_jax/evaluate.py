@@ -186,10 +186,11 @@ def real_config(config):
 
 def data_config(config, *, dataset=None, data_dir=None, split):
   """A copy of `config` (a full config, configs/common.py) whose evaluation split is
-  `split` of `dataset` in `data_dir` (None: the config's)."""
+  `split` of `dataset` in `data_dir` (None: the config's). Another dataset is read with
+  its own class feature (the default label_key), not the run's."""
   c = ml_collections.ConfigDict(config.to_dict())
-  if dataset:
-    c.dataset = dataset
+  if dataset and dataset != c.dataset:
+    c.dataset, c.label_key = dataset, _DEFAULTS.label_key
   if data_dir:
     c.data_dir = data_dir
   c.eval_split = c.train_split = split
