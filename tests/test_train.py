@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -187,6 +188,16 @@ def test_multi_label_training_and_set_top1(tmp_path, caplog):
   want = np.mean([top1[i] in sets[i] for i in used])
   assert out['accuracy'] == pytest.approx(want, abs=1e-6)
   assert f'validation top-1 accuracy {want:.4f} (38 examples)' in caplog.text
+  # vit-evaluate on the finished run (its dataset is imagenet2012_real: the ReaL row): the
+  # same rule, the same figure.
+  from vit_jax import evaluate  # pylint: disable=g-import-not-at-top
+  cli = types.SimpleNamespace(workdir=str(tmp_path / 'multi'), checkpoint=None, dataset=None,
+                              data_dir=None, eval_crop=None, mode='top1', train_split=None,
+                              eval_split=None, batch_size=16)
+  with data_fixtures.mock_real(40):
+    table = evaluate.run(cli)
+  assert table.splitlines()[1].split() == ['top1', 'validation', 'ReaL', f'{want:.4f}', '(38',
+                                           'images', 'with', 'a', 'ReaL', 'label)']
 
 
 def test_imagenet_training_with_real_evaluation(tmp_path, caplog):
