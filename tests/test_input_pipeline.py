@@ -333,6 +333,7 @@ def test_two_hosts_see_the_rows_of_one_host_with_the_same_augmentation(idx_dir):
 def test_label_set_feature_gives_multi_hot_labels():
   """imagenet2012_real's 'real_label' (Sequence(ClassLabel(1000))), mocked: each row's
   label is the multi-hot vector of its set, all zero for an empty set."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   c = _config(dataset='imagenet2012_real', label_key='real_label', eval_split='validation',
               train_split='validation', pp_train_crop='resize', pp_flip=False)
   with fx.mock_real(20):
@@ -348,6 +349,16 @@ def test_label_set_feature_gives_multi_hot_labels():
   rows = [fx.image_id(x) for b in batches for x, ok in zip(b['image'], b['mask']) if ok]
   assert rows == list(range(20))
   assert not batches[0]['label'][0].any()  # example 0 has an empty set
+  # TFDS's own random mock examples: sets with repeated labels count each label once.
+  with tfds.testing.mock_data(num_examples=6):
+    ip._source.cache_clear()  # pylint: disable=protected-access
+    raw = [ex['real_label'] for ex in tfds.as_numpy(tfds.builder('imagenet2012_real').as_dataset(
+        split='validation', decoders={'image': tfds.decode.SkipDecoding()}))]
+    labels = next(ip.eval_batches(c, global_batch=8, process_index=0, process_count=1))['label']
+    ip._source.cache_clear()  # pylint: disable=protected-access
+  assert any(len(set(r)) < len(r) for r in raw)  # the mock does repeat labels
+  for label, r in zip(labels, raw):
+    np.testing.assert_array_equal(np.flatnonzero(label), np.unique(r))
   with pytest.raises(ValueError, match="no feature 'labels': set --config.label_key"):
     ip.get_info(_config(dataset='imagenet2012_real', label_key='labels'))
   with pytest.raises(ValueError, match='label_key .* applies to TFDS datasets only'):
