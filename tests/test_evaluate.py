@@ -227,6 +227,10 @@ def test_top1_hits_on_label_sets_matches_numpy():
   np.testing.assert_array_equal(counted, [float(i in used) for i in range(12)])
   np.testing.assert_array_equal(
       correct, [float(i in used and np.argmax(logits[i]) in sets[i]) for i in range(12)])
+  # A head wider than the sets' classes: a top-1 past them is a miss.
+  wide = np.concatenate([logits, np.full((12, 1), 99.0)], 1)
+  correct, counted = evaluate.top1_hits(wide, hot, mask)
+  assert not correct.any() and counted.sum() == len(used)
   # Integer labels: top-1 equal to the label, every unmasked row counted.
   labels = rng.integers(0, 6, 12)
   correct, counted = evaluate.top1_hits(logits, labels, mask)

@@ -156,11 +156,13 @@ def top1_hits(logits, labels, mask):
   """(correct, counted), float per row: the one top-1 rule of training and the CLI.
 
   labels: int [N] classes, or multi-hot [N, K] sets (e.g. ReaL), where the top-1 class
-  is correct if it is in the set and a row with an empty set is not counted.
+  is correct if it is in the set and a row with an empty set is not counted (a head
+  wider than K: its extra classes are in no set).
   mask: bool [N], False on padding.
   """
   top1 = jnp.argmax(logits, -1)
   if labels.ndim == 2:
+    labels = jnp.pad(labels, ((0, 0), (0, logits.shape[-1] - labels.shape[-1])))
     correct = jnp.take_along_axis(labels, top1[:, None], axis=-1)[:, 0] > 0
     mask = mask & (jnp.max(labels, axis=-1) > 0)
   else:
