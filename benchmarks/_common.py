@@ -172,7 +172,7 @@ def write_json(path, payload):
   print(f'\nwrote {path}')
 
 
-def add_model_args(parser, dtypes='float32,bfloat16', steps=2):
+def add_model_args(parser, dtypes='float32', steps=2):
   """The flags every model benchmark takes: models and batches, dtypes, size, timing, overrides."""
   parser.add_argument('--models', default='ViT-Ti_16,ViT-B_16,R50+ViT-B_16')
   parser.add_argument('--batch', default='32,8,8', help='one per model, or one for all')

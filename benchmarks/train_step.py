@@ -5,7 +5,8 @@ vit_jax.optim.make_optimizer(optimizer='sgd'): SGD momentum 0.9 + global-norm cl
 jitted with the loop's shardings and donation, on a random batch already on the device.
 
   python benchmarks/train_step.py --out /tmp/train_step.json
-  python benchmarks/train_step.py --models ViT-B_16 --batch 8 --dtypes float32 --remat
+  python benchmarks/train_step.py --models ViT-B_16 --batch 8 --dtypes float32 \
+      --remat=,nothing_saveable,dots_saveable   # remat policies side by side ('' = off)
   python benchmarks/train_step.py --models ViT-B_16 --batch 256 --peak tpu_v3   # on a TPU
 
 Configurations (model x dtype) are timed interleaved, round after round (A B A B ...);
@@ -19,7 +20,8 @@ import _common
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
 _common.add_model_args(parser)
-parser.add_argument('--remat', action='store_true')
+parser.add_argument('--remat', default='',
+                    help="comma-separated remat policies (models/remat.py) timed side by side; '' = off")
 parser.add_argument('--accum_steps', type=int, default=1)
 parser.add_argument('--mesh', type=int, default=1, help='devices on the data axis (CPU: simulated)')
 parser.add_argument('--peak', default='measure',
@@ -45,13 +47,13 @@ def main():
 
   steps = []
   for name, batch in cases:
-    for dtype in dtypes:
-      config = _jaxstep.make_config(name, batch, dtype=dtype, remat=args.remat,
+    for dtype, remat in [(d, r) for d in dtypes for r in args.remat.split(',')]:
+      config = _jaxstep.make_config(name, batch, dtype=dtype, remat=remat,
                                     accum_steps=args.accum_steps, mesh=args.mesh,
                                     image_size=args.image_size, overrides=overrides)
       s = _jaxstep.BareStep(config)
       s.run(1)  # warm-up
-      print(f'compiled {name} b{batch} {dtype}: {s.compile_s:.1f} s', flush=True)
+      print(f'compiled {name} b{batch} {dtype} remat={remat!r}: {s.compile_s:.1f} s', flush=True)
       steps.append(s)
 
   peaks = {'float32': [], 'bfloat16': []}
@@ -109,7 +111,7 @@ def main():
   rows = []
   for x in results:
     rows.append([
-        x['model'], x['batch'], x['dtype'] + (' remat' if x['remat'] else '')
+        x['model'], x['batch'], x['dtype'] + (f' remat={x["remat"]}' if x['remat'] else '')
         + (f' accum{x["accum_steps"]}' if x['accum_steps'] > 1 else ''),
         _common.fmt_range(x['img_s_per_round']), f'{x["step_s_median"]:.3f}',
         f'{x["flops_per_step_analytic"] / 1e9:.1f}',

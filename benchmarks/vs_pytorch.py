@@ -29,6 +29,7 @@ import _common
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
 _common.add_model_args(parser)
 parser.add_argument('--torch_impl', default='auto', choices=('auto', 'timm', 'minimal'))
+parser.add_argument('--remat', default='', help="vit_jax's remat policy (models/remat.py); '' = off")
 parser.add_argument('--out', default='')
 parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
 parser.add_argument('--threads', type=int, default=0, help=argparse.SUPPRESS)
@@ -206,7 +207,7 @@ def torch_worker():
         times.append(time.perf_counter() - t)
         if not math.isfinite(loss):
           raise FloatingPointError(f'torch loss {loss}')
-      reply = {'times': times}
+      reply = {'times': times, 'peak_rss_gib': _common.peak_rss_gib()}
     else:
       break
     out.write(json.dumps(reply) + '\n')
@@ -251,7 +252,8 @@ def main():
     for dtype in dtypes:
       key = f'{name}/{dtype}'
       jstep = _jaxstep.BareStep(_jaxstep.make_config(
-          name, batch, dtype=dtype, image_size=args.image_size, overrides=overrides))
+          name, batch, dtype=dtype, remat=args.remat, image_size=args.image_size,
+          overrides=overrides))
       jstep.run(1)
       info = worker.call(cmd='build', key=key, name=name, fields=fields, dtype=dtype,
                          batch=batch, image_size=args.image_size, overrides=overrides)
@@ -260,10 +262,13 @@ def main():
       cases.append({'key': key, 'model': name, 'batch': batch, 'dtype': dtype, 'jax': jstep,
                     'torch_info': info, 'jax_times': [], 'torch_times': []})
 
+  torch_rss = 0.0
   for r in range(args.rounds):
     for c in cases:
       c['jax_times'].append(c['jax'].run(args.steps))
-      c['torch_times'].append(worker.call(cmd='run', key=c['key'], steps=args.steps)['times'])
+      reply = worker.call(cmd='run', key=c['key'], steps=args.steps)
+      c['torch_times'].append(reply['times'])
+      torch_rss = reply['peak_rss_gib']
     print(f'round {r + 1}/{args.rounds} done', flush=True)
   worker.close()
 
@@ -293,13 +298,17 @@ def main():
   note = cases[0]['torch_info']['note'] if cases else ''
   payload = {'benchmark': 'vs_pytorch', 'machine': _common.machine_info(), 'args': vars(args),
              'loadavg_start': load_start, 'loadavg_end': load_end, 'torch_note': note,
+             # Peak RSS of each process over all its cases (one case per run to compare).
+             'jax_peak_rss_gib': _common.peak_rss_gib(), 'torch_peak_rss_gib': torch_rss,
              'results': results}
   print(f'\n### vit_jax vs PyTorch ({threads} threads each)' + (f' — {note}' if note else ''))
   print()
   print(_common.markdown_table(
       ['model', 'batch', 'precision', 'vit_jax img/s', 'PyTorch img/s', 'ratio per pair',
        'ratio median (min–max)', '≥1.1×'], rows))
-  print(f'\nloadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
+  print(f'\npeak host RSS over all cases: vit_jax {payload["jax_peak_rss_gib"]:.2f} GiB, '
+        f'PyTorch worker {torch_rss:.2f} GiB')
+  print(f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
   _common.write_json(args.out, payload)
 
 
