@@ -5,7 +5,9 @@ jaxlib 0.10 sends matmuls to YNNPACK fusions by default. What we measured (side 
 benchmarks/README.md; `benchmarks/xla_cpu_flags.py` measures it on a host):
 - float32: with the YNNPACK dot fusions off (XLA's own Eigen dots), the train step of
   ViT-Ti/16, ViT-B/16 and R50+ViT-B/16 ran 1.09-1.14x faster on one 2-core AVX-512
-  host, where YNNPACK's dots ran at half their standalone speed inside the step.
+  host (A), where YNNPACK's dots ran at half their standalone speed inside the step;
+  on another of the same kind (B, 2x A's matmul rate) it ran ViT-B/16 at 0.88-0.92x.
+  Kept (set VIT_JAX_XLA_CPU_FLAGS=0 on a host like B); a per-host choice is open.
 - bfloat16: the models' bf16 x bf16 -> f32 dots (models/precision.py) are fast only in
   YNNPACK (~2x the f32 matmul rate); with the fusions off XLA converts them to f32 dots
   and the step ran at 0.2-0.7x. So a bf16 run gets no flag.
