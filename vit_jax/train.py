@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 
 from absl import logging
 from clu import metric_writers
@@ -33,8 +34,8 @@ from vit_jax import optim
 from vit_jax import paths
 from vit_jax import rundir
 from vit_jax import sharding
-
 from vit_jax import vtab
+
 DTYPES = ('float32', 'bfloat16')
 
 
@@ -315,23 +316,48 @@ class _ShortLibraryErrors(std_logging.Filter):
     return True
 
 
-def _quiet_closed_loop(previous):
-  """sys.excepthook without the 'Event loop is closed' tracebacks that tensorstore's
-  callbacks print once orbax has closed the event loop of a failed write."""
-  def hook(kind, value, tb):
-    if kind is RuntimeError and str(value) == 'Event loop is closed':
-      return
-    previous(kind, value, tb)
-  hook.quiet_closed_loop = True
-  return hook
+class _DropOrphanedWriteTasks(std_logging.Filter):
+  """asyncio logs each failed orbax write task it garbage-collects ('Task exception was
+  never retrieved', with a traceback), possibly after the loop's one-line report, as the
+  process ends; the failure is already reported, so these records are dropped."""
+
+  def filter(self, record):
+    if 'exception was never retrieved' not in record.getMessage():
+      return True
+    tb = record.exc_info[2] if record.exc_info else None
+    files = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb)]
+    return not any('/orbax/' in f for f in [record.getMessage(), *files])
+
+
+def _closed_loop(value):
+  return type(value) is RuntimeError and str(value) == 'Event loop is closed'
+
+
+def _quiet_closed_loop(excepthook, unraisablehook):
+  """sys.excepthook and sys.unraisablehook without the 'Event loop is closed' tracebacks
+  that tensorstore's callbacks print once orbax has closed the event loop of a failed
+  write (the loop reports the failure itself, in one line)."""
+  def on_exception(kind, value, tb):
+    if not _closed_loop(value):
+      excepthook(kind, value, tb)
+
+  def on_unraisable(unraisable):
+    if not _closed_loop(unraisable.exc_value):
+      unraisablehook(unraisable)
+
+  on_exception.quiet_closed_loop = on_unraisable.quiet_closed_loop = True
+  return on_exception, on_unraisable
 
 
 def _quiet_library_noise():
   absl_logger = std_logging.getLogger('absl')
   if not any(isinstance(f, _ShortLibraryErrors) for f in absl_logger.filters):
     absl_logger.addFilter(_ShortLibraryErrors())
+  asyncio_logger = std_logging.getLogger('asyncio')
+  if not any(isinstance(f, _DropOrphanedWriteTasks) for f in asyncio_logger.filters):
+    asyncio_logger.addFilter(_DropOrphanedWriteTasks())
   if not getattr(sys.excepthook, 'quiet_closed_loop', False):
-    sys.excepthook = _quiet_closed_loop(sys.excepthook)
+    sys.excepthook, sys.unraisablehook = _quiet_closed_loop(sys.excepthook, sys.unraisablehook)
 
 
 def create_train_state(config, model, tx, mesh, num_classes, manager=None):
