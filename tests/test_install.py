@@ -26,7 +26,7 @@ def test_package_is_one_namespace(wheel_venv, tmp_path):
   site = os.path.dirname(package_dir)
   assert not {'configs', 'launch', 'tests', 'benchmarks'} & set(os.listdir(site))
   for script in ('vit-train', 'vit-evaluate', 'vit-predict', 'vit-inspect', 'vit-sweep',
-                 'vit-tpu'):
+                 'vit-tpu', 'vit-vtab'):
     assert (wheel_venv / 'bin' / script).exists(), script
 
 
