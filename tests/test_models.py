@@ -186,6 +186,20 @@ REMAT_CASES = {
 }
 
 
+def _square_loss(p, m, x):
+  y = m.apply({'params': p}, x, train=True, rngs={'dropout': jax.random.PRNGKey(3)})
+  return jnp.sum(y**2)
+
+
+def _assert_same_gradients(plain, remat, params, x):
+  g1 = jax.grad(_square_loss)(params, plain, x)
+  g2 = jax.grad(_square_loss)(params, remat, x)
+  # Recomputation may reassociate float sums: compare relative to the gradients' scale.
+  scale = max(float(jnp.abs(a).max()) for a in jax.tree.leaves(g1))
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale)
+
+
 @pytest.mark.parametrize('family', sorted(REMAT_CASES))
 def test_remat_gives_same_values_and_gradients(family):
   name, overrides, size = REMAT_CASES[family]
@@ -197,16 +211,7 @@ def test_remat_gives_same_values_and_gradients(family):
   assert jax.tree.structure(params) == jax.tree.structure(
       remat.init(jax.random.PRNGKey(0), x, train=False)['params'])
 
-  def loss(p, m):
-    y = m.apply({'params': p}, x, train=True, rngs={'dropout': jax.random.PRNGKey(3)})
-    return jnp.sum(y**2)
-
-  g1 = jax.grad(loss)(params, plain)
-  g2 = jax.grad(loss)(params, remat)
-  # Recomputation may reassociate float sums: compare relative to the gradients' scale.
-  scale = max(float(jnp.abs(a).max()) for a in jax.tree.leaves(g1))
-  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale)
+  _assert_same_gradients(plain, remat, params, x)
 
 
 def test_unknown_name_lists_known_names():
@@ -335,17 +340,9 @@ def test_remat_policies_give_the_gradients_of_no_remat(policy):
   params = plain.init(jax.random.PRNGKey(0), x, train=False)['params']
   params['head']['kernel'] = jax.random.normal(jax.random.PRNGKey(1), params['head']['kernel'].shape)
 
-  def loss(p, m):
-    y = m.apply({'params': p}, x, train=True, rngs={'dropout': jax.random.PRNGKey(3)})
-    return jnp.sum(y**2)
-
-  g1 = jax.grad(loss)(params, plain)
-  g2 = jax.grad(loss)(params, remat)
-  scale = max(float(jnp.abs(a).max()) for a in jax.tree.leaves(g1))
-  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale)
+  _assert_same_gradients(plain, remat, params, x)
   # The policy is really applied: remat shows in the gradient's jaxpr unless off.
-  text = str(jax.make_jaxpr(jax.grad(loss), static_argnums=1)(params, remat))
+  text = str(jax.make_jaxpr(jax.grad(_square_loss), static_argnums=1)(params, remat, x))
   assert ('checkpoint' in text or 'remat' in text) == bool(remat_lib.policy_name(policy))
 
 
