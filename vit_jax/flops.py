@@ -162,6 +162,17 @@ def train_step_flops(name, batch_size, image_size=224, num_classes=1000, **overr
   return batch_size * train_flops(name, image_size, num_classes, **overrides)
 
 
+def step_flops(config, num_classes):
+  """FLOPs of one step of the loop's `config` (global batch, config.model overrides), the
+  numerator of MFU; None for an objective other than classification (masked patches),
+  whose head this module does not count. Remat's recomputation and accumulation leave
+  the model's FLOPs unchanged."""
+  if config.get('objective', 'classification') != 'classification':
+    return None
+  return train_step_flops(config.model_name, config.batch_size, config.image_size, num_classes,
+                          **config.model)
+
+
 def pretraining_exaflops(name, epochs, num_images=JFT_IMAGES, image_size=224,
                          num_classes=JFT_CLASSES, **overrides):
   """Pre-training compute in exaFLOPs (1e18), as Table 6's last column.

@@ -1,0 +1,50 @@
+"""A jax.profiler trace of chosen training steps, for TensorBoard's profile tab.
+
+    trace = StepTrace(os.path.join(workdir, 'profile'), first_step=10, num_steps=5)
+    for step in ...:
+      trace.before(step)
+      state, metrics = train_step(...)
+      trace.after(step, metrics)
+    trace.close()  # in a `finally`: stops a trace the run ended inside
+
+Steps [first_step, first_step + num_steps) are traced; num_steps 0 traces nothing. A run
+resumed inside the window traces the rest of it. Each host writes its own trace.
+"""
+import jax
+
+
+class StepTrace:
+  """Starts jax.profiler before the window's first step, stops after its last."""
+
+  def __init__(self, logdir, first_step, num_steps):
+    if num_steps < 0 or (num_steps and first_step < 1):
+      raise ValueError(f'profile steps: first step {first_step} (>= 1) and number of steps '
+                       f'{num_steps} (>= 0; 0 for no trace) are out of range')
+    self.logdir = logdir
+    self.first_step = first_step
+    self.end_step = first_step + num_steps  # one past the last traced step
+    self.active = False
+    self.done = num_steps == 0
+
+  def before(self, step):
+    """Starts the trace if `step` is inside the window and no trace ran yet."""
+    if not self.done and not self.active and self.first_step <= step < self.end_step:
+      jax.profiler.start_trace(self.logdir)
+      self.active = True
+
+  def after(self, step, outputs=None):
+    """Stops the trace after the window's last step, once `outputs` are computed."""
+    if self.active and step >= self.end_step - 1:
+      self._stop(outputs)
+
+  def close(self):
+    """Stops a trace still running (the run ended inside the window)."""
+    if self.active:
+      self._stop(None)
+
+  def _stop(self, outputs):
+    try:
+      jax.block_until_ready(outputs)
+    finally:
+      jax.profiler.stop_trace()
+      self.active, self.done = False, True
