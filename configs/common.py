@@ -51,6 +51,9 @@ def get_config():
   c.num_epochs = -1.0  # Epochs over the training set when total_steps is -1.
   c.weight_decay = 0.0  # Decoupled decay on kernels, scaled by the learning rate (as AdamW).
   c.grad_clip_norm = 1.0  # Global-norm gradient clipping; 0 turns it off.
+  # Polyak averaging of the parameters (vit_jax/polyak.py; Table 2: 0.9999): the average is
+  # what evaluation, few-shot and final.npz use. 0 turns it off.
+  c.polyak_decay = 0.0
   c.loss = 'softmax_xent'  # 'softmax_xent' or 'sigmoid_xent' (multi-label pre-training).
   c.objective = 'classification'  # Or 'masked_patches': self-supervised pre-training (Sec. 4.6).
 

@@ -111,6 +111,33 @@ def test_resume_continues_at_step_7_and_equals_uninterrupted(idx_dir, tmp_path, 
   _assert_trees_close(straight['params'], resumed['params'], 0.0)
 
 
+def test_polyak_average_is_exported_and_resumes_bit_identically(idx_dir, tmp_path):
+  # The iterates of a run without averaging (the average never changes the training).
+  config = _config(idx_dir, total_steps=4, checkpoint_every_steps=1)
+  plain = str(tmp_path / 'plain')
+  iterates = [train.train_and_evaluate(config, plain, stop_after_steps=k)['params']
+              for k in range(1, 5)]
+  decay = 0.5
+  weights = np.array([(1 - decay) * decay ** (3 - i) for i in range(4)])
+  weights /= weights.sum()  # the average is divided by its total weight
+  expected = jax.tree.map(lambda *xs: sum(w * np.asarray(x) for w, x in zip(weights, xs)),
+                          *iterates)
+
+  averaged = _config(idx_dir, total_steps=4, checkpoint_every_steps=1, polyak_decay=decay)
+  straight = train.train_and_evaluate(averaged, str(tmp_path / 'straight'))
+  _assert_trees_close(expected, straight['params'], 1e-6)
+  exported = checkpoint.load_npz(str(tmp_path / 'straight' / 'final.npz'))
+  _assert_trees_close(straight['params'], exported, 0.0)
+  assert not np.allclose(np.asarray(iterates[-1]['head']['kernel']),
+                         np.asarray(exported['head']['kernel']))  # not the last iterate
+
+  workdir = str(tmp_path / 'resumed')
+  train.train_and_evaluate(averaged, workdir, stop_after_steps=2)
+  resumed = train.train_and_evaluate(averaged, workdir)
+  assert resumed['accuracy'] == straight['accuracy']
+  _assert_trees_close(straight['params'], resumed['params'], 0.0)
+
+
 def test_bfloat16_and_remat_follow_float32(idx_dir, tmp_path, data_parallel):
   remat = _run(idx_dir, tmp_path, 'remat', remat=True)
   bf16 = _run(idx_dir, tmp_path, 'bf16', dtype='bfloat16')
@@ -256,6 +283,7 @@ def test_fewshot_evaluation_runs_inside_training(idx_dir, tmp_path, caplog):
     (dict(dtype='float16'), "dtype 'float16' is unknown"),
     (dict(warmup_steps=5), 'warmup_steps 5 >= total_steps 3'),
     (dict(vtab_task='clevr_cnt'), "vtab_task 'clevr_cnt' is not a VTAB-1k task"),
+    (dict(polyak_decay=1.0), 'polyak_decay 1.0 is not in'),
 ])
 def test_bad_config_fails_at_start_up(idx_dir, tmp_path, overrides, message):
   with pytest.raises(ValueError, match=message):

@@ -32,6 +32,7 @@ from vit_jax import masked_patches
 from vit_jax import models
 from vit_jax import optim
 from vit_jax import paths
+from vit_jax import polyak
 from vit_jax import rundir
 from vit_jax import sharding
 from vit_jax import vtab
@@ -91,6 +92,7 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
     raise ValueError('pretrained_keep_prelogits needs the pre-logits layer in the model: set '
                      '--config.model.representation_size to the checkpoint\'s size')
   masked_patches.validate(config)
+  polyak.validate(config)
   evaluate_lib.validate_fewshot(config)
   optim.validate(config, num_train_examples)
 
@@ -162,6 +164,8 @@ def make_train_step(model, tx, schedule, config, mesh):
       new_params = jax.tree.map(keep, new_params, params)
       opt_state = jax.tree.map(keep, opt_state, state['opt_state'])
     new_state = {'step': state['step'] + 1, 'params': new_params, 'opt_state': opt_state}
+    if 'polyak' in state:
+      new_state['polyak'] = polyak.update(state['polyak'], new_params, config.polyak_decay)
     metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': schedule(state['step'])}
     if 'guard' in state:  # the loop's divergence guard: the first non-finite step, on device
       guard = state['guard']
@@ -364,9 +368,10 @@ def create_train_state(config, model, tx, mesh, num_classes, manager=None):
   """(state, its shardings) on `mesh`: the latest checkpoint of `manager` (restored onto
   any mesh), else initialised from config.seed or config.pretrained_path.
 
-  state = {'step', 'params', 'opt_state', 'guard'}; 'guard' (the divergence record) is
-  never checkpointed. Raises checkpoint.DifferentModelError for checkpoints of another
-  model. The loop, the benchmarks and notebooks build their state here.
+  state = {'step', 'params', 'opt_state', 'guard'} and, with config.polyak_decay, 'polyak'
+  (vit_jax/polyak.py); 'guard' (the divergence record) is never checkpointed. Raises
+  checkpoint.DifferentModelError for checkpoints of another model. The loop, the
+  benchmarks and notebooks build their state here.
   """
   replicated = sharding.replicated(mesh)
   abstract_params = jax.eval_shape(lambda: _init(config, model, jax.random.PRNGKey(0)))
@@ -375,15 +380,20 @@ def create_train_state(config, model, tx, mesh, num_classes, manager=None):
   opt_sh = sharding.tree_shardings(abstract_opt, mesh, config.fsdp)
   guard_sh = {k: replicated for k in ('first_bad', 'loss', 'grad_norm', 'skipped')}
   saved_sh = {'step': replicated, 'params': param_sh, 'opt_state': opt_sh}
+  abstract_saved = {'step': jax.ShapeDtypeStruct((), jnp.int32), 'params': abstract_params,
+                    'opt_state': abstract_opt}
+  if polyak.enabled(config):
+    saved_sh['polyak'] = {'sum': param_sh, 'weight': replicated}
+    abstract_saved['polyak'] = jax.eval_shape(polyak.init, abstract_params)
   state = None
   if manager is not None:
-    abstract_state = _abstract({'step': jax.ShapeDtypeStruct((), jnp.int32),
-                                'params': abstract_params, 'opt_state': abstract_opt}, saved_sh)
-    state = checkpoint.restore_train_state(manager, abstract_state)
+    state = checkpoint.restore_train_state(manager, _abstract(abstract_saved, saved_sh))
   if state is None:
     params = _initial_params(config, model, num_classes, param_sh)
     state = {'step': jax.device_put(jnp.int32(0), replicated), 'params': params,
              'opt_state': jax.jit(tx.init, out_shardings=opt_sh)(params)}
+    if polyak.enabled(config):
+      state['polyak'] = jax.jit(polyak.init, out_shardings=saved_sh['polyak'])(params)
   state['guard'] = jax.device_put(
       {'first_bad': jnp.int32(0), 'loss': jnp.float32(0), 'grad_norm': jnp.float32(0),
        'skipped': jnp.int32(0)}, guard_sh)
@@ -426,6 +436,10 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   eval_step = jax.jit(masked_patches.make_eval_step(model, config) if masked_patches.is_masked(
       config) else make_eval_step(model), in_shardings=(param_sh, batch_sharding),
                       out_shardings=replicated)
+  # The parameters evaluated and exported: the Polyak average when config.polyak_decay is set.
+  eval_params = (jax.jit(lambda s: polyak.averaged(s['polyak'], s['params']),
+                         out_shardings=param_sh)
+                 if polyak.enabled(config) else lambda s: s['params'])
   try:
     if writer is None:
       writer = metric_writers.create_default_writer(workdir,
@@ -525,16 +539,16 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
         result.update(step=step, loss=float(metrics['loss']))
       if _due(step, config.eval_every_steps) or step == total_steps:
         check_guard(_local(state['guard']))
-        accuracy, n = evaluate(eval_step, state['params'], config, batch_sharding, num_classes)
-        logging.info('step %d  %s %s %.4f (%d %s)', step, config.eval_split, metric, accuracy,
-                     n, unit)
+        params = eval_params(state)
+        accuracy, n = evaluate(eval_step, params, config, batch_sharding, num_classes)
+        logging.info('step %d  %s %s %.4f (%d %s%s)', step, config.eval_split, metric, accuracy,
+                     n, unit, ', Polyak average' if polyak.enabled(config) else '')
         writer.write_scalars(step, {'accuracy': accuracy})
         result.update(accuracy=accuracy)
         if real:
-          result.update(_evaluate_real(eval_step, state['params'], real, batch_sharding, step,
-                                       writer))
+          result.update(_evaluate_real(eval_step, params, real, batch_sharding, step, writer))
       if fewshot and (_due(step, config.fewshot_every_steps) or step == total_steps):
-        scores = fewshot(state['params'])
+        scores = fewshot(eval_params(state))
         logging.info('step %d  few-shot linear: %s', step,
                      '  '.join(f'{k[len("fewshot/"):]} {v:.4f}' for k, v in scores.items()))
         writer.write_scalars(step, scores)
@@ -558,11 +572,11 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
     if finished:
       check_guard(_local(state['guard']))
     if finished and 'accuracy' not in result:  # a finished run, started again
-      result['accuracy'], _ = evaluate(eval_step, state['params'], config, batch_sharding,
+      result['accuracy'], _ = evaluate(eval_step, eval_params(state), config, batch_sharding,
                                        num_classes)
     if finished:
       # Collective under FSDP or on several hosts; only process 0 writes the file.
-      params = multihost_utils.process_allgather(state['params'], tiled=True)
+      params = multihost_utils.process_allgather(eval_params(state), tiled=True)
       if jax.process_index() == 0:
         checkpoint.save_npz(os.path.join(workdir, 'final.npz'), params)
       logging.info('Final %s %s: %.4f after %d steps (parameters: %s)',
@@ -577,7 +591,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       manager.wait_until_finished()  # never leave a save thread behind
     except Exception:  # pylint: disable=broad-except  (already reported above)
       pass
-  result['params'] = state['params']
+  result['params'] = eval_params(state)  # what final.npz holds
   return result
 
 
