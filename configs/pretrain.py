@@ -27,10 +27,26 @@ Choices where the paper is silent or terse:
   dropout nor pre-logits (they have no such layers).
 - R200x3 (Table 6) has no Table 3 row, so it has no row here either.
 """
-from vit_jax.configs import common
+from typing import NamedTuple
 
-# Table 3. (models, dataset, epochs (first is the default), base_lr, lr_decay, weight_decay, dropout)
-TABLE3 = (
+from vit_jax.configs import common
+from vit_jax.models import variants
+
+
+class Table3Row(NamedTuple):
+  """One row of Table 3."""
+  models: tuple[str, ...]  # ('ViT-*',): any plain ViT.
+  dataset: str  # A key of DATASETS.
+  epochs: tuple[float, ...]  # Allowed; the first is the default.
+  base_lr: float
+  lr_decay: str
+  weight_decay: float
+  dropout: float  # model.dropout_rate of models with a Transformer.
+
+
+# Table 3, one Table3Row (models, dataset, epochs, base_lr, lr_decay, weight_decay, dropout)
+# per line.
+TABLE3 = tuple(Table3Row(*row) for row in (
     (('ViT-B_16', 'ViT-B_32'), 'jft300m', (7,), 8e-4, 'linear', 0.1, 0.0),
     (('ViT-L_32',), 'jft300m', (7,), 6e-4, 'linear', 0.1, 0.0),
     (('ViT-L_16',), 'jft300m', (7, 14), 4e-4, 'linear', 0.1, 0.0),
@@ -45,7 +61,7 @@ TABLE3 = (
     (('ViT-B_16', 'ViT-B_32'), 'imagenet21k', (90,), 1e-3, 'linear', 0.03, 0.1),
     (('ViT-L_16', 'ViT-L_32'), 'imagenet21k', (90, 30), 1e-3, 'linear', 0.03, 0.1),
     (('ViT-*',), 'imagenet2012', (300,), 3e-3, 'cosine', 0.3, 0.1),
-)
+))
 
 # ImageNet-21k images per epoch: 12.4M. The paper says "14M images" (14,197,122 in
 # the fall 2011 release, 21,841 synsets), but the maintainers state that the set they
@@ -74,47 +90,33 @@ DATASETS = {
                          end_lr=0.0, clip=1.0),
 }
 
-# Table 1 hidden size D per ViT width (Ti and S are the later, smaller variants).
-HIDDEN_SIZE = {'Ti': 192, 'S': 384, 'B': 768, 'L': 1024, 'H': 1280}
-
 
 def rows():
   """Every (model, dataset) of Table 3, the "ViT-*" row as IMAGENET_MODELS."""
-  return [(m, row[1]) for row in TABLE3
-          for m in (IMAGENET_MODELS if row[0] == ('ViT-*',) else row[0])]
+  return [(m, row.dataset) for row in TABLE3
+          for m in (IMAGENET_MODELS if row.models == ('ViT-*',) else row.models)]
 
 
 def _usage_rows():
   names = [f'{m},{d}' for m, d in rows() if d != 'imagenet2012']
-  sizes, patches = '|'.join(HIDDEN_SIZE), '|'.join(str(p) for p in VIT_PATCHES)
+  sizes, patches = '|'.join(variants.VIT_SIZES), '|'.join(map(str, variants.VIT_PATCHES))
   return names + [f'ViT-<{sizes}>_<{patches}>,imagenet2012']
 
 
 def _find_row(model, dataset):
   for row in TABLE3:
-    if row[1] != dataset:
+    if row.dataset != dataset:
       continue
-    for pattern in row[0]:
+    for pattern in row.models:
       if _is_plain_vit(model) if pattern == 'ViT-*' else model == pattern:
         return row
   return None
 
 
-VIT_PATCHES = (8, 14, 16, 32)  # Patch sizes of vit_jax.models.VARIANTS; all divide 224.
-
-
 def _is_plain_vit(model):
-  if not model.startswith('ViT-') or '_' not in model:
-    return False
-  width, patch = model[len('ViT-'):].split('_', 1)
-  return width in HIDDEN_SIZE and patch.isdigit() and int(patch) in VIT_PATCHES
-
-
-def _hidden_size(model):
-  """D of a ViT or hybrid name ('R50+ViT-L_16' -> 1024); None for BiT ResNets."""
-  if 'ViT-' not in model:
-    return None
-  return HIDDEN_SIZE[model.split('ViT-', 1)[1].split('_', 1)[0]]
+  """A ViT of the variant table without a ResNet stem ('ViT-B_16', not 'R50+ViT-B_16')."""
+  fields = variants.VARIANTS.get(model)
+  return fields is not None and fields['family'] == 'vit' and fields['resnet_layers'] is None
 
 
 def get_config(arg=None):
@@ -128,26 +130,25 @@ def get_config(arg=None):
   row = _find_row(model, dataset)
   if row is None:
     raise ValueError(f'{model},{dataset} is not a row of Table 3: use {usage}')
-  _, _, epochs_allowed, base_lr, lr_decay, weight_decay, dropout = row
-  epochs = epochs_allowed[0]
+  epochs = row.epochs[0]
   if len(parts) == 3:
     try:
       epochs = float(parts[2])
     except ValueError:
       epochs = None
-    if epochs not in epochs_allowed:
-      allowed = ' or '.join(str(e) for e in epochs_allowed)
+    if epochs not in row.epochs:
+      allowed = ' or '.join(str(e) for e in row.epochs)
       raise ValueError(f'epochs {parts[2]!r} is not in Table 3 for {model},{dataset}: '
                        f'use {allowed} (or override --config.num_epochs)')
   data = DATASETS[dataset]
 
   c = common.get_config()
   c.model_name = model
-  d = _hidden_size(model)
-  if d is not None:  # Models with a Transformer: Table 3 dropout and pre-logits.
-    c.model.dropout_rate = float(dropout)
+  fields = variants.VARIANTS[model]  # _find_row accepts variant names only.
+  if fields['family'] == 'vit':  # Models with a Transformer: Table 3 dropout, pre-logits of D.
+    c.model.dropout_rate = float(row.dropout)
     c.model.attention_dropout_rate = 0.0
-    c.model.representation_size = d
+    c.model.representation_size = fields['hidden_size']
   c.head_bias_init = data['head_bias_init']
   c.loss = data['loss']
 
@@ -161,13 +162,13 @@ def get_config(arg=None):
   c.optimizer = 'adam'
   c.adam_b1 = 0.9
   c.adam_b2 = 0.999
-  c.base_lr = float(base_lr)
-  c.lr_decay = lr_decay
+  c.base_lr = float(row.base_lr)
+  c.lr_decay = row.lr_decay
   c.end_lr = data['end_lr']
   c.warmup_steps = 10_000
   c.num_epochs = float(epochs)
   c.total_steps = -1  # Derived: ceil(num_epochs * num_train_examples / batch_size).
-  c.weight_decay = float(weight_decay)
+  c.weight_decay = float(row.weight_decay)
   c.grad_clip_norm = data['clip']
 
   # The paper's "5-shot ImageNet linear" (Fig. 4), ready but off: turn it on with

@@ -372,8 +372,8 @@ def _check_posemb(c, params):
 @pytest.mark.parametrize('model,dataset', PRETRAIN.rows() + [
     ('ViT-S_16', 'imagenet2012'), ('ViT-Ti_16', 'imagenet2012')])
 def test_pretrain_row_starts(model, dataset):
-  epochs = next(row[2] for row in PRETRAIN.TABLE3 if row[1] == dataset and (
-      model in row[0] or row[0] == ('ViT-*',)))
+  epochs = next(row.epochs for row in PRETRAIN.TABLE3 if row.dataset == dataset and (
+      model in row.models or row.models == ('ViT-*',)))
   for arg in [f'{model},{dataset}'] + [f'{model},{dataset},{e}' for e in epochs]:
     c = PRETRAIN.get_config(arg)
     assert c.image_size == PRETRAIN_RESOLUTION

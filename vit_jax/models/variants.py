@@ -7,14 +7,14 @@ here and come from the configs.
 """
 
 # ViT sizes (Table 1, plus Ti and S): hidden_size, mlp_dim, num_heads, num_layers.
-_VIT_SIZES = {
+VIT_SIZES = {
     'Ti': dict(hidden_size=192, mlp_dim=768, num_heads=3, num_layers=12),
     'S': dict(hidden_size=384, mlp_dim=1536, num_heads=6, num_layers=12),
     'B': dict(hidden_size=768, mlp_dim=3072, num_heads=12, num_layers=12),
     'L': dict(hidden_size=1024, mlp_dim=4096, num_heads=16, num_layers=24),
     'H': dict(hidden_size=1280, mlp_dim=5120, num_heads=16, num_layers=32),
 }
-_VIT_PATCHES = (8, 14, 16, 32)
+VIT_PATCHES = (8, 14, 16, 32)  # Every plain ViT size comes with each; all divide 224.
 
 # Every ViT-family field, with its default. `resnet_layers` None means no ResNet stem;
 # a tuple (possibly empty: root only) makes a hybrid.
@@ -27,7 +27,7 @@ VIT_DEFAULTS = dict(
     attention_dropout_rate=0.0,
     resnet_layers=None,
     resnet_width=1,
-    **_VIT_SIZES['B'],
+    **VIT_SIZES['B'],
 )
 
 BIT_DEFAULTS = dict(
@@ -43,7 +43,7 @@ _BIT_DEPTHS = {
 
 
 def _vit(size, patch, **fields):
-  return {**VIT_DEFAULTS, **_VIT_SIZES[size], 'patch_size': patch, **fields}
+  return {**VIT_DEFAULTS, **VIT_SIZES[size], 'patch_size': patch, **fields}
 
 
 def _bit(depth, width):
@@ -52,7 +52,7 @@ def _bit(depth, width):
 
 VARIANTS = {
     # Plain ViTs: every size with every patch size.
-    **{f'ViT-{s}_{p}': _vit(s, p) for s in _VIT_SIZES for p in _VIT_PATCHES},
+    **{f'ViT-{s}_{p}': _vit(s, p) for s in VIT_SIZES for p in VIT_PATCHES},
     # Hybrids: ResNet stem (GN + weight-standardised convs), then ViT on its feature map.
     # The name's patch size is the effective one, stem stride x patch_size (see
     # pixels_per_token), except for R+ViT-Ti_16, named as published: 4 x 8 = 32.
