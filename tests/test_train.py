@@ -245,6 +245,9 @@ def test_imagenet_training_with_real_evaluation(tmp_path, caplog):
   want = np.mean([top1[i] in data_fixtures.label_set(i) for i in used])
   assert (out['real_accuracy'], out['real_examples']) == (pytest.approx(want, abs=1e-6), 38)
   assert f'ImageNet ReaL top-1 accuracy {want:.4f} (38 images with a ReaL label)' in caplog.text
+  with data_fixtures.mock_real(40):  # the finished run, started again, reports ReaL again
+    again = train.train_and_evaluate(config, str(tmp_path / 'real'))
+  assert (again['real_accuracy'], again['real_examples']) == (out['real_accuracy'], 38)
   with pytest.raises(train.ConfigError, match='eval_real scores a head of the 1000 ImageNet'):
     with data_fixtures.mock_real(40):
       train.train_and_evaluate(_config('', dataset='imagenet2012_real', label_key='original_label',

@@ -572,8 +572,11 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
     if finished:
       check_guard(_local(state['guard']))
     if finished and 'accuracy' not in result:  # a finished run, started again
-      result['accuracy'], _ = evaluate(eval_step, eval_params(state), config, batch_sharding,
-                                       num_classes)
+      params = eval_params(state)
+      result['accuracy'], _ = evaluate(eval_step, params, config, batch_sharding, num_classes)
+      if real:
+        result.update(_evaluate_real(eval_step, params, real, batch_sharding, total_steps,
+                                     writer))
     if finished:
       # Collective under FSDP or on several hosts; only process 0 writes the file.
       params = multihost_utils.process_allgather(eval_params(state), tiled=True)
