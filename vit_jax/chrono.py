@@ -66,11 +66,9 @@ class Chrono:
     self._paused_since_last = 0.0  # pauses before timing starts do not count
 
   @contextlib.contextmanager
-  def paused(self, sync=None):
-    """Time inside does not count as training. `sync`: called first (e.g. a lambda that
-    blocks on the state), so the steps still running on the device count as training."""
-    if sync is not None:
-      sync()
+  def paused(self):
+    """Time inside does not count as training. Sync the device first (block on the state),
+    or the steps still running there are counted as the pause."""
     self._pause_depth += 1
     if self._pause_depth == 1:
       self._pause_start = self._clock()
