@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from vit_jax import xla_cpu_flags
 
@@ -55,6 +56,96 @@ def test_apply_is_a_no_op_once_the_backend_started(monkeypatch):
   monkeypatch.delenv(xla_cpu_flags.OPT_OUT, raising=False)
   assert xla_cpu_flags.apply() == []
   assert os.environ['XLA_FLAGS'] == '--xla_force_host_platform_device_count=8'
+
+
+def test_modes_and_a_bad_value():
+  fixed = xla_cpu_flags.FLAGS_BY_DTYPE['float32']
+  assert xla_cpu_flags.choose({xla_cpu_flags.OPT_OUT: '0'})[0] == ()
+  assert xla_cpu_flags.choose({xla_cpu_flags.OPT_OUT: '1'})[0] == fixed
+  assert xla_cpu_flags.choose({xla_cpu_flags.OPT_OUT: '1'}, 'bfloat16')[0] == ()
+  with pytest.raises(ValueError, match='VIT_JAX_XLA_CPU_FLAGS=yes: use auto'):
+    xla_cpu_flags.choose({xla_cpu_flags.OPT_OUT: 'yes'})
+
+
+def test_no_probe_under_pytest_and_its_children_are_pinned(monkeypatch):
+  monkeypatch.setattr(xla_cpu_flags, 'probe', _no_probe)
+  flags, why = xla_cpu_flags.choose({})  # auto, float32
+  assert flags == xla_cpu_flags.FLAGS_BY_DTYPE['float32'] and 'pytest' in why
+  code = ('import os, pytest; from vit_jax import xla_cpu_flags as x; x.apply(); '
+          f'print(os.environ[{xla_cpu_flags.OPT_OUT!r}], os.environ["XLA_FLAGS"])')
+  env = {k: v for k, v in os.environ.items() if k not in (xla_cpu_flags.OPT_OUT, 'XLA_FLAGS')}
+  out = subprocess.run([sys.executable, '-c', code], env=env, cwd=REPO, capture_output=True,
+                       text=True, timeout=120, check=True).stdout.split()
+  assert out == ['1', FLAG]
+
+
+def _no_probe(**_):
+  raise AssertionError('the probe ran')
+
+
+@pytest.fixture
+def outside_pytest(monkeypatch, tmp_path):
+  """choose() as a CLI run sees it (auto mode, a quiet host), with its cache in tmp_path."""
+  monkeypatch.delitem(sys.modules, 'pytest')
+  monkeypatch.setattr(os, 'getloadavg', lambda: (0.0, 0.0, 0.0))
+  return str(tmp_path / 'cache' / 'xla_cpu_flags.json')
+
+
+def test_auto_probes_once_per_host_and_caches_the_verdict(monkeypatch, outside_pytest):
+  calls = []
+
+  def probe(**_):
+    calls.append(1)
+    ratios = [0.9, 0.8, 0.85]
+    return {'date': 'd', 'off_over_on': ratios, **xla_cpu_flags.verdict(ratios)}
+
+  monkeypatch.setattr(xla_cpu_flags, 'probe', probe)
+  flags, why = xla_cpu_flags.choose({}, cache_path=outside_pytest)
+  assert flags == () and 'probed now' in why and '0.90, 0.80, 0.85' in why
+  flags, why = xla_cpu_flags.choose({}, cache_path=outside_pytest)  # from the cache
+  assert flags == () and 'delete it to re-probe' in why and calls == [1]
+  with open(outside_pytest) as f:
+    assert list(json.load(f)) == [xla_cpu_flags.host_key()]
+  # Another host (or jaxlib) sharing the cache file probes for itself.
+  monkeypatch.setattr(xla_cpu_flags, 'host_key', lambda: 'another cpu | 2 cores | jaxlib 0.10.2')
+  xla_cpu_flags.choose({}, cache_path=outside_pytest)
+  assert calls == [1, 1]
+  assert xla_cpu_flags.choose({}, 'bfloat16', cache_path=outside_pytest)[0] == ()
+
+
+def test_a_failed_or_tied_probe_keeps_the_fixed_table(monkeypatch, outside_pytest):
+  # A probe whose kernel cannot start (here: a flag XLA does not know) fails cleanly.
+  monkeypatch.setenv('XLA_FLAGS', '--xla_no_such_flag=1')
+  failed = xla_cpu_flags.probe(rounds=1, steps=1)
+  assert failed['flags'] is None and 'did not start' in failed['error']
+  tie = {'date': 'd', 'off_over_on': [1.01], **xla_cpu_flags.verdict([1.01])}
+  for entry, reason in ((failed, 'probe failed'), (tie, 'a tie')):
+    monkeypatch.setattr(xla_cpu_flags, 'probe', lambda entry=entry, **_: entry)
+    monkeypatch.setattr(xla_cpu_flags, 'host_key', lambda reason=reason: reason)
+    flags, why = xla_cpu_flags.choose({}, cache_path=outside_pytest)
+    assert flags == xla_cpu_flags.FLAGS_BY_DTYPE['float32'] and reason in why
+
+
+def test_busy_host_gets_the_fixed_table_and_no_probe(monkeypatch, outside_pytest):
+  monkeypatch.setattr(xla_cpu_flags, 'probe', _no_probe)
+  monkeypatch.setattr(os, 'getloadavg', lambda: (64.0, 64.0, 64.0))
+  flags, why = xla_cpu_flags.choose({}, cache_path=outside_pytest)
+  assert flags == xla_cpu_flags.FLAGS_BY_DTYPE['float32'] and 'busy' in why
+  assert not os.path.exists(outside_pytest)  # the next quiet start probes
+
+
+def test_verdict_needs_a_margin():
+  assert xla_cpu_flags.verdict([1.10, 1.20, 0.95])['flags'] == [xla_cpu_flags.YNNPACK_OFF]
+  assert xla_cpu_flags.verdict([0.88, 0.92, 1.05])['flags'] == []
+  assert xla_cpu_flags.verdict([1.02, 0.99, 1.01])['flags'] is None
+
+
+def test_the_probe_runs_both_sides_interleaved():
+  # The real kernel under both settings, one round: the timings a verdict is made of.
+  entry = xla_cpu_flags.probe(rounds=1, steps=1, timeout=300)
+  assert 'error' not in entry or 'a tie' in entry['error'], entry
+  assert len(entry['off_over_on']) == 1 and entry['off_over_on'][0] > 0
+  assert len(entry['step_s']['on']) == len(entry['step_s']['off']) == 1
 
 
 _GRADS = r'''
