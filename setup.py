@@ -36,7 +36,7 @@ EXTRAS_REQUIRE = {
 
 CONSOLE_SCRIPTS = [
     "vit-train = vit_jax.main:run",
-    "vit-evaluate = vit_jax.evaluate:run_cli",
+    "vit-evaluate = vit_jax.evaluate_cli:run_cli",
     "vit-inspect = vit_jax.inspection:run_cli",
     "vit-predict = vit_jax.predict:run_cli",
     "vit-sweep = vit_jax.launch.sweep:main",

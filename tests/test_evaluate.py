@@ -1,5 +1,6 @@
-"""Tests for vit_jax.evaluate: the closed-form few-shot regression, k-shot draws,
-feature extraction, the evaluator and the CLI on a tiny ViT and IDX files made here."""
+"""Tests for vit_jax.evaluate (the closed-form few-shot regression, k-shot draws, feature
+extraction, the evaluator) and its CLI, vit_jax.evaluate_cli, on a tiny ViT and IDX files
+made here."""
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 from tests import data_fixtures
 from vit_jax import checkpoint
 from vit_jax import evaluate
+from vit_jax import evaluate_cli
 from vit_jax import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,7 +132,7 @@ def test_fewshot_config_errors_name_the_fix():
 
 def test_other_datasets_are_read_with_their_own_label_feature():
   """A multi-label run (label_key 'labels') evaluated few-shot on a single-label dataset."""
-  run = evaluate.cli_config(dataset='imagenet21k', label_key='labels')
+  run = evaluate_cli.cli_config(dataset='imagenet21k', label_key='labels')
   assert evaluate.data_config(run, dataset='cifar100', split='test').label_key == 'label'
   assert evaluate.data_config(run, split='test').label_key == 'labels'
   assert evaluate.data_config(run, dataset='imagenet21k', split='test').label_key == 'labels'
@@ -145,7 +147,7 @@ def tiny(tmp_path_factory):
   params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 3)))['params']
   path = str(tmp / 'tiny.npz')
   checkpoint.save_npz(path, params)
-  config = evaluate.cli_config(
+  config = evaluate_cli.cli_config(
       dataset='fashion_mnist_local', data_dir=idx_dir, image_size=28, eval_batch_size=16,
       fewshot_shots=(1, 5), fewshot_seeds=(0, 1))
   return dict(idx_dir=idx_dir, model=model, params=params, path=path, config=config)
@@ -185,7 +187,7 @@ def test_evaluator_matches_pure_functions(tiny, standardise):
 
 
 def test_cli_end_to_end(tiny):
-  cmd = [sys.executable, '-m', 'vit_jax.evaluate', '--checkpoint', tiny['path'],
+  cmd = [sys.executable, '-m', 'vit_jax.evaluate_cli', '--checkpoint', tiny['path'],
          '--model', 'ViT-Ti_16', '--model_overrides',
          ','.join(f'{k}={v}' for k, v in TINY.items()), '--dataset', 'fashion_mnist_local',
          '--data_dir', tiny['idx_dir'], '--image_size', '28', '--mode', 'all',
@@ -205,11 +207,11 @@ def test_cli_end_to_end(tiny):
               train_split='train', eval_split='test', shots=['1'], seeds=['0'], l2_reg=1.0,
               batch_size=3)
   with pytest.raises(ValueError, match='multiple of the 8 devices'):
-    evaluate.run(types.SimpleNamespace(**args))
+    evaluate_cli.run(types.SimpleNamespace(**args))
   head_free = str(os.path.join(os.path.dirname(tiny['path']), 'nohead.npz'))
   checkpoint.save_npz(head_free, {k: v for k, v in tiny['params'].items() if k != 'head'})
   with pytest.raises(ValueError, match='use --mode fewshot'):
-    evaluate.run(types.SimpleNamespace(**{**args, 'checkpoint': head_free, 'batch_size': 8}))
+    evaluate_cli.run(types.SimpleNamespace(**{**args, 'checkpoint': head_free, 'batch_size': 8}))
 
 
 # ------------------------------------------------------------- ImageNet ReaL
@@ -253,9 +255,9 @@ def test_cli_real_on_mocked_imagenet2012_real(tmp_path):
   overrides = ','.join(f'{k}={v}' for k, v in TINY.items())
   args = ['vit-evaluate', '--checkpoint', path, '--model', 'ViT-Ti_16', '--model_overrides',
           overrides, '--dataset', 'imagenet2012_real', '--image_size', '28', '--batch_size', '8']
-  child = ('import sys; from tests import data_fixtures; from vit_jax import evaluate\n'
+  child = ('import sys; from tests import data_fixtures; from vit_jax import evaluate_cli\n'
            f'sys.argv = {args!r} + sys.argv[1:]\n'
-           'with data_fixtures.mock_real(37):\n  evaluate.run_cli()')
+           'with data_fixtures.mock_real(37):\n  evaluate_cli.run_cli()')
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2')
   out = subprocess.run([sys.executable, '-c', child], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)

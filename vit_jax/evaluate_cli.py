@@ -1,0 +1,162 @@
+r"""vit-evaluate: top-1 (also ImageNet ReaL) and few-shot linear accuracy of a checkpoint.
+
+  vit-evaluate --workdir workdirs/quickstart      # a finished run: top-1 and few-shot
+  vit-evaluate --checkpoint ViT-B_16.npz --model ViT-B_16 --dataset cifar10 --mode fewshot
+  vit-evaluate --workdir workdirs/imagenet --dataset imagenet2012_real   # ReaL top-1
+  vit-evaluate --workdir workdirs/jft --mode fewshot --fewshot_datasets cifar100,oxford_iiit_pet
+
+(python -m vit_jax.evaluate_cli is the same.) Settings not given on the command line are
+the run's (--workdir), else those of configs/common.py. The evaluation itself is
+vit_jax/evaluate.py.
+"""
+import sys
+
+from absl import app
+from absl import flags
+
+from vit_jax import evaluate
+from vit_jax import input_pipeline
+from vit_jax import model_flags
+from vit_jax.configs import common
+
+_DEFAULTS = common.get_config()
+
+
+def cli_config(**fields):
+  """A full config (configs/common.py) with `fields` set: the CLI's, and tests'."""
+  c = common.get_config()
+  for name, value in fields.items():
+    if name == 'pp':
+      c.pp.update(value)
+    else:
+      c[name] = value
+  return c
+
+
+def _define_flags():
+  """The CLI's flags, defined only when run as a program (importing defines none)."""
+  model_flags.define_flags()
+  flags.DEFINE_string('dataset', None, "TFDS name, 'folder:<dir>' or 'fashion_mnist_local' "
+                      '(default: the run\'s, else fashion_mnist_local).')
+  flags.DEFINE_string('data_dir', None, 'TFDS data_dir or the folder of the IDX files '
+                      '(default: the run\'s).')
+  flags.DEFINE_enum('eval_crop', None, ['resize', 'central'], 'Evaluation crop (default: the '
+                    'run\'s, else resize).')
+  flags.DEFINE_enum('mode', None, ['fewshot', 'top1', 'all'], 'What to evaluate (default: all '
+                    'for --workdir, fewshot for --checkpoint).')
+  flags.DEFINE_string('train_split', None, 'Split the k-shot examples come from (default: the '
+                      'run\'s, else train).')
+  flags.DEFINE_string('eval_split', None, 'Held-out split, top-1 and few-shot (default: the '
+                      'run\'s, else test).')
+  flags.DEFINE_list('fewshot_datasets', None, 'Datasets of the few-shot evaluation, each read '
+                    'with --train_split and --eval_split; several give per-dataset rows and '
+                    'their mean (default: --dataset).')
+  flags.DEFINE_list('shots', [str(k) for k in evaluate.DEFAULT_SHOTS], 'Shots per class.')
+  flags.DEFINE_bool('standardise', _DEFAULTS.fewshot_standardise, 'Standardise the features '
+                    'by the k-shot set\'s mean and deviation before the fit (see fewshot_standardise '
+                    'in configs/common.py).')
+  flags.DEFINE_list('seeds', [str(s) for s in evaluate.DEFAULT_SEEDS],
+                    'Seeds of the k-shot draws.')
+  flags.DEFINE_float('l2_reg', evaluate.DEFAULT_L2_REG,
+                     'Ridge regulariser of the few-shot regression.')
+  flags.DEFINE_integer('batch_size', 64, 'Global evaluation batch size.')
+  return flags.FLAGS
+
+
+def format_table(rows):
+  """[(mode, metric, value text)] -> an aligned text table."""
+  rows = [('mode', 'metric', 'value')] + list(rows)
+  widths = [max(len(r[i]) for r in rows) for i in range(2)]
+  return '\n'.join(f'{a:<{widths[0]}}  {b:<{widths[1]}}  {c}' for a, b, c in rows)
+
+
+def _setting(flags_, name, run_config, run_value, default):
+  """A flag given on the command line, else the run's value, else the default."""
+  value = getattr(flags_, name, None)
+  if value is not None:
+    return value
+  return run_value if run_config is not None else default
+
+
+def run(flags_):
+  """Evaluates per the flags; returns the table as text."""
+  run_config, model, params, image_size = model_flags.load(flags_)
+  rc = run_config or {}
+  pp = rc.get('pp', {})
+  get = lambda name, default: _setting(flags_, name, run_config, rc.get(name), default)
+  dataset = get('dataset', 'fashion_mnist_local')
+  real = dataset == evaluate.REAL_DATASET
+  label_key = (evaluate.REAL_LABEL_KEY if real else
+               rc.get('label_key', 'label') if dataset == rc.get('dataset') else 'label')
+  config = cli_config(
+      dataset=dataset, data_dir=get('data_dir', _DEFAULTS.data_dir), label_key=label_key,
+      image_size=image_size,
+      pp=dict(eval_crop=_setting(flags_, 'eval_crop', run_config, pp.get('eval_crop'),
+                                 _DEFAULTS.pp.eval_crop),
+              central_crop_fraction=pp.get('central_crop_fraction',
+                                           _DEFAULTS.pp.central_crop_fraction)))
+  eval_split = (getattr(flags_, 'eval_split', None) or evaluate.REAL_SPLIT) if real else get(
+      'eval_split', _DEFAULTS.eval_split)
+  train_split = get('train_split', _DEFAULTS.train_split)
+  mode = getattr(flags_, 'mode', None) or (
+      'top1' if real else 'all' if run_config is not None else 'fewshot')
+  if real and mode != 'top1':
+    raise ValueError(f'{evaluate.REAL_DATASET} holds only the ReaL labels of ImageNet\'s '
+                     'validation images, for top-1: use --mode top1')
+  num_classes = input_pipeline.get_info(evaluate.data_config(config, split=eval_split)).num_classes
+  rows = []
+  if mode in ('top1', 'all'):
+    if model.num_classes != num_classes:
+      raise ValueError(f'The checkpoint head has {model.num_classes} classes but '
+                       f'{config.dataset} has {num_classes}: use --mode fewshot')
+    acc, n = evaluate.top1_accuracy(model, params, config, eval_split, flags_.batch_size)
+    rows.append(('top1', f'{eval_split} ReaL' if real else eval_split,
+                 f'{acc:.4f}  ({n} images{" with a ReaL label" if real else ""})'))
+  if mode in ('fewshot', 'all'):
+    rows += _fewshot_rows(flags_, model, params, config, train_split, eval_split)
+  return format_table(rows)
+
+
+def _fewshot_rows(flags_, model, params, config, train_split, eval_split):
+  """Table rows: each dataset's k-shot accuracy, then the mean over datasets if several."""
+  shots = [int(k) for k in flags_.shots]
+  seeds = [int(s) for s in flags_.seeds]
+  standardise = getattr(flags_, 'standardise', _DEFAULTS.fewshot_standardise)
+  results, rows = {}, []
+  for dataset in getattr(flags_, 'fewshot_datasets', None) or [config.dataset]:
+    cfg = evaluate.data_config(config, dataset=dataset, split=eval_split)
+    num_classes = input_pipeline.get_info(cfg).num_classes
+    train_x, train_y = evaluate.extract_features(model, params, cfg, train_split,
+                                                 flags_.batch_size)
+    test_x, test_y = evaluate.extract_features(model, params, cfg, eval_split, flags_.batch_size)
+    label = evaluate.dataset_label(dataset)
+    results[label] = evaluate.fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes,
+                                               shots, seeds, flags_.l2_reg,
+                                               standardise=standardise)
+    for k, r in results[label].items():
+      per_seed = ' '.join(f'{a:.4f}' for a in r['per_seed'])
+      rows.append(('fewshot', f'{label} {k}-shot', f'{r["mean"]:.4f} ± {r["std"]:.4f}  '
+                   f'(seeds {",".join(map(str, seeds))}: {per_seed})'))
+  if len(results) > 1:
+    rows += [('fewshot', f'mean {k}-shot', f'{acc:.4f}  (over {len(results)} datasets)')
+             for k, acc in evaluate.mean_over_datasets(results).items()]
+  return rows
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  try:
+    print(run(flags.FLAGS))
+  except (ValueError, FileNotFoundError) as e:
+    sys.exit(f'vit-evaluate: {e}')
+
+
+def run_cli():
+  """The `vit-evaluate` console script."""
+  _define_flags()
+  app.run(main)
+
+
+if __name__ == '__main__':
+  run_cli()
