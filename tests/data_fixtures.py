@@ -125,10 +125,10 @@ def mock_real(num_examples: int):
 def _fresh_sources(mock):
   """`mock`, with the pipeline's per-name source cache emptied on entry and exit (a
   cached source would keep the split sizes of another mock)."""
-  from vit_jax import input_pipeline  # pylint: disable=g-import-not-at-top
-  input_pipeline._source.cache_clear()  # pylint: disable=protected-access
+  from vit_jax import data_sources  # pylint: disable=g-import-not-at-top
+  data_sources.clear_cache()
   try:
     with mock:
       yield
   finally:
-    input_pipeline._source.cache_clear()  # pylint: disable=protected-access
+    data_sources.clear_cache()

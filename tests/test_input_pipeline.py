@@ -1,7 +1,10 @@
-"""Tests for vit_jax/input_pipeline.py on synthetic data written here."""
+"""Tests for vit_jax/input_pipeline.py, data_sources.py and preprocessing.py on synthetic
+data written here."""
 import collections
 import io
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -11,7 +14,10 @@ import tensorflow as tf
 
 from vit_jax.configs import common
 from tests import data_fixtures as fx
+from tests.conftest import ROOT
+from vit_jax import data_sources
 from vit_jax import input_pipeline as ip
+from vit_jax import preprocessing
 
 NUM_TRAIN, NUM_TEST = 40, 13
 
@@ -76,7 +82,7 @@ def test_preprocess_train_shapes_and_range(crop):
   rgb = _smooth_rgb(48, 64)
   for image in (rgb, rgb[..., :1], tf.constant(_png(rgb)),
                 tf.constant(_jpeg(rgb)), tf.constant(_png(rgb[..., 0]))):
-    out = ip.preprocess_train(image, tf.constant([3, 4]), c).numpy()
+    out = preprocessing.preprocess_train(image, tf.constant([3, 4]), c).numpy()
     assert out.shape == (32, 32, 3) and out.dtype == np.float32
     assert -1.0 <= out.min() < out.max() <= 1.0
 
@@ -85,8 +91,8 @@ def test_grayscale_becomes_three_equal_channels():
   gray = fx.id_image(7)
   c = _config(pp_train_crop='resize', pp_flip=False)
   for image in (gray[..., None], tf.constant(_png(gray))):
-    for out in (ip.preprocess_train(image, [0, 0], c).numpy(),
-                ip.preprocess_eval(image, c).numpy()):
+    for out in (preprocessing.preprocess_train(image, [0, 0], c).numpy(),
+                preprocessing.preprocess_eval(image, c).numpy()):
       assert out.shape == (28, 28, 3)
       np.testing.assert_array_equal(out[..., 0], out[..., 1])
       np.testing.assert_array_equal(out[..., 0], out[..., 2])
@@ -97,11 +103,11 @@ def test_grayscale_becomes_three_equal_channels():
 def test_inception_crop_deterministic_per_seed_and_varies_across_seeds():
   c = _config(image_size=24)
   image = _smooth_rgb(64, 80)
-  run = lambda s: ip.preprocess_train(image, tf.constant(s), c).numpy()
+  run = lambda s: preprocessing.preprocess_train(image, tf.constant(s), c).numpy()
   np.testing.assert_array_equal(run([1, 2]), run([1, 2]))
   outs = [run([1, s]) for s in range(6)]
   assert all(not np.allclose(outs[0], o) for o in outs[1:])
-  boxes = {tuple(np.asarray(ip.inception_crop(image, tf.constant([0, s]), 0.05)
+  boxes = {tuple(np.asarray(preprocessing.inception_crop(image, tf.constant([0, s]), 0.05)
                             .shape)) for s in range(10)}
   assert len(boxes) > 5  # Crops of varying sizes.
   assert all(h * w >= 0.05 * 64 * 80 * 0.99 for h, w, _ in boxes)
@@ -112,8 +118,8 @@ def test_jpeg_crop_is_the_same_box_as_decode_then_crop():
   jpeg = tf.constant(_jpeg(image))
   decoded = tf.io.decode_jpeg(jpeg, channels=3)
   for s in range(4):
-    fused = ip.inception_crop(jpeg, tf.constant([9, s]), 0.1).numpy()
-    plain = ip.inception_crop(decoded, tf.constant([9, s]), 0.1).numpy()
+    fused = preprocessing.inception_crop(jpeg, tf.constant([9, s]), 0.1).numpy()
+    plain = preprocessing.inception_crop(decoded, tf.constant([9, s]), 0.1).numpy()
     assert fused.shape == plain.shape
     assert np.abs(fused.astype(int) - plain).mean() < 2.0
 
@@ -121,7 +127,7 @@ def test_jpeg_crop_is_the_same_box_as_decode_then_crop():
 def test_flip_is_seeded():
   c = _config(pp_train_crop='resize', pp_flip=True)
   image = fx.id_image(3)[..., None]
-  outs = [ip.preprocess_train(image, [0, s], c).numpy() for s in range(16)]
+  outs = [preprocessing.preprocess_train(image, [0, s], c).numpy() for s in range(16)]
   flipped = [np.array_equal(o[:, ::-1], outs[0]) for o in outs]
   assert 0 < sum(flipped) < 16  # Some flipped relative to the first, some not.
 
@@ -131,7 +137,7 @@ def test_preprocess_eval_central_crop():
               pp_central_crop_fraction=0.5)
   image = np.zeros((40, 100, 3), np.uint8)
   image[:, 55:60] = 255  # A white band right of the centre of a wide image.
-  out = ip.preprocess_eval(image, c).numpy()
+  out = preprocessing.preprocess_eval(image, c).numpy()
   assert out.shape == (32, 32, 3)
   # Shorter side 40 -> 64, so width 100 -> 160 and the crop is columns
   # 64..96: the band (88..96) is its last 8 columns. A plain resize would put
@@ -139,7 +145,7 @@ def test_preprocess_eval_central_crop():
   np.testing.assert_allclose(out[:, 25:31], 1.0, atol=1e-5)
   np.testing.assert_allclose(out[:, :22], -1.0, atol=1e-5)
   with pytest.raises(ValueError, match='eval_crop'):
-    ip.preprocess_eval(image, _config(pp_eval_crop='bogus'))
+    preprocessing.preprocess_eval(image, _config(pp_eval_crop='bogus'))
 
 
 # ------------------------------------------------------------ local IDX
@@ -242,10 +248,10 @@ def test_folder_eval_skips_and_counts_corrupt(folder):
   info = ip.get_info(c)
   assert info.num_classes == 3
   assert info.num_eval_examples == 5 + 2 + 1  # PNGs, JPEGs, the corrupt file.
-  before = ip.skipped_examples()
-  per_host = [list(ip.eval_batches(c, global_batch=6, process_index=h,
-                                   process_count=2)) for h in range(2)]
-  assert ip.skipped_examples() == before + 1
+  iterators = [ip.eval_batches(c, global_batch=6, process_index=h, process_count=2)
+               for h in range(2)]
+  per_host = [list(it) for it in iterators]
+  assert [it.skipped for it in iterators] == [0, 1]  # Host 1 reads the corrupt file.
   assert len(per_host[0]) == len(per_host[1]) == 2
   labels = collections.Counter()
   png_ids = []
@@ -265,10 +271,14 @@ def test_folder_eval_skips_and_counts_corrupt(folder):
 def test_folder_train_replaces_corrupt_and_resumes(folder):
   root, train, _ = folder
   c = _config(dataset='folder:' + root, pp_train_crop='resize', pp_flip=False)
-  before = ip.skipped_examples()
   kw = dict(global_batch=4, process_index=0, process_count=1)
-  full = _take(ip.train_batches(c, **kw), 6)  # 3 epochs of 8 files.
-  assert ip.skipped_examples() == before + 3  # Once per epoch.
+  it = ip.train_batches(c, **kw)
+  assert it.skipped == 0
+  full = _take(it, 2)  # 1 epoch of 8 files.
+  assert it.skipped == 1
+  full += _take(it, 4)
+  assert it.skipped == 3  # Once per epoch, counted by this iterator only.
+  assert ip.train_batches(c, **kw).skipped == 0
   ids = [i for b in full for i in _ids(b)]
   assert set(ids) == set(train)  # Never the zero placeholder image.
   for b in full:
@@ -351,11 +361,11 @@ def test_label_set_feature_gives_multi_hot_labels():
   assert not batches[0]['label'][0].any()  # example 0 has an empty set
   # TFDS's own random mock examples: sets with repeated labels count each label once.
   with tfds.testing.mock_data(num_examples=6):
-    ip._source.cache_clear()  # pylint: disable=protected-access
+    data_sources.clear_cache()
     raw = [ex['real_label'] for ex in tfds.as_numpy(tfds.builder('imagenet2012_real').as_dataset(
         split='validation', decoders={'image': tfds.decode.SkipDecoding()}))]
     labels = next(ip.eval_batches(c, global_batch=8, process_index=0, process_count=1))['label']
-    ip._source.cache_clear()  # pylint: disable=protected-access
+    data_sources.clear_cache()
   assert any(len(set(r)) < len(r) for r in raw)  # the mock does repeat labels
   for label, r in zip(labels, raw):
     np.testing.assert_array_equal(np.flatnonzero(label), np.unique(r))
@@ -363,3 +373,26 @@ def test_label_set_feature_gives_multi_hot_labels():
     ip.get_info(_config(dataset='imagenet2012_real', label_key='labels'))
   with pytest.raises(ValueError, match='label_key .* applies to TFDS datasets only'):
     ip.get_info(_config(label_key='real_label'))
+
+
+# ------------------------------------------------------------ TF devices
+def test_tf_devices_are_set_on_first_pipeline_use_not_at_import(idx_dir):
+  """Importing vit_jax (every module that reads data) leaves TF's devices alone; the
+  first pipeline call hides accelerators from TF, once."""
+  code = '\n'.join([
+      'import sys',
+      'import tensorflow as tf',
+      'calls = []',
+      'tf.config.set_visible_devices = lambda *a: calls.append(a)',
+      'from vit_jax import evaluate, evaluate_cli, input_pipeline, predict, train',
+      'from vit_jax.configs import common',
+      'print(calls)',
+      'c = common.get_config()',
+      'c.data_dir = sys.argv[1]',
+      'input_pipeline.get_info(c)',
+      'list(input_pipeline.eval_batches(c, global_batch=16))',
+      'print(calls)'])
+  out = subprocess.run([sys.executable, '-c', code, idx_dir], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split('\n')[:2] == ['[]', "[([], 'GPU')]"]

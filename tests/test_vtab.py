@@ -14,6 +14,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 from tensorflow_datasets.testing import mocking
 
+from vit_jax import data_sources
 from vit_jax import input_pipeline
 from vit_jax import vtab
 from vit_jax.configs import finetune
@@ -177,11 +178,11 @@ def test_derived_label_through_the_input_pipeline(task):
   c.train_split = c.eval_split = 'train'
   c.image_size = 64 if task.startswith('dsprites') else 16  # dSprites: no resampling.
   with tfds.testing.mock_data(num_examples=NUM_EXAMPLES, **MOCKS[c.dataset]):
-    input_pipeline._source.cache_clear()  # pylint: disable=protected-access
+    data_sources.clear_cache()
     info = input_pipeline.get_info(c)
     batches = list(input_pipeline.eval_batches(c, global_batch=8))
     raw = list(tfds.as_numpy(tfds.builder(c.dataset).as_dataset(split='train')))
-  input_pipeline._source.cache_clear()  # pylint: disable=protected-access
+  data_sources.clear_cache()
   assert (info.num_classes, info.num_eval_examples) == (c.num_classes, NUM_EXAMPLES)
   labels = np.concatenate([b['label'][b['mask']] for b in batches])
   want = [reference_label(task, ex) for ex in raw]
@@ -204,11 +205,11 @@ def test_other_dataset_of_a_derived_task_config_keeps_its_labels():
   c = finetune.get_config('ViT-B_16,vtab/clevr_count')
   c.dataset, c.train_split, c.eval_split, c.image_size = 'dmlab', 'train', 'train', 16
   with tfds.testing.mock_data(num_examples=8):
-    input_pipeline._source.cache_clear()  # pylint: disable=protected-access
+    data_sources.clear_cache()
     info = input_pipeline.get_info(c)
     labels = np.concatenate([b['label'] for b in input_pipeline.eval_batches(c, global_batch=8)])
     raw = [ex['label'] for ex in tfds.as_numpy(tfds.builder('dmlab').as_dataset(split='train'))]
-  input_pipeline._source.cache_clear()  # pylint: disable=protected-access
+  data_sources.clear_cache()
   assert info.num_classes == 6 and list(labels) == raw
 
 

@@ -3,7 +3,7 @@ r"""Top-k classes of image files, from a finished run or a published checkpoint.
   vit-predict --workdir workdirs/quickstart shoe.png photos/        # a run: its classes
   vit-predict --checkpoint ViT-B_16.npz --model ViT-B_16 --labels names.txt cat.jpg
 
-Images are preprocessed exactly as the run evaluates them (input_pipeline.preprocess_eval:
+Images are preprocessed exactly as the run evaluates them (preprocessing.preprocess_eval:
 its resolution and evaluation crop; gray images become RGB). Class names come from the
 run's dataset (Fashion-MNIST, the class folders of a folder dataset, the TFDS label
 names); for a published checkpoint, from --labels (one name per line), else indices.
@@ -18,8 +18,10 @@ import jax
 import ml_collections
 import numpy as np
 
+from vit_jax import data_sources
 from vit_jax import input_pipeline
 from vit_jax import model_flags
+from vit_jax import preprocessing
 
 
 def image_files(items):
@@ -28,9 +30,10 @@ def image_files(items):
   for item in items:
     if os.path.isdir(item):
       found = sorted(os.path.join(d, f) for d, _, files in os.walk(item) for f in files
-                     if f.lower().endswith(input_pipeline.IMAGE_EXTENSIONS))
+                     if f.lower().endswith(data_sources.IMAGE_EXTENSIONS))
       if not found:
-        raise ValueError(f'{item} holds no image files ({", ".join(input_pipeline.IMAGE_EXTENSIONS)})')
+        raise ValueError(f'{item} holds no image files '
+                         f'({", ".join(data_sources.IMAGE_EXTENSIONS)})')
       out.extend(found)
     elif os.path.isfile(item):
       out.append(item)
@@ -43,12 +46,13 @@ def image_files(items):
 
 def load_images(files, config):
   """Files -> float32 [n, S, S, 3] in [-1, 1], as the evaluation preprocesses them."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (input_pipeline loaded it)
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (preprocessing loaded it)
+  input_pipeline.keep_tf_off_accelerators()
   images = []
   for path in files:
     try:
       data = tf.io.read_file(path)
-      images.append(input_pipeline.preprocess_eval(data, config).numpy())
+      images.append(preprocessing.preprocess_eval(data, config).numpy())
     except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError) as e:
       raise ValueError(f'Cannot decode {path} ({e.message.splitlines()[0]}): pass JPEG, PNG, '
                        'GIF or BMP files') from None

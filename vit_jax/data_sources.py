@@ -1,0 +1,322 @@
+"""Data sources: a dataset's classes, split sizes, and the records of one host's shard.
+
+Sources (`config.dataset`):
+  'fashion_mnist_local'  the original Fashion-MNIST IDX files, read from
+                         `config.data_dir` or /usr/share/datasets/fashion-mnist.
+                         Splits 'train' (60k) and 'test' (10k).
+  'folder:<dir>'         one sub-folder per split, one sub-sub-folder per class:
+                         <dir>/<split>/<class>/<image>. Class index = position
+                         of the class name in the sorted union of the class
+                         folders of all splits. JPEG/PNG/GIF/BMP/WebP files.
+  anything else          a TFDS dataset (features 'image' and `config.label_key`,
+                         default 'label'). A ClassLabel feature gives int32
+                         labels; a Sequence(ClassLabel) feature (a set of labels,
+                         e.g. imagenet2012_real's 'real_label') gives multi-hot
+                         float32 [num_classes] labels, all zero for an empty set.
+                         With config.vtab_task one of the 7 VTAB-1k tasks that
+                         compute their label from other features of this
+                         dataset, that label (vit_jax/vtab.py).
+Split names accept TFDS slicing for every source ('train[:90%]', 'test[:500]',
+'train+test'); a split is cut among hosts as `tfds.even_splits` cuts it.
+
+Data is read as "records": cheap, undecoded items (an index for local data, the
+encoded bytes for TFDS), loaded into {'image', 'label'} only after shuffling. Local
+data (IDX files, image folders) is random access; TFDS data is read in its stored
+order, each host its own shard of the split.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gzip
+import os
+import types
+from typing import Any, Callable
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from vit_jax import vtab
+
+FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
+_IDX_PREFIX = {'train': 'train', 'test': 't10k'}  # split -> IDX file prefix
+IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.gif', '.bmp', '.webp')
+
+
+def _shard_ranges(spec: str, sizes: dict[str, int], index: int,
+                  count: int) -> list[tuple[str, int, int]]:
+  """[(split, start, stop)] of part `index` of `count` of `spec`, as TFDS does."""
+  infos = {k: types.SimpleNamespace(num_examples=v, shard_lengths=[v])
+           for k, v in sizes.items()}
+  part = tfds.even_splits(spec, n=count)[index]
+  try:
+    absolute = part.to_absolute(infos)
+  except ValueError as e:
+    raise ValueError(f'Split {spec!r}: {e}') from None
+  return [(a.splitname, a.from_ or 0, sizes[a.splitname] if a.to is None
+           else a.to) for a in absolute]
+
+
+def _length(ranges: list[tuple[str, int, int]]) -> int:
+  return sum(b - a for _, a, b in ranges)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+  """The part of one split that one host reads."""
+  records: tf.data.Dataset  # Fixed order; cheap items, decoded by `load`.
+  size: int  # Records in this host's shard.
+  max_size: int  # Largest shard over all hosts (eval batches per host).
+  shuffle_buffer: int  # Per-epoch shuffle window (size = a full permutation).
+  load: Callable[[Any], dict[str, tf.Tensor]]  # record -> {'image', 'label'}
+
+
+class Source:
+  """What every source answers: classes, split sizes, and the shard of a split one host reads."""
+  num_classes: int
+  class_names: tuple[str, ...]  # Index i names label i.
+  multi_label = False  # Labels are multi-hot float32 [num_classes] vectors.
+  random_access = False  # Records are indices: any host can walk the whole split cheaply.
+
+  def sizes(self) -> dict[str, int]:
+    """{split name: examples}."""
+    raise NotImplementedError
+
+  def host_ranges(self, spec: str, count: int) -> list[list[tuple[str, int, int]]]:
+    """For each of `count` hosts, the [(split, start, stop)] it reads of `spec`."""
+    sizes = self.sizes()
+    return [_shard_ranges(spec, sizes, i, count) for i in range(count)]
+
+  def count(self, spec: str) -> int:
+    """Examples in the split `spec` (TFDS slicing accepted)."""
+    return _length(self.host_ranges(spec, 1)[0])
+
+  def shard(self, spec: str, index: int, count: int, shuffle_buffer: int) -> Shard:
+    """Part `index` of `count` of the split `spec`."""
+    raise NotImplementedError
+
+
+class _LocalSource(Source):
+  """Random-access data held as per-split arrays; records are indices."""
+  random_access = True
+
+  def arrays(self, split: str) -> tuple[np.ndarray, np.ndarray]:
+    raise NotImplementedError
+
+  def shard(self, spec: str, index: int, count: int, shuffle_buffer: int) -> Shard:
+    del shuffle_buffer  # Indices are cheap: shuffle each epoch completely.
+    hosts = self.host_ranges(spec, count)
+    # This host's examples, gathered once into one pair of arrays.
+    parts = [(self.arrays(name), a, b) for name, a, b in hosts[index]]
+    items = np.concatenate([x[a:b] for (x, _), a, b in parts])
+    labels = np.concatenate([y[a:b] for (_, y), a, b in parts]).astype(np.int32)
+    items, labels = tf.constant(items), tf.constant(labels)
+    n = len(labels)
+    return Shard(
+        records=tf.data.Dataset.range(n),
+        size=n,
+        max_size=max(_length(h) for h in hosts),
+        shuffle_buffer=max(n, 1),
+        load=lambda i: {'image': self.load_item(tf.gather(items, i)),
+                        'label': tf.gather(labels, i)})
+
+  def load_item(self, item: tf.Tensor) -> tf.Tensor:
+    return item
+
+
+def _read_idx(path: str, magic: int) -> np.ndarray:
+  if not os.path.exists(path):
+    raise FileNotFoundError(
+        f'Fashion-MNIST file {path} is missing: run `apt-get install '
+        'dataset-fashion-mnist` or point --config.data_dir at the IDX files.')
+  with gzip.open(path, 'rb') as f:
+    data = f.read()
+  ndim = magic & 0xFF
+  header = np.frombuffer(data, '>i4', count=1 + ndim)
+  if header[0] != magic:
+    raise ValueError(f'{path} is not an IDX file with magic {magic}: '
+                     'replace it with the original Fashion-MNIST file.')
+  shape = tuple(int(d) for d in header[1:])
+  return np.frombuffer(data, np.uint8, offset=4 * (1 + ndim)).reshape(shape)
+
+
+class _IdxSource(_LocalSource):
+  """Fashion-MNIST from the original IDX files."""
+  class_names = ('T-shirt/top', 'Trouser', 'Pullover', 'Dress', 'Coat', 'Sandal', 'Shirt',
+                 'Sneaker', 'Bag', 'Ankle boot')
+  num_classes = len(class_names)
+
+  def __init__(self, data_dir: str):
+    self.data_dir = data_dir or FASHION_MNIST_DIR
+
+  def _path(self, split: str, kind: str) -> str:
+    name = 'images-idx3' if kind == 'images' else 'labels-idx1'
+    return os.path.join(self.data_dir, f'{_IDX_PREFIX[split]}-{name}-ubyte.gz')
+
+  @functools.cache
+  def sizes(self) -> dict[str, int]:
+    # Reads (and checks: presence, format, labels) both splits once; cached.
+    return {split: len(self.arrays(split)[1]) for split in _IDX_PREFIX}
+
+  @functools.cache
+  def arrays(self, split: str) -> tuple[np.ndarray, np.ndarray]:
+    images = _read_idx(self._path(split, 'images'), 2051)[..., None]
+    labels = _read_idx(self._path(split, 'labels'), 2049)
+    if len(images) != len(labels):
+      raise ValueError(f'{self.data_dir}: {len(images)} images but '
+                       f'{len(labels)} labels in split {split!r}.')
+    if len(labels) and labels.max() >= self.num_classes:
+      raise ValueError(f'{self._path(split, "labels")} has label {labels.max()}, but '
+                       f'Fashion-MNIST has {self.num_classes} classes: replace it with '
+                       'the original file.')
+    return images, labels
+
+
+class _FolderSource(_LocalSource):
+  """<root>/<split>/<class>/<image>; images are read and decoded lazily."""
+  def __init__(self, root: str):
+    self.root = root
+    if not tf.io.gfile.isdir(root):
+      raise FileNotFoundError(f'Folder dataset {root} not found: expected '
+                              '<dir>/<split>/<class>/<image> (dataset=folder:<dir>).')
+    self.splits = sorted(d.rstrip('/') for d in tf.io.gfile.listdir(root)
+                         if tf.io.gfile.isdir(os.path.join(root, d)))
+    classes = set()
+    for split in self.splits:
+      classes.update(d.rstrip('/') for d in tf.io.gfile.listdir(
+          os.path.join(root, split)) if tf.io.gfile.isdir(
+              os.path.join(root, split, d)))
+    self.classes = sorted(classes)
+    if not self.classes:
+      raise ValueError(f'Folder dataset {root} has no class folders: expected '
+                       '<dir>/<split>/<class>/<image>.')
+    self.num_classes = len(self.classes)
+    self.class_names = tuple(self.classes)
+
+  @functools.cache
+  def arrays(self, split: str) -> tuple[np.ndarray, np.ndarray]:
+    paths, labels = [], []
+    for label, name in enumerate(self.classes):
+      folder = os.path.join(self.root, split, name)
+      if not tf.io.gfile.isdir(folder):
+        continue
+      found = [f for f in sorted(tf.io.gfile.listdir(folder))
+               if not f.startswith('.') and f.lower().endswith(IMAGE_EXTENSIONS)]
+      if not found:  # would still count as a class: a head unit never trained
+        raise ValueError(f'class folder {folder} holds no images '
+                         f'({"/".join(IMAGE_EXTENSIONS)}): add its images or '
+                         'remove the folder.')
+      paths += [os.path.join(folder, f) for f in found]
+      labels += [label] * len(found)
+    return np.array(paths, dtype=object), np.array(labels, np.int32)
+
+  @functools.cache
+  def sizes(self) -> dict[str, int]:
+    return {s: len(self.arrays(s)[1]) for s in self.splits}
+
+  def load_item(self, item: tf.Tensor) -> tf.Tensor:
+    return tf.io.read_file(item)
+
+
+class _TfdsSource(Source):
+  """A TFDS dataset; images stay encoded until after shuffling."""
+  def __init__(self, name: str, data_dir: str, label_key: str = 'label', vtab_task: str = ''):
+    self.name = name
+    try:
+      self.builder = tfds.builder(name, data_dir=data_dir or None)
+    except tfds.core.registered.DatasetNotFoundError:
+      raise ValueError(f"dataset {name!r} is not a TFDS dataset: set --config.dataset "
+                       "to a TFDS name, 'folder:<dir>' or 'fashion_mnist_local'"
+                       ) from None
+    # The data_dir root, as a user would pass it to `tfds build --data_dir`.
+    self.data_dir = data_dir or os.path.dirname(os.path.dirname(
+        self.builder.data_dir))
+    # A VTAB-1k task whose label is computed from other features (vit_jax/vtab.py); not
+    # for another dataset read with the same config (a few-shot evaluator's).
+    self.vtab_task = vtab_task if vtab.derives_label(vtab_task, name) else ''
+    if self.vtab_task:
+      self.label_key, self.multi_label = '', False
+      self.num_classes = vtab.VTAB[vtab_task].num_classes
+      self.class_names = vtab.class_names(vtab_task)
+      return
+    features = self.builder.info.features
+    if label_key not in features:
+      raise ValueError(f'dataset {name} has no feature {label_key!r}: set --config.label_key '
+                       f'to one of its features {sorted(features.keys())}')
+    self.label_key = label_key
+    self.multi_label = isinstance(features[label_key], tfds.features.Sequence)
+    classes = features[label_key].feature if self.multi_label else features[label_key]
+    self.num_classes = classes.num_classes
+    self.class_names = tuple(classes.names)
+
+  def _read(self, split) -> tf.data.Dataset:
+    ds = self.builder.as_dataset(
+        split=split, shuffle_files=False,
+        decoders={'image': tfds.decode.SkipDecoding()})
+    if self.vtab_task:
+      return ds.map(functools.partial(vtab.example, self.vtab_task))
+    return ds.map(lambda ex: {'image': ex['image'], 'label': self._label(ex[self.label_key])})
+
+  def _label(self, label: tf.Tensor) -> tf.Tensor:
+    if not self.multi_label:
+      return label
+    # A set of labels -> multi-hot (fixed size, so it batches; repeats count once).
+    hot = tf.math.bincount(tf.cast(label, tf.int32), minlength=self.num_classes,
+                           maxlength=self.num_classes, dtype=tf.float32)
+    return tf.minimum(hot, 1.0)
+
+  @functools.cache
+  def sizes(self) -> dict[str, int]:
+    splits = self.builder.info.splits
+    if splits:
+      return {k: v.num_examples for k, v in splits.items()}
+    # tfds.testing.mock_data leaves info.splits empty: count by reading.
+    sizes = {}
+    for name in ('train', 'validation', 'test'):
+      try:
+        ds = self._read(name)
+      except (ValueError, KeyError, AssertionError):
+        continue
+      sizes[name] = int(ds.reduce(np.int64(0), lambda c, _: c + 1))
+    if not sizes:
+      raise FileNotFoundError(
+          f'dataset {self.name} is not prepared in data_dir {self.data_dir}: run '
+          f'`tfds build {self.name} --data_dir={self.data_dir}` or set '
+          '--config.data_dir to where it is prepared.')
+    return sizes
+
+  def shard(self, spec: str, index: int, count: int, shuffle_buffer: int) -> Shard:
+    host_sizes = [_length(r) for r in self.host_ranges(spec, count)]
+    n = host_sizes[index]
+    return Shard(
+        # take(): the metadata's count is the contract (mock data ignores it).
+        records=self._read(tfds.even_splits(spec, n=count)[index]).take(n),
+        size=n,
+        max_size=max(host_sizes),
+        shuffle_buffer=max(1, min(shuffle_buffer, n)),
+        load=lambda ex: ex)
+
+
+def source(config) -> Source:
+  """The source of config.dataset (fields data_dir, label_key, vtab_task), cached."""
+  return _source(config.dataset, config.data_dir, config.get('label_key', 'label'),
+                 config.get('vtab_task', ''))
+
+
+def clear_cache() -> None:
+  """Forgets the sources made so far (their split sizes and file lists), e.g. after TFDS
+  was mocked or a dataset's files changed."""
+  _source.cache_clear()
+
+
+@functools.lru_cache(maxsize=8)
+def _source(dataset: str, data_dir: str, label_key: str = 'label', vtab_task: str = ''):
+  if label_key != 'label' and (dataset == 'fashion_mnist_local' or dataset.startswith('folder:')):
+    raise ValueError(f'label_key {label_key!r} applies to TFDS datasets only: set '
+                     f'--config.label_key=label for {dataset}')
+  if dataset == 'fashion_mnist_local':
+    return _IdxSource(data_dir)
+  if dataset.startswith('folder:'):
+    return _FolderSource(dataset[len('folder:'):])
+  return _TfdsSource(dataset, data_dir, label_key, vtab_task)
