@@ -17,8 +17,15 @@ It also counts transposes/copies/converts in the whole ViT-B/16 train step's HLO
 import argparse
 import collections
 import re
+import time
 
-import _common
+import bare_step
+import flax.linen as nn
+import harness
+import jax
+import jax.numpy as jnp
+
+from vit_jax.models import vit
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
 parser.add_argument('--batch', type=int, default=8)
@@ -32,13 +39,6 @@ parser.add_argument('--rounds', type=int, default=3)
 parser.add_argument('--step_hlo', default='ViT-B_16', help='model whose train step HLO is counted ("" skips)')
 parser.add_argument('--out', default='')
 args = parser.parse_args()
-
-_common.setup_devices(1)
-import flax.linen as nn  # noqa: E402  pylint: disable=wrong-import-position
-import jax  # noqa: E402  pylint: disable=wrong-import-position
-import jax.numpy as jnp  # noqa: E402  pylint: disable=wrong-import-position
-import time  # noqa: E402  pylint: disable=wrong-import-position
-from vit_jax.models import vit  # noqa: E402  pylint: disable=wrong-import-position
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
@@ -121,7 +121,8 @@ def op_counts(hlo_text):
 
 
 def main():
-  load_start = _common.loadavg()
+  bare_step.setup(1)
+  load_start = harness.loadavg()
   variants = ['vit_jax', 'attn_bhqd', 'fused_qkv', 'attn_only', 'attn_dpa', 'mlp_only']
   shape = (args.batch, args.tokens, args.hidden)
   x = jax.random.normal(jax.random.PRNGKey(1), shape, jnp.float32)
@@ -152,13 +153,12 @@ def main():
 
   step_hlo = {}
   if args.step_hlo:
-    import _jaxstep  # pylint: disable=import-outside-toplevel
     for dtype in args.dtypes.split(','):
-      s = _jaxstep.BareStep(_jaxstep.make_config(args.step_hlo, args.batch, dtype=dtype))
+      s = bare_step.BareStep(bare_step.make_config(args.step_hlo, args.batch, dtype=dtype))
       step_hlo[dtype] = op_counts(s.compiled.as_text())
       del s
 
-  load_end = _common.loadavg()
+  load_end = harness.loadavg()
   rows, results = [], []
   for c in cases:
     ref = next(r for r in cases if r['variant'] == 'vit_jax' and r['dtype'] == c['dtype'])
@@ -166,20 +166,20 @@ def main():
     results.append({'variant': c['variant'], 'dtype': c['dtype'], 'fwd_bwd_s_per_round': c['times'],
                     'relative_to_vit_jax_per_round': rel, 'hlo_op_counts': c['hlo']})
     h = c['hlo']
-    rows.append([c['variant'], c['dtype'], _common.fmt_range([1e3 * t for t in c['times']], '.1f'),
-                 _common.fmt_range(rel, '.2f'), h['transpose'], h['copy'], h['convert'], h['dot']])
-  payload = {'benchmark': 'block_breakdown', 'machine': _common.machine_info(), 'args': vars(args),
+    rows.append([c['variant'], c['dtype'], harness.fmt_range([1e3 * t for t in c['times']], '.1f'),
+                 harness.fmt_range(rel, '.2f'), h['transpose'], h['copy'], h['convert'], h['dot']])
+  payload = {'benchmark': 'block_breakdown', 'machine': bare_step.machine_info(), 'args': vars(args),
              'loadavg_start': load_start, 'loadavg_end': load_end, 'results': results,
              'attn_dpa_max_abs_diff_vs_attn_only_f32': dpa_diff,
              'train_step_hlo_op_counts': step_hlo}
   print(f'\n### one encoder block fwd+bwd, x {shape}\n')
-  print(_common.markdown_table(
+  print(harness.markdown_table(
       ['variant', 'dtype', 'ms median (min–max)', 'time / vit_jax per round (median, min–max)',
        'transpose', 'copy', 'convert', 'dot'], rows))
   if step_hlo:
     print(f'\n{args.step_hlo} train step (batch {args.batch}) optimised HLO op counts: {step_hlo}')
   print(f'\nloadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
-  _common.write_json(args.out, payload)
+  harness.write_json(args.out, payload)
 
 
 if __name__ == '__main__':

@@ -24,10 +24,10 @@ import subprocess
 import sys
 import time
 
-import _common
+import harness
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-_common.add_model_args(parser)
+harness.add_model_args(parser)
 parser.add_argument('--torch_impl', default='auto', choices=('auto', 'timm', 'minimal'))
 parser.add_argument('--remat', default='', help="vit_jax's remat policy (models/remat.py); '' = off")
 parser.add_argument('--out', default='')
@@ -207,7 +207,7 @@ def torch_worker():
         times.append(time.perf_counter() - t)
         if not math.isfinite(loss):
           raise FloatingPointError(f'torch loss {loss}')
-      reply = {'times': times, 'peak_rss_gib': _common.peak_rss_gib()}
+      reply = {'times': times, 'peak_rss_gib': harness.peak_rss_gib()}
     else:
       break
     out.write(json.dumps(reply) + '\n')
@@ -236,24 +236,25 @@ class Worker:
 
 # ----------------------------------------------------------------- JAX side
 def main():
-  _common.setup_devices(1, args.dtypes.split(','))
-  import _jaxstep  # pylint: disable=import-outside-toplevel
+  # JAX only here: the PyTorch worker (this file with --worker) must not load it.
+  import bare_step  # pylint: disable=import-outside-toplevel
+  bare_step.setup(1, args.dtypes.split(','))
   from vit_jax import models as vmodels  # pylint: disable=import-outside-toplevel
 
-  load_start = _common.loadavg()
+  load_start = harness.loadavg()
   dtypes = args.dtypes.split(',')
-  overrides = _common.parse_overrides(args.override)
-  threads = _common.cores()
+  overrides = bare_step.overrides(args.override)
+  threads = harness.cores()
   worker = Worker(threads)
 
   cases = []
-  for name, batch in _common.model_batches(args):
+  for name, batch in harness.model_batches(args):
     fields = vmodels.get_variant(name, **overrides)
     for dtype in dtypes:
       key = f'{name}/{dtype}'
-      jstep = _jaxstep.BareStep(_jaxstep.make_config(
+      jstep = bare_step.BareStep(bare_step.make_config(
           name, batch, dtype=dtype, remat=args.remat, image_size=args.image_size,
-          overrides=overrides))
+          model_overrides=overrides))
       jstep.run(1)
       info = worker.call(cmd='build', key=key, name=name, fields=fields, dtype=dtype,
                          batch=batch, image_size=args.image_size, overrides=overrides)
@@ -288,28 +289,28 @@ def main():
         'jax_params': c['jax'].num_params, 'torch_params': info['num_params'],
         'jax_step_s': c['jax_times'], 'torch_step_s': c['torch_times'],
         'jax_img_s_per_round': jax_img, 'torch_img_s_per_round': torch_img,
-        'ratio_per_round': ratio, 'ratio_median': _common.summary(ratio)['median'],
-        'target_1p1x_met': _common.summary(ratio)['median'] >= 1.1})
+        'ratio_per_round': ratio, 'ratio_median': harness.summary(ratio)['median'],
+        'target_1p1x_met': harness.summary(ratio)['median'] >= 1.1})
     rows.append([c['model'], c['batch'], c['dtype'] if c['dtype'] == 'float32'
-                 else 'bf16 / autocast bf16', _common.fmt_range(jax_img),
-                 _common.fmt_range(torch_img), ', '.join(f'{x:.2f}' for x in ratio),
-                 _common.fmt_range(ratio), 'met' if results[-1]['target_1p1x_met'] else 'MISSED'])
-  load_end = _common.loadavg()
+                 else 'bf16 / autocast bf16', harness.fmt_range(jax_img),
+                 harness.fmt_range(torch_img), ', '.join(f'{x:.2f}' for x in ratio),
+                 harness.fmt_range(ratio), 'met' if results[-1]['target_1p1x_met'] else 'MISSED'])
+  load_end = harness.loadavg()
   note = cases[0]['torch_info']['note'] if cases else ''
-  payload = {'benchmark': 'vs_pytorch', 'machine': _common.machine_info(), 'args': vars(args),
+  payload = {'benchmark': 'vs_pytorch', 'machine': bare_step.machine_info(), 'args': vars(args),
              'loadavg_start': load_start, 'loadavg_end': load_end, 'torch_note': note,
              # Peak RSS of each process over all its cases (one case per run to compare).
-             'jax_peak_rss_gib': _common.peak_rss_gib(), 'torch_peak_rss_gib': torch_rss,
+             'jax_peak_rss_gib': harness.peak_rss_gib(), 'torch_peak_rss_gib': torch_rss,
              'results': results}
   print(f'\n### vit_jax vs PyTorch ({threads} threads each)' + (f' — {note}' if note else ''))
   print()
-  print(_common.markdown_table(
+  print(harness.markdown_table(
       ['model', 'batch', 'precision', 'vit_jax img/s', 'PyTorch img/s', 'ratio per pair',
        'ratio median (min–max)', '≥1.1×'], rows))
   print(f'\npeak host RSS over all cases: vit_jax {payload["jax_peak_rss_gib"]:.2f} GiB, '
         f'PyTorch worker {torch_rss:.2f} GiB')
   print(f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
-  _common.write_json(args.out, payload)
+  harness.write_json(args.out, payload)
 
 
 if __name__ == '__main__':

@@ -1,4 +1,5 @@
-"""Smoke test: each benchmark script runs end to end with tiny settings and writes its JSON."""
+"""Smoke test: each benchmark script runs end to end with tiny settings and writes its JSON;
+no script shadows a vit_jax module."""
 import json
 import os
 import subprocess
@@ -13,8 +14,9 @@ TINY = ['--image_size', '32', '--override', 'num_layers=1', '--override', 'hidde
 
 def _run(script, *flags, tmp_path):
   out = tmp_path / f'{script}.json'
-  env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'}
-  env.pop('XLA_FLAGS', None)  # the scripts choose their device count
+  # The scripts choose their device count; the XLA:CPU flags are the fixed table (no probe).
+  env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'VIT_JAX_XLA_CPU_FLAGS': '1'}
+  env.pop('XLA_FLAGS', None)
   proc = subprocess.run(
       [sys.executable, os.path.join(REPO, 'benchmarks', f'{script}.py'), *flags,
        '--out', str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -27,10 +29,11 @@ def _run(script, *flags, tmp_path):
 
 def test_train_step(tmp_path):
   p = _run('train_step', '--models', 'ViT-Ti_16', '--batch', '2', '--dtypes', 'float32',
-           '--steps', '2', '--rounds', '1', '--matmul_n', '128', *TINY, tmp_path=tmp_path)
+           '--steps', '2', '--rounds', '1', *TINY, tmp_path=tmp_path)
   r = p['results'][0]
   assert r['img_s_median'] > 0 and r['flops_per_step_analytic'] > 0
   assert r['flops_per_step_xla'] >= r['flops_per_step_analytic']
+  assert r['peak'] == 'measured' and 0 < r['mfu_per_round'][0] < 1
 
 
 def test_vs_pytorch(tmp_path):
@@ -43,25 +46,25 @@ def test_vs_pytorch(tmp_path):
 
 
 def test_loop(tmp_path):
-  p = _run('loop', '--batch', '2', '--steps', '2', '--rounds', '1', '--images', '8',
+  p = _run('loop', '--batch', '2', '--steps', '3', '--rounds', '1', '--images', '8',
            '--jpeg_size', '40,48', '--log_every', '1', '--checkpoint_every', '0', *TINY,
            tmp_path=tmp_path)
   assert p['loop_img_s_per_round'][0] > 0 and p['bare_img_s_per_round'][0] > 0
 
 
-def test_input_pipeline(tmp_path):
-  p = _run('input_pipeline', '--images', '16', '--jpeg_size', '40,48', '--batch', '4',
+def test_input_speed(tmp_path):
+  p = _run('input_speed', '--images', '16', '--jpeg_size', '40,48', '--batch', '4',
            '--batches', '2', '--rounds', '1', '--image_size', '32', tmp_path=tmp_path)
   assert p['train_img_s_median'] > 0 and p['eval_img_s_median'] > 0
 
 
-def test_xla_cpu_flags(tmp_path):
-  p = _run('xla_cpu_flags', '--models', 'ViT-Ti_16', '--batch', '2', '--steps', '1',
-           '--rounds', '1', *TINY, tmp_path=tmp_path)
+def test_ynnpack(tmp_path):
+  p = _run('ynnpack', '--models', 'ViT-Ti_16', '--batch', '2', '--steps', '1',
+           '--rounds', '1', '--probe_rounds', '0', *TINY, tmp_path=tmp_path)
   r = p['results'][0]
   assert 'ynn_fusion_type' in r['xla_flags']['ynnpack off']
   assert 'ynn_fusion_type' not in r['xla_flags']['xla defaults']
-  assert r['cli_side'] == 'ynnpack off'  # float32
+  assert r['cli_side'] == 'ynnpack off'  # float32, the fixed table
   assert len(r['ratio_per_round']) == 1 and r['ratio_per_round'][0] > 0
 
 
@@ -73,3 +76,10 @@ def test_block_breakdown(tmp_path):
       'vit_jax', 'attn_bhqd', 'fused_qkv', 'attn_only', 'attn_dpa', 'mlp_only'}
   assert p['attn_dpa_max_abs_diff_vs_attn_only_f32'] < 1e-4
   assert all(r['fwd_bwd_s_per_round'][0] > 0 for r in p['results'])
+
+
+def test_no_script_reuses_a_package_module_name():
+  package = {os.path.splitext(f)[0] for f in os.listdir(os.path.join(REPO, 'vit_jax'))}
+  scripts = {os.path.splitext(f)[0] for f in os.listdir(os.path.join(REPO, 'benchmarks'))
+             if f.endswith('.py')}
+  assert not scripts & package

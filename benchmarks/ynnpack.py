@@ -1,11 +1,12 @@
 r"""The train step with YNNPACK fusions on (XLA's default) and off, per dtype: the evidence
-for vit_jax/xla_cpu_flags.py's choice per dtype (the table says which side the CLI takes).
+for vit_jax/xla_cpu_flags.py's choice per dtype, and beside it what that module's start-up
+probe (a ViT-B-shaped block) says on this host, so the two can be compared.
 
 XLA reads its flags once per process, so each side runs `train_step.py` in its own
 process (VIT_JAX_XLA_CPU_FLAGS=0 for "XLA defaults", XLA_FLAGS=<the YNNPACK-off flag> for
 the other), interleaved per model and round: A B A B ..., and the ratio is taken per pair.
 
-  python benchmarks/xla_cpu_flags.py --out /tmp/xla_cpu_flags.json
+  python benchmarks/ynnpack.py --out /tmp/ynnpack.json
 """
 import argparse
 import json
@@ -14,14 +15,16 @@ import subprocess
 import sys
 import tempfile
 
-import _common
+import harness
+
+from vit_jax import xla_cpu_flags
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-_common.add_model_args(parser, dtypes='float32', steps=3)
+harness.add_model_args(parser, dtypes='float32', steps=3)
+parser.add_argument('--probe_rounds', type=int, default=4,
+                    help="rounds of vit_jax.xla_cpu_flags.probe() after the steps (0: none)")
 parser.add_argument('--out', default='')
 args = parser.parse_args()
-
-from vit_jax import xla_cpu_flags  # noqa: E402  pylint: disable=wrong-import-position
 
 SIDES = {'xla defaults': '', 'ynnpack off': xla_cpu_flags.YNNPACK_OFF}
 
@@ -33,7 +36,7 @@ def _train_step(model, batch, dtype, xla_flags, workdir):
   cmd = [sys.executable, os.path.join(os.path.dirname(__file__), 'train_step.py'),
          '--models', model, '--batch', str(batch), '--dtypes', dtype,
          '--image_size', str(args.image_size), '--steps', str(args.steps), '--rounds', '1',
-         '--matmul_n', '256', '--out', out]
+         '--peak', '1e12', '--out', out]
   for o in args.override:
     cmd += ['--override', o]
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -45,10 +48,10 @@ def _train_step(model, batch, dtype, xla_flags, workdir):
 
 
 def main():
-  load_start = _common.loadavg()
+  load_start = harness.loadavg()
   results = []
   with tempfile.TemporaryDirectory() as workdir:
-    for model, batch in _common.model_batches(args):
+    for model, batch in harness.model_batches(args):
       for dtype in args.dtypes.split(','):
         row = {'model': model, 'batch': batch, 'dtype': dtype,
                'img_s': {s: [] for s in SIDES}, 'xla_flags': {}}
@@ -60,22 +63,27 @@ def main():
           print(f'{model} b{batch} {dtype}: round {r + 1}/{args.rounds} done', flush=True)
         a, b = row['img_s']['xla defaults'], row['img_s']['ynnpack off']
         row['ratio_per_round'] = [y / x for x, y in zip(a, b)]
-        row['cli_side'] = ('ynnpack off' if xla_cpu_flags.YNNPACK_OFF
-                           in xla_cpu_flags.FLAGS_BY_DTYPE[dtype] else 'xla defaults')
+        cli_flags, row['cli_reason'] = xla_cpu_flags.choose(dict(os.environ), dtype)
+        row['cli_side'] = 'ynnpack off' if xla_cpu_flags.YNNPACK_OFF in cli_flags else 'xla defaults'
         results.append(row)
-  load_end = _common.loadavg()
-  rows = [[x['model'], x['batch'], x['dtype'], _common.fmt_range(x['img_s']['xla defaults']),
-           _common.fmt_range(x['img_s']['ynnpack off']),
+  probe = xla_cpu_flags.probe(rounds=args.probe_rounds) if args.probe_rounds else None
+  load_end = harness.loadavg()
+  rows = [[x['model'], x['batch'], x['dtype'], harness.fmt_range(x['img_s']['xla defaults']),
+           harness.fmt_range(x['img_s']['ynnpack off']),
            ', '.join(f'{v:.2f}' for v in x['ratio_per_round']), x['cli_side']] for x in results]
   print('\n### train step: YNNPACK fusions off vs XLA defaults\n')
-  print(_common.markdown_table(
+  print(harness.markdown_table(
       ['model', 'batch', 'dtype', 'img/s XLA defaults', 'img/s YNNPACK off',
        'off / defaults per pair', 'the CLI runs'], rows))
   print(f'\nYNNPACK off: {xla_cpu_flags.YNNPACK_OFF!r}')
+  if probe:
+    print('start-up probe (ViT-B-shaped block), YNNPACK off/on per round: '
+          + ', '.join(f'{r:.2f}' for r in probe.get('off_over_on', ()))
+          + f'; verdict: {probe.get("verdict") or probe.get("error")}')
   print(f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
-  _common.write_json(args.out, {
-      'benchmark': 'xla_cpu_flags', 'args': vars(args), 'loadavg_start': load_start,
-      'loadavg_end': load_end, 'results': results})
+  harness.write_json(args.out, {
+      'benchmark': 'ynnpack', 'args': vars(args), 'loadavg_start': load_start,
+      'loadavg_end': load_end, 'results': results, 'probe': probe})
 
 
 if __name__ == '__main__':

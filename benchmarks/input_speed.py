@@ -1,6 +1,6 @@
 r"""Images/s of the training and evaluation preprocessing, from local JPEG files.
 
-  python benchmarks/input_pipeline.py --out /tmp/input_pipeline.json
+  python benchmarks/input_speed.py --out /tmp/input_speed.json
 
 Writes --images ImageNet-sized JPEGs (375x500, tests/data_fixtures.write_jpegs) into a
 temporary folder and reads them with vit_jax.input_pipeline as the loop does
@@ -15,7 +15,11 @@ import shutil
 import tempfile
 import time
 
-import _common
+import bare_step
+import harness
+
+from tests import data_fixtures
+from vit_jax import input_pipeline
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
 parser.add_argument('--images', type=int, default=512)
@@ -28,11 +32,6 @@ parser.add_argument('--eval_crop', default='resize', choices=('resize', 'central
 parser.add_argument('--out', default='')
 args = parser.parse_args()
 
-_common.setup_devices(1)
-import _jaxstep  # noqa: E402  pylint: disable=wrong-import-position
-from tests import data_fixtures  # noqa: E402  pylint: disable=wrong-import-position
-from vit_jax import input_pipeline  # noqa: E402  pylint: disable=wrong-import-position
-
 
 def timed(iterator, n):
   next(iterator)  # start-up, untimed
@@ -44,14 +43,15 @@ def timed(iterator, n):
 
 
 def main():
-  load_start = _common.loadavg()
+  bare_step.setup(1)
+  load_start = harness.loadavg()
   tmp = tempfile.mkdtemp(prefix='vit_bench_pp_')
   try:
     h, w = (int(x) for x in args.jpeg_size.split(','))
     t = time.perf_counter()
     data_fixtures.write_jpegs(tmp, args.images, height=h, width=w)
     write_s = time.perf_counter() - t
-    config = _jaxstep.make_config('ViT-B_16', args.batch, image_size=args.image_size)
+    config = bare_step.make_config('ViT-B_16', args.batch, image_size=args.image_size)
     config.dataset = f'folder:{tmp}'
     config.train_split = 'train'
     config.eval_split = 'train'
@@ -69,26 +69,26 @@ def main():
             f'eval {eval_rates[-1]:.0f} img/s', flush=True)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
-  load_end = _common.loadavg()
-  train_med = _common.summary(train_rates)['median']
-  payload = {'benchmark': 'input_pipeline', 'machine': _common.machine_info(),
+  load_end = harness.loadavg()
+  train_med = harness.summary(train_rates)['median']
+  payload = {'benchmark': 'input_speed', 'machine': bare_step.machine_info(),
              'args': vars(args), 'loadavg_start': load_start, 'loadavg_end': load_end,
              'jpeg_write_s': write_s, 'train_img_s_per_round': train_rates,
              'eval_img_s_per_round': eval_rates, 'train_img_s_median': train_med,
-             'eval_img_s_median': _common.summary(eval_rates)['median'],
+             'eval_img_s_median': harness.summary(eval_rates)['median'],
              'eval_over_train_per_round': [e / t for t, e in zip(train_rates, eval_rates)],
              'target_train_1000_met': train_med >= 1000}
   print(f'\n### input pipeline ({args.images} JPEGs {h}x{w} -> {args.image_size}, batch '
-        f'{args.batch}, {_common.cores()} cores)\n')
-  print(_common.markdown_table(
+        f'{args.batch}, {harness.cores()} cores)\n')
+  print(harness.markdown_table(
       ['preprocessing', 'img/s median (min–max over rounds)', 'per round'],
-      [['train: inception crop + resize + flip', _common.fmt_range(train_rates, '.0f'),
+      [['train: inception crop + resize + flip', harness.fmt_range(train_rates, '.0f'),
         ', '.join(f'{x:.0f}' for x in train_rates)],
-       [f'eval: decode + {args.eval_crop}', _common.fmt_range(eval_rates, '.0f'),
+       [f'eval: decode + {args.eval_crop}', harness.fmt_range(eval_rates, '.0f'),
         ', '.join(f'{x:.0f}' for x in eval_rates)]]))
   print(f'\ntrain target ≥1000 img/s: {"met" if train_med >= 1000 else "MISSED"}; '
         f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
-  _common.write_json(args.out, payload)
+  harness.write_json(args.out, payload)
 
 
 if __name__ == '__main__':

@@ -1,0 +1,178 @@
+"""The JAX side of the benchmarks: devices and XLA:CPU flags as the CLI sets them, the real
+vit_jax training step (make_train_step + make_optimizer('sgd')) compiled once, and what is
+measured around it (peaks, planned memory, machine).
+
+Used by train_step.py, vs_pytorch.py, loop.py and block_breakdown.py so that all time the
+same thing. Call `setup` before the first JAX computation. (harness.py holds what needs no
+JAX: the PyTorch worker of vs_pytorch.py imports only that, so its RSS is its own.)
+"""
+import datetime
+import os
+import platform
+import sys
+import time
+
+import harness  # noqa: F401  (puts the repo on sys.path)
+import jax
+import numpy as np
+
+from vit_jax import device_peaks
+from vit_jax import flops as vflops
+from vit_jax import model_flags
+from vit_jax import optim
+from vit_jax import sharding
+from vit_jax import train
+from vit_jax import xla_cpu_flags
+from vit_jax.configs import common as common_config
+
+
+def setup(devices=1, dtypes=('float32',)):
+  """`devices` CPU devices, vit_jax's XLA:CPU flags for `dtypes` (as the training CLI adds
+  them for its dtype; VIT_JAX_XLA_CPU_FLAGS=0 leaves them out), TensorFlow quiet. XLA reads
+  its flags once per process, so dtypes whose flags differ cannot be timed in one process
+  as the CLI runs them: one line and exit."""
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  os.environ['XLA_FLAGS'] = ' '.join(
+      f for f in os.environ.get('XLA_FLAGS', '').split()
+      if not f.startswith('--xla_force_host_platform_device_count'))
+  wanted = {d: xla_cpu_flags.pending(dtype=d) for d in dtypes}
+  if len({tuple(f) for f in wanted.values()}) > 1:
+    sys.exit(f'the CLI runs {" and ".join(wanted)} under different XLA:CPU flags '
+             f'({wanted}, vit_jax/xla_cpu_flags.py): pass one --dtypes per run, or set '
+             'VIT_JAX_XLA_CPU_FLAGS=0 (XLA defaults for all) or XLA_FLAGS yourself')
+  xla_cpu_flags.apply(dtype=dtypes[0])
+  jax.config.update('jax_num_cpu_devices', devices)
+
+
+def overrides(items):
+  """Repeated --override name=value flags -> {name: value} (vit_jax.model_flags' parser)."""
+  return model_flags.parse_overrides(','.join(items or ()))
+
+
+def machine_info():
+  dev = jax.devices()[0]
+  return {
+      'date': datetime.date.today().isoformat(),
+      'host': platform.node(),
+      'cpu_cores': harness.cores(),
+      'platform': dev.platform,
+      'device_kind': getattr(dev, 'device_kind', ''),
+      'device_count': jax.device_count(),
+      'jax': jax.__version__,
+      'xla_flags': os.environ.get('XLA_FLAGS', ''),
+      'python': platform.python_version(),
+  }
+
+
+def peak_per_device(dtype, given=0.0, remeasure=False):
+  """(FLOP/s per device, where from), as the loop's MFU gets it (vit_jax.device_peaks);
+  `remeasure`: on CPU a fresh matmul timing (the benchmarks take one per round)."""
+  peak, source = device_peaks.resolve_peak(dtype, given)
+  if remeasure and source == 'measured':
+    peak = device_peaks.measure_cpu_peak.__wrapped__(dtype) / jax.local_device_count()
+  return peak, source
+
+
+def device_peak_memory_gib():
+  """Accelerator peak bytes in use, where the backend reports it (not on CPU)."""
+  try:
+    stats = jax.devices()[0].memory_stats()
+  except Exception:  # pylint: disable=broad-except
+    return None
+  if not stats or 'peak_bytes_in_use' not in stats:
+    return None
+  return stats['peak_bytes_in_use'] / 2**30
+
+
+def compiled_memory_gib(compiled):
+  """XLA's planned memory of a compiled step: arguments + outputs + temporaries - aliased."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # pylint: disable=broad-except
+    return None
+  if m is None:
+    return None
+  total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+           - m.alias_size_in_bytes)
+  return total / 2**30
+
+
+def _xla_flops(compiled):
+  """The FLOPs XLA's cost analysis gives a compiled program (as vit_jax.flops.xla_flops)."""
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0]
+  return float(cost['flops']) if cost and 'flops' in cost else None
+
+
+def make_config(model_name, batch, *, dtype='float32', remat=False, accum_steps=1,
+                mesh=1, image_size=224, model_overrides=None):
+  """A common.py config for SGD momentum 0.9 + global-norm clip 1 (Table 4's step)."""
+  c = common_config.get_config()
+  c.model_name = model_name
+  for k, v in (model_overrides or {}).items():
+    c.model[k] = v
+  c.dtype = dtype
+  c.remat = remat
+  c.accum_steps = accum_steps
+  c.mesh_data = mesh
+  c.image_size = image_size
+  c.batch_size = batch
+  c.optimizer = 'sgd'
+  c.momentum = 0.9
+  c.grad_clip_norm = 1.0
+  c.base_lr = 0.01
+  c.lr_decay = 'cosine'
+  c.warmup_steps = 10
+  c.total_steps = 10_000
+  c.weight_decay = 0.0
+  return c
+
+
+class BareStep:
+  """Compiled train step on a random device-resident batch (no input pipeline)."""
+
+  def __init__(self, config, num_classes=1000):
+    self.config = config
+    self.num_classes = num_classes
+    total = optim.total_steps(config)
+    schedule = optim.learning_rate_schedule(config, total)
+    tx = optim.make_optimizer(config, total)
+    model = train.build_model(config, num_classes)
+    mesh = sharding.make_mesh(config)
+    self.mesh = mesh
+    batch_sh = sharding.data_sharding(mesh)
+    repl = sharding.replicated(mesh)
+    size = config.image_size
+    # The loop's own state set-up (initialised: no checkpoint manager).
+    self.state, state_sh = train.create_train_state(config, model, tx, mesh, num_classes)
+    self.num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state['params']))
+    rng = np.random.default_rng(0)
+    b = config.batch_size
+    batch = {'image': rng.uniform(-1, 1, (b, size, size, 3)).astype(np.float32),
+             'label': rng.integers(0, num_classes, (b,)).astype(np.int32)}
+    self.batch = jax.device_put(batch, batch_sh)
+    self.rng = jax.device_put(jax.random.PRNGKey(0), repl)
+    jitted = jax.jit(train.make_train_step(model, tx, schedule, config, mesh),
+                     in_shardings=(state_sh, batch_sh, repl),
+                     out_shardings=(state_sh, repl), donate_argnums=(0,))
+    t = time.perf_counter()
+    self.compiled = jitted.lower(self.state, self.batch, self.rng).compile()
+    self.compile_s = time.perf_counter() - t
+    self.flops_analytic = vflops.step_flops(config, num_classes)
+    # The compiled program is per device under SPMD: scale to the whole step.
+    xla = _xla_flops(self.compiled)
+    self.flops_xla = None if xla is None else xla * len(mesh.devices.flat)
+    self.memory_gib = compiled_memory_gib(self.compiled)
+
+  def run(self, steps):
+    """Runs `steps` steps, blocking after each; returns the wall time of each (s)."""
+    times = []
+    for _ in range(steps):
+      t = time.perf_counter()
+      self.state, metrics = self.compiled(self.state, self.batch, self.rng)
+      jax.block_until_ready(metrics)
+      times.append(time.perf_counter() - t)
+      if not np.isfinite(float(metrics['loss'])):
+        raise FloatingPointError(f'loss is {metrics["loss"]}')
+    return times

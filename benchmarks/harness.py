@@ -1,0 +1,80 @@
+"""What every benchmark script shares and that needs no JAX: statistics, markdown tables,
+JSON, load and memory of the process, the model/batch flags.
+
+(The PyTorch worker of vs_pytorch.py imports only this; the JAX side is bare_step.py.)
+"""
+import json
+import os
+import resource
+import statistics
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+  sys.path.insert(0, REPO)
+
+
+def cores():
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:
+    return os.cpu_count()
+
+
+def loadavg():
+  return list(os.getloadavg())
+
+
+def peak_rss_gib():
+  """Peak resident memory of this process so far (Linux reports KiB)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def summary(values):
+  """median, min, max of a non-empty list."""
+  return {'median': statistics.median(values), 'min': min(values), 'max': max(values)}
+
+
+def fmt_range(values, spec='.2f'):
+  s = summary(values)
+  return f'{s["median"]:{spec}} ({s["min"]:{spec}}–{s["max"]:{spec}})'
+
+
+def markdown_table(header, rows):
+  lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+  for r in rows:
+    lines.append('| ' + ' | '.join(str(x) for x in r) + ' |')
+  return '\n'.join(lines)
+
+
+def write_json(path, payload):
+  if not path:
+    return
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, 'w') as f:
+    json.dump(payload, f, indent=2, default=float)
+  print(f'\nwrote {path}')
+
+
+def add_model_args(parser, dtypes='float32', steps=2):
+  """The flags every model benchmark takes: models and batches, dtypes, size, timing, overrides."""
+  parser.add_argument('--models', default='ViT-Ti_16,ViT-B_16,R50+ViT-B_16')
+  parser.add_argument('--batch', default='32,8,8', help='one per model, or one for all')
+  parser.add_argument('--dtypes', default=dtypes)
+  parser.add_argument('--image_size', type=int, default=224)
+  parser.add_argument('--steps', type=int, default=steps, help='timed steps per side per round')
+  parser.add_argument('--rounds', type=int, default=2)
+  parser.add_argument('--override', action='append', default=[],
+                      help='variant field, e.g. --override num_layers=2 (repeatable)')
+
+
+def model_batches(args):
+  """[(model, batch), ...] from --models and --batch (one batch for all, or one per model)."""
+  models = args.models.split(',')
+  batches = [int(b) for b in args.batch.split(',')]
+  if len(batches) == 1:
+    batches = batches * len(models)
+  if len(batches) != len(models):
+    raise SystemExit(f'--batch has {len(batches)} values for {len(models)} models: '
+                     'give one for all or one per model')
+  return list(zip(models, batches))
