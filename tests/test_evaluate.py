@@ -186,6 +186,16 @@ def test_evaluator_matches_pure_functions(tiny, standardise):
   assert fewshot(tiny['params']) == metrics  # cached data, same answer
 
 
+def test_library_and_inspect_load_no_evaluation_cli():
+  """evaluate.py (the library) loads no CLI; vit-inspect loads neither it nor TensorFlow."""
+  code = ('import sys; import vit_jax.{}; '
+          'print(sorted(m for m in ("vit_jax.evaluate_cli", "tensorflow") if m in sys.modules))')
+  loaded = [subprocess.run([sys.executable, '-c', code.format(module)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120).stdout.strip()
+            for module in ('evaluate', 'inspection')]
+  assert loaded == ["['tensorflow']", '[]']
+
+
 def test_cli_end_to_end(tiny):
   cmd = [sys.executable, '-m', 'vit_jax.evaluate_cli', '--checkpoint', tiny['path'],
          '--model', 'ViT-Ti_16', '--model_overrides',
