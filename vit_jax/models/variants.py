@@ -40,6 +40,9 @@ _BIT_DEPTHS = {
     26: (2, 2, 2, 2), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3),
     200: (3, 24, 36, 3),
 }
+# (depth, width) of the published BiT-S/BiT-M files and of the paper's ResNet baselines.
+_BIT_FILES = ((50, 1), (50, 3), (101, 1), (101, 3), (152, 2), (152, 4))
+_RESNET_BASELINES = ((50, 1), (50, 2), (101, 1), (152, 1), (152, 2), (200, 3))  # Table 6.
 
 
 def _vit(size, patch, **fields):
@@ -68,12 +71,9 @@ VARIANTS = {
     # 32 pixels per token despite the name.
     'R+ViT-Ti_16': _vit('Ti', 8, resnet_layers=()),
     # BiT ResNet v2 (pre-activation), the published BiT-S/BiT-M files.
-    **{f'BiT-{d}-R{depth}x{w}': _bit(depth, w)
-       for d in ('S', 'M')
-       for depth, w in ((50, 1), (50, 3), (101, 1), (101, 3), (152, 2), (152, 4))},
+    **{f'BiT-{d}-R{depth}x{w}': _bit(depth, w) for d in ('S', 'M') for depth, w in _BIT_FILES},
     # The paper's ResNet baselines (Table 6): the same BiT family.
-    **{f'R{depth}x{w}': _bit(depth, w)
-       for depth, w in ((50, 1), (50, 2), (101, 1), (152, 1), (152, 2), (200, 3))},
+    **{f'R{depth}x{w}': _bit(depth, w) for depth, w in _RESNET_BASELINES},
 }
 
 
