@@ -116,6 +116,18 @@ def test_log_text():
   assert chrono_lib.hms(3 * 3600 + 62) == '3:01:02'
 
 
+def test_setup_text():
+  assert (chrono_lib.setup_text(141_066, 1.532e9, 2.35e10, 'measured') ==
+          '141,066 parameters; 1.53 GFLOP per step; peak 23.5 GFLOP/s per device (measured)')
+  assert (chrono_lib.setup_text(86_000_000, 4.31e17, 989.5e12, 'table:NVIDIA H100 80GB HBM3') ==
+          '86,000,000 parameters; 431 PFLOP per step; peak 990 TFLOP/s per device '
+          '(table:NVIDIA H100 80GB HBM3)')
+  assert chrono_lib.setup_text(1, 999.6e6, 5e18, 'given').startswith('1 parameters; 1 GFLOP')
+  text = chrono_lib.setup_text(10, None, None, 'unknown:NVIDIA GeForce RTX 4090')
+  assert 'not counted for this objective (no MFU)' in text
+  assert 'no peak FLOP/s known for unknown:NVIDIA GeForce RTX 4090' in text
+
+
 @pytest.mark.parametrize('kind,dtype,tflops', [
     ('TPU v2', 'bfloat16', 22.5),  # per TensorCore: two JAX devices per chip
     ('TPU v3', 'bfloat16', 61.5),

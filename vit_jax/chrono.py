@@ -32,6 +32,26 @@ def hms(seconds):
   return f'{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
 
 
+def _si(value):
+  """'23.5 G', '989 T': three significant figures and the prefix that keeps them < 1000."""
+  for prefix, scale in (('M', 1e6), ('G', 1e9), ('T', 1e12), ('P', 1e15)):
+    if value < 999.5 * scale:
+      return f'{value / scale:.3g} {prefix}'
+  return f'{value / 1e18:.3g} E'
+
+
+def setup_text(num_params, flops_per_step, peak_flops_per_device, peak_source):
+  """The start-up facts, e.g. '141,066 parameters; 1.53 GFLOP per step; peak 23.5 GFLOP/s
+  per device (measured)'; says why MFU will be missing."""
+  parts = [f'{num_params:,} parameters']
+  parts.append('FLOPs per step not counted for this objective (no MFU)' if flops_per_step is None
+               else f'{_si(flops_per_step)}FLOP per step')
+  parts.append(f'no peak FLOP/s known for {peak_source} (no MFU; set '
+               '--config.peak_flops_per_device)' if peak_flops_per_device is None else
+               f'peak {_si(peak_flops_per_device)}FLOP/s per device ({peak_source})')
+  return '; '.join(parts)
+
+
 class Chrono:
   """Measures training speed and progress; see the module docstring."""
 
