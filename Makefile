@@ -2,12 +2,13 @@
 #   make quickstart   venv + package (+ Fashion-MNIST from Debian when root), then train
 #   make test         venv + package with test extras, then the default test suite
 #   make lint         ruff (settings in pyproject.toml), as .ci/run does
+#   make format       yapf rewrites the tree in the house style (settings in pyproject.toml)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
-.PHONY: quickstart test lint fashion-mnist
+.PHONY: quickstart test lint format fashion-mnist
 
 $(VENV)/installed: setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -32,3 +33,6 @@ test: $(VENV)/installed
 
 lint: $(VENV)/installed
 	$(VENV)/bin/ruff check .
+
+format: $(VENV)/installed
+	$(VENV)/bin/yapf --in-place --recursive --parallel .

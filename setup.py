@@ -29,7 +29,9 @@ EXTRAS_REQUIRE = {
     # Accelerators: the same jax version with its TPU / CUDA 12 plugin.
     "tpu": ["jax[tpu]>=0.10.2,<0.11"],
     "cuda12": ["jax[cuda12]>=0.10.2,<0.11"],
-    "test": ["pytest>=9", "nbclient>=0.11", "nbformat>=5.10", "ipykernel>=7", "ruff>=0.17"],
+    "test": [
+        "pytest>=9", "nbclient>=0.11", "nbformat>=5.10", "ipykernel>=7", "ruff>=0.17", "yapf>=0.43"
+    ],
     # benchmarks/vs_pytorch.py: the CPU build resolves here (no CUDA wheels needed).
     "bench": ["torch>=2.13"],
 }
