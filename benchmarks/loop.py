@@ -55,7 +55,7 @@ class _Recorder:
     self._writer, self._log = writer, log
 
   def write_scalars(self, step, scalars):
-    self._log.append((time.perf_counter(), int(step),
+    self._log.append((time.perf_counter(), time.process_time(), int(step),
                       {k: float(v) for k, v in scalars.items()}))
     return self._writer.write_scalars(step, scalars)
 
@@ -75,13 +75,14 @@ def run_loop(config, tmp):
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
   assert result['step'] == args.steps, result
-  (t_first, s_first, _), (t_last, s_last, _) = log[0], log[-1]
+  (t_first, cpu_first, s_first, _), (t_last, cpu_last, s_last, _) = log[0], log[-1]
   if s_last <= s_first:
     raise SystemExit(f'--steps {args.steps} with --log_every {args.log_every}: the loop logs '
                      'once only; give more steps or log more often')
-  own = [(s, m['img_per_sec_per_core'] * jax.device_count()) for _, s, m in log
+  own = [(s, m['img_per_sec_per_core'] * jax.device_count()) for _, _, s, m in log
          if 'img_per_sec_per_core' in m]
-  return (s_last - s_first) * args.batch / (t_last - t_first), s_last - s_first, wall, own
+  steps = s_last - s_first
+  return steps * args.batch / (t_last - t_first), (cpu_last - cpu_first) / steps, steps, wall, own
 
 
 def main():
@@ -111,12 +112,16 @@ def main():
     bare.run(1)
 
     loop_rates, bare_rates, walls, logs = [], [], [], []
+    loop_cpu, bare_cpu = [], []  # CPU seconds (all threads of this process) per step
     for r in range(args.rounds):
-      rate, timed_steps, wall, log = run_loop(config, tmp)
+      rate, cpu, timed_steps, wall, log = run_loop(config, tmp)
       loop_rates.append(rate)
+      loop_cpu.append(cpu)
       walls.append(wall)
       logs.append(log)
+      cpu = time.process_time()
       times = bare.run(timed_steps)
+      bare_cpu.append((time.process_time() - cpu) / timed_steps)
       bare_rates.append(args.batch * len(times) / sum(times))
       print(f'round {r + 1}/{args.rounds}: loop {rate:.2f} img/s (run {wall:.0f} s with '
             f'set-up), bare {bare_rates[-1]:.2f} img/s', flush=True)
@@ -130,14 +135,22 @@ def main():
              'loadavg_start': load_start, 'loadavg_end': load_end,
              'loop_img_s_per_round': loop_rates, 'bare_img_s_per_round': bare_rates,
              'loop_over_bare_per_round': ratio, 'loop_over_bare_median': med,
+             'loop_cpu_s_per_step': loop_cpu, 'bare_cpu_s_per_step': bare_cpu,
              'loop_wall_s_with_setup': walls, 'loop_own_rates': logs,
              'target_0p97_met': med >= 0.97}
   print(f'\n### loop vs bare step ({args.model}, batch {args.batch}, {args.dtype}, '
         f'{args.steps} steps per run)\n')
   print(harness.markdown_table(
-      ['round', 'loop img/s', 'bare img/s', 'loop / bare', "loop's own report img/s"],
-      [[i + 1, f'{a:.2f}', f'{b:.2f}', f'{c:.3f}', ', '.join(f'{r:.2f}' for _, r in own)]
-       for i, (a, b, c, own) in enumerate(zip(loop_rates, bare_rates, ratio, logs))]))
+      ['round', 'loop img/s', 'bare img/s', 'loop / bare', 'CPU s/step loop', 'CPU s/step bare',
+       "loop's own report img/s"],
+      [[i + 1, f'{a:.2f}', f'{b:.2f}', f'{c:.3f}', f'{lc:.3f}', f'{bc:.3f}',
+        ', '.join(f'{r:.2f}' for _, r in own)]
+       for i, (a, b, c, lc, bc, own) in enumerate(zip(loop_rates, bare_rates, ratio, loop_cpu,
+                                                     bare_cpu, logs))]))
+  extra = [lc / bc - 1 for lc, bc in zip(loop_cpu, bare_cpu)]
+  print(f'\nloop CPU time per step over the bare step\'s: +{harness.fmt_range(extra, ".1%")} '
+        '(with the step using every core, the loop can be at most that much slower; less '
+        'where it fills cores the step leaves idle)')
   print(f'\nloop / bare: median {med:.3f} (min {min(ratio):.3f}, max {max(ratio):.3f}); '
         f'target ≥0.97: {"met" if med >= 0.97 else "MISSED"}; '
         f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')

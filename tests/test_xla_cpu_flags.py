@@ -65,6 +65,11 @@ def test_modes_and_a_bad_value():
   assert xla_cpu_flags.choose({xla_cpu_flags.OPT_OUT: '1'}, 'bfloat16')[0] == ()
   with pytest.raises(ValueError, match='VIT_JAX_XLA_CPU_FLAGS=yes: use auto'):
     xla_cpu_flags.choose({xla_cpu_flags.OPT_OUT: 'yes'})
+  # The log line says what was chosen and why (main logs it again into train.INFO).
+  xla_cpu_flags.apply({xla_cpu_flags.OPT_OUT: '1', 'XLA_FLAGS': f'{NAME}=X'})
+  assert xla_cpu_flags.last_choice == (f'XLA:CPU flags for float32: none added; the fixed table '
+                                       f'for float32 (VIT_JAX_XLA_CPU_FLAGS=1); XLA_FLAGS '
+                                       f'already sets {NAME}')
 
 
 def test_no_probe_under_pytest_and_its_children_are_pinned(monkeypatch):

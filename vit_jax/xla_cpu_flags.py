@@ -50,6 +50,7 @@ MODES = {'auto': 'measure float32 once per host', '1': 'the fixed table, no prob
 MARGIN = 0.03  # a probe ratio within 1 +- MARGIN is a tie: the fixed table stays
 # Timings taken beside other work are not evidence: above this load per core, no probe.
 BUSY_LOAD = 0.5
+last_choice = ''  # apply()'s log line: what it chose for this process, and why
 _ACCELERATOR_PLUGINS = ('jax_cuda12_plugin', 'jax_cuda13_plugin', 'jax_rocm60_plugin',
                         'jax_rocm7_plugin', 'libtpu')
 
@@ -138,6 +139,7 @@ def apply(environ=None, dtype='float32'):
 
   Does nothing once a JAX backend has started (XLA would ignore the change).
   """
+  global last_choice  # pylint: disable=global-statement
   environ = os.environ if environ is None else environ
   if environ is os.environ and _backend_started():
     return []
@@ -145,17 +147,18 @@ def apply(environ=None, dtype='float32'):
     environ.setdefault(OPT_OUT, '1')  # the suite's child processes pin the table too
   version = _jaxlib_version()
   if not _known(version):
-    logging.info('XLA:CPU flags: none added (jaxlib %s is not one they were checked for)',
-                 version)
+    last_choice = f'XLA:CPU flags: none added (jaxlib {version} is not one they were checked for)'
+    logging.info('%s', last_choice)
     return []
   wanted, why = choose(environ, dtype)
   added = flags_to_add(environ.get('XLA_FLAGS', ''), version, environ.get(OPT_OUT), dtype,
                        wanted)
   if added:
     environ['XLA_FLAGS'] = ' '.join([environ.get('XLA_FLAGS', ''), *added]).strip()
-  kept = [f for f in wanted if f not in added]
-  logging.info('XLA:CPU flags for %s: %s; %s%s', dtype, ' '.join(added) or 'none added', why,
-               f'; XLA_FLAGS already sets {" ".join(kept)}' if kept else '')
+  kept = [f.split('=')[0] for f in wanted if f not in added]  # XLA_FLAGS names them already
+  last_choice = (f'XLA:CPU flags for {dtype}: {" ".join(added) or "none added"}; {why}'
+                 + (f'; XLA_FLAGS already sets {" ".join(kept)}' if kept else ''))
+  logging.info('%s', last_choice)
   return added
 
 
