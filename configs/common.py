@@ -93,6 +93,11 @@ def get_config():
 
   # Loop.
   c.log_every_steps = 50  # Progress line and training metrics; 0 only at the end.
+  # MFU's denominator, peak FLOP/s per device (vit_jax/device_peaks.py): 0 takes the TPU/GPU
+  # table, or on CPU a matmul timed at start-up.
+  c.peak_flops_per_device = 0.0
+  c.profile_first_step = 0  # First step of a jax.profiler trace (<workdir>/profile).
+  c.profile_steps = 0  # Steps traced from profile_first_step; 0: no trace.
   c.eval_every_steps = 1000  # Evaluation on eval_split; 0 only at the end.
   c.checkpoint_every_steps = 1000  # Orbax checkpoint period; 0 only at the end (and on a signal).
   c.keep_checkpoints = 3  # Checkpoints kept on disk (1 or more; -1 keeps all).

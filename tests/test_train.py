@@ -18,6 +18,7 @@ import pytest
 
 from vit_jax.configs import quickstart
 from vit_jax import checkpoint
+from vit_jax import flops
 from vit_jax import models
 from vit_jax import train
 
@@ -138,6 +139,47 @@ def test_polyak_average_is_exported_and_resumes_bit_identically(idx_dir, tmp_pat
   _assert_trees_close(straight['params'], resumed['params'], 0.0)
 
 
+class _Scalars:
+  """A metric writer that keeps the scalars the loop writes: {step: {name: value}}."""
+
+  def __init__(self):
+    self.at = {}
+
+  def write_scalars(self, step, scalars):
+    self.at.setdefault(step, {}).update(scalars)
+
+  def write_hparams(self, hparams):
+    pass
+
+  def flush(self):
+    pass
+
+
+def test_the_loop_reports_its_speed_and_traces_on_request(idx_dir, tmp_path, caplog):
+  peak = 1e12  # given, so MFU is exact arithmetic on the reported step rate
+  config = _config(idx_dir, peak_flops_per_device=peak, profile_first_step=2, profile_steps=1)
+  scalars = _Scalars()
+  with caplog.at_level(logging.INFO):
+    out = train.train_and_evaluate(config, str(tmp_path / 'speed'), writer=scalars)
+  first, second = scalars.at[1], scalars.at[2]
+  assert first['compile_seconds'] > 0 and 'compile_seconds' not in second
+  assert second['progress'] == pytest.approx(2 / 3)
+  assert second['examples_seen'] == 2 * 16
+  assert second['epoch'] == pytest.approx(2 * 16 / IDX_SIZES[0])
+  assert second['core_hours'] > first['core_hours'] > 0
+  assert second['img_per_sec_per_core'] == pytest.approx(
+      second['steps_per_sec'] * 16 / jax.device_count())
+  step_flops = 3 * 16 * flops.forward_flops('ViT-Ti_16', 28, 10, **config.model)
+  assert second['mfu'] == pytest.approx(
+      step_flops * second['steps_per_sec'] / (peak * jax.device_count()))
+  assert all(s['data/skipped_images'] == 0 for s in scalars.at.values())
+  n = sum(x.size for x in jax.tree.leaves(out['params']))
+  assert f'ViT-Ti_16: {n:,} parameters; ' in caplog.text
+  assert 'Compiled the train step and ran step 1 in' in caplog.text
+  assert 'MFU ' in caplog.text and 'epoch 0.33' in caplog.text
+  assert glob.glob(str(tmp_path / 'speed' / 'profile' / '**' / '*.xplane.pb'), recursive=True)
+
+
 def test_bfloat16_and_remat_follow_float32(idx_dir, tmp_path, data_parallel):
   remat = _run(idx_dir, tmp_path, 'remat', remat=True)
   bf16 = _run(idx_dir, tmp_path, 'bf16', dtype='bfloat16')
@@ -217,12 +259,12 @@ def test_multi_label_training_and_set_top1(tmp_path, caplog):
   assert f'validation top-1 accuracy {want:.4f} (38 examples)' in caplog.text
   # vit-evaluate on the finished run (its dataset is imagenet2012_real: the ReaL row): the
   # same rule, the same figure.
-  from vit_jax import evaluate  # pylint: disable=g-import-not-at-top
+  from vit_jax import evaluate_cli  # pylint: disable=g-import-not-at-top
   cli = types.SimpleNamespace(workdir=str(tmp_path / 'multi'), checkpoint=None, dataset=None,
                               data_dir=None, eval_crop=None, mode='top1', train_split=None,
                               eval_split=None, batch_size=16)
   with data_fixtures.mock_real(40):
-    table = evaluate.run(cli)
+    table = evaluate_cli.run(cli)
   assert table.splitlines()[1].split() == ['top1', 'validation', 'ReaL', f'{want:.4f}', '(38',
                                            'images', 'with', 'a', 'ReaL', 'label)']
 
@@ -311,7 +353,8 @@ def test_quickstart_command_end_to_end_shortened(idx_dir, tmp_path):
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['10', '20']
   assert glob.glob(os.path.join(workdir, 'events.out.tfevents.*'))
   log = open(os.path.join(workdir, 'train.INFO')).read()
-  assert 'step 20/20' in log and 'img/s/core' in log and 'ETA' in log
+  assert 'step 20/20' in log and 'img/s/core' in log and 'ETA' in log and 'MFU' in log
+  assert 'ViT-Ti_16: 141,066 parameters; ' in log and 'Compiled the train step' in log
   assert 'orbax' not in log  # library chatter is filtered out of the readable log
   params = checkpoint.load_npz(os.path.join(workdir, 'final.npz'))
   model = models.get_model('ViT-Ti_16', num_classes=10, patch_size=4, hidden_size=64,

@@ -20,8 +20,8 @@ from vit_jax import paths
 _FREE_FIELDS = ('log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
                 'keep_checkpoints', 'prefetch', 'eval_batch_size', 'eval_split', 'mesh_data',
                 'fsdp', 'remat', 'accum_steps', 'data_dir', 'on_nonfinite', 'resume_changes',
-                'lr_grid', 'pp.eval_crop', 'pp.central_crop_fraction')
-_FREE_PREFIXES = ('fewshot_',)
+                'lr_grid', 'pp.eval_crop', 'pp.central_crop_fraction', 'peak_flops_per_device')
+_FREE_PREFIXES = ('fewshot_', 'profile_')
 
 
 def write_config(config, workdir):

@@ -25,8 +25,11 @@ import optax
 import tensorflow as tf
 
 from vit_jax import checkpoint
+from vit_jax import chrono as chrono_lib
+from vit_jax import device_peaks
 from vit_jax import errors
 from vit_jax import evaluate as evaluate_lib
+from vit_jax import flops
 from vit_jax import input_pipeline
 from vit_jax import masked_patches
 from vit_jax import models
@@ -35,6 +38,7 @@ from vit_jax import paths
 from vit_jax import polyak
 from vit_jax import rundir
 from vit_jax import sharding
+from vit_jax import trace
 from vit_jax import vtab
 
 DTYPES = ('float32', 'bfloat16')
@@ -423,16 +427,22 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   if start:
     logging.info('Resuming from the checkpoint of step %d in %s', start, workdir)
   rundir.write_config(config, workdir)
+  flops_per_step = flops.step_flops(config, num_classes)
+  peak, peak_source = device_peaks.resolve_peak(config.dtype, config.peak_flops_per_device)
+  logging.info('%s: %s', config.model_name, chrono_lib.setup_text(
+      sum(x.size for x in jax.tree.leaves(state['params'])), flops_per_step, peak, peak_source))
 
   abstract_batch = {
       'image': jax.ShapeDtypeStruct((config.batch_size, config.image_size, config.image_size, 3),
                                     jnp.float32),
       'label': (jax.ShapeDtypeStruct((config.batch_size, info.num_classes), jnp.float32)
                 if info.multi_label else jax.ShapeDtypeStruct((config.batch_size,), jnp.int32))}
+  t_build = time.perf_counter()
   train_step, config = _fitting_train_step(
       config, model, tx, schedule, mesh, (state_sh, batch_sharding, replicated),
       (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state), abstract_batch,
        jax.ShapeDtypeStruct((2,), jnp.uint32)))
+  build_seconds = time.perf_counter() - t_build  # ahead-of-time compilation, if any
   eval_step = jax.jit(masked_patches.make_eval_step(model, config) if masked_patches.is_masked(
       config) else make_eval_step(model), in_shardings=(param_sh, batch_sharding),
                       out_shardings=replicated)
@@ -451,19 +461,24 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
     raise ConfigError(f'cannot write the metrics to {workdir}: {errors.one_line(e)}: free space or '
                       'fix permissions, or use another --workdir') from None
 
+  train_data = input_pipeline.train_batches(config, global_batch=config.batch_size,
+                                            start_step=start)
   batches = input_pipeline.prefetch_to_mesh(
-      _checked_labels(input_pipeline.train_batches(config, global_batch=config.batch_size,
-                                                   start_step=start),
-                      num_classes, config.train_split),
-      batch_sharding, config.prefetch)
+      _checked_labels(train_data, num_classes, config.train_split), batch_sharding,
+      config.prefetch)
   fewshot = evaluate_lib.FewShotEvaluator(config, model) if config.fewshot_every_steps else None
   real = _real_config(config, num_classes)
   rng = jax.device_put(jax.random.PRNGKey(config.seed), replicated)
+  chrono = chrono_lib.Chrono(
+      total_steps=total_steps, global_batch=config.batch_size,
+      num_train_examples=info.num_train_examples, num_devices=jax.device_count(),
+      flops_per_step=flops_per_step, peak_flops_per_device=peak)
+  profile = trace.StepTrace(os.path.join(workdir, 'profile'), config.profile_first_step,
+                            config.profile_steps)
   last = total_steps if stop_after_steps is None else min(stop_after_steps, total_steps)
   result = {'step': start}
   metric, unit = (('masked-patch accuracy', 'patches') if masked_patches.is_masked(config)
                   else ('top-1 accuracy', 'examples'))
-  t_mark, s_mark = None, start
   stop_on_nonfinite = config.get('on_nonfinite', 'stop') == 'stop'
   # Cheap checks: the guard of the previous step is read only once it is ready (no
   # stall); a forced read (a sync) comes before every log line, evaluation and save.
@@ -507,15 +522,21 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   preemption = _Preemption()
   try:
     for step in range(start + 1, last + 1):
+      profile.before(step)
       try:
-        state, metrics = train_step(state, next(batches), rng)
-        if t_mark is None:  # the first step compiled: time from its end
+        batch = next(batches)
+        t_step = time.perf_counter()
+        state, metrics = train_step(state, batch, rng)
+        if step == start + 1:  # compiled (unless ahead of time) and run: timing starts now
           jax.block_until_ready(metrics)
-          t_mark, s_mark = time.perf_counter(), step
+          chrono.first_step_done(step, build_seconds + time.perf_counter() - t_step)
+          logging.info('Compiled the train step and ran step %d in %.1f s', step,
+                       chrono.compile_seconds)
       except Exception as e:  # pylint: disable=broad-except
         if 'RESOURCE_EXHAUSTED' in str(e) or 'out of memory' in str(e).lower():
           raise TrainingError(_memory_message(config, None, None)) from None
         raise
+      profile.after(step, metrics)
       if peek and prev_guard is not None and prev_guard['first_bad'].is_ready():
         check_guard(_local(prev_guard))
       prev_guard = metrics['guard']
@@ -528,35 +549,42 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
           reported_skips = int(guard['skipped'])
           logging.warning('%d step(s) so far had a non-finite loss or gradient; their updates '
                           'were skipped (on_nonfinite=skip)', reported_skips)
-        elapsed = time.perf_counter() - t_mark
-        rate = (step - s_mark) * config.batch_size / elapsed if step > s_mark else float('nan')
-        eta = (total_steps - step) * config.batch_size / rate if rate == rate and rate > 0 else 0.0
-        per_core = rate / jax.device_count()
-        logging.info('step %d/%d  loss %.4f  lr %.3g  %.1f img/s/core  ETA %s', step, total_steps,
-                     metrics['loss'], metrics['lr'], per_core, _hms(eta))
-        writer.write_scalars(step, {**{k: float(v) for k, v in metrics.items()},
-                                    'img_per_sec_per_core': per_core})
+        speed = chrono.report(step)
+        logging.info('step %d/%d  loss %.4f  lr %.3g  %s', step, total_steps, metrics['loss'],
+                     metrics['lr'], chrono.log_text(speed))
+        writer.write_scalars(step, {**{k: float(v) for k, v in metrics.items()}, **speed,
+                                    'data/skipped_images': train_data.skipped})
         result.update(step=step, loss=float(metrics['loss']))
-      if _due(step, config.eval_every_steps) or step == total_steps:
-        check_guard(_local(state['guard']))
-        params = eval_params(state)
-        accuracy, n = evaluate(eval_step, params, config, batch_sharding, num_classes)
-        logging.info('step %d  %s %s %.4f (%d %s%s)', step, config.eval_split, metric, accuracy,
-                     n, unit, ', Polyak average' if polyak.enabled(config) else '')
-        writer.write_scalars(step, {'accuracy': accuracy})
-        result.update(accuracy=accuracy)
-        if real:
-          result.update(_evaluate_real(eval_step, params, real, batch_sharding, step, writer))
-      if fewshot and (_due(step, config.fewshot_every_steps) or step == total_steps):
-        scores = fewshot(eval_params(state))
-        logging.info('step %d  few-shot linear: %s', step,
-                     '  '.join(f'{k[len("fewshot/"):]} {v:.4f}' for k, v in scores.items()))
-        writer.write_scalars(step, scores)
-        result.update(scores)
+      evaluating = _due(step, config.eval_every_steps) or step == total_steps
+      fewshot_due = fewshot and (_due(step, config.fewshot_every_steps) or step == total_steps)
+      if evaluating or fewshot_due:
+        check_guard(_local(state['guard']))  # a sync too: the steps before count as training
+        with chrono.paused():
+          params = eval_params(state)
+        if evaluating:
+          with chrono.paused():
+            accuracy, n = evaluate(eval_step, params, config, batch_sharding, num_classes)
+          logging.info('step %d  %s %s %.4f (%d %s%s)', step, config.eval_split, metric,
+                       accuracy, n, unit, ', Polyak average' if polyak.enabled(config) else '')
+          writer.write_scalars(step, {'accuracy': accuracy})
+          result.update(accuracy=accuracy)
+          if real:
+            with chrono.paused():
+              result.update(_evaluate_real(eval_step, params, real, batch_sharding, step,
+                                           writer))
+        if fewshot_due:
+          with chrono.paused():
+            scores = fewshot(params)
+          logging.info('step %d  few-shot linear: %s', step,
+                       '  '.join(f'{k[len("fewshot/"):]} {v:.4f}' for k, v in scores.items()))
+          writer.write_scalars(step, scores)
+          result.update(scores)
       result['step'] = step
       preempted = preemption.reached(step)
       if preempted or _due(step, config.checkpoint_every_steps) or step == last:
-        save(step)
+        check_guard(_local(state['guard']))  # the sync before the pause
+        with chrono.paused():
+          save(step)
       if preempted:
         if preemption.requested == 'SIGINT':
           check_save(block=True)
@@ -589,6 +617,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
     raise TrainingError(f'cannot write to {workdir}: {errors.one_line(e)}: free space or fix '
                         'permissions, then run the same command to resume') from None
   finally:
+    profile.close()
     preemption.close()
     try:
       manager.wait_until_finished()  # never leave a save thread behind
@@ -724,7 +753,3 @@ class _Preemption:
       signal.signal(sig, previous)
     self._previous = {}
 
-
-def _hms(seconds):
-  seconds = int(seconds)
-  return f'{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
