@@ -263,6 +263,16 @@ def test_finetune_resolution(model, dataset, size):
   assert FINETUNE.get_config(f'{model},{dataset},dev').image_size == size
 
 
+def test_finetune_resolution_fits_every_variant():
+  """Every variant tiles every row's image: the resolution follows the model's pixels per
+  token (R+ViT-Ti_16: 32, whatever its name says)."""
+  for name in models.VARIANTS:
+    stride = models.pixels_per_token(models.get_variant(name))
+    for dataset in ('cifar10', 'imagenet2012', 'vtab/dmlab'):
+      size = FINETUNE.image_size_for(name, dataset)
+      assert size % stride == 0 and 384 - stride < size <= 518, (name, dataset, size)
+
+
 @pytest.mark.parametrize('model,dropout', [
     ('ViT-Ti_16', 0.0), ('ViT-S_16', 0.0), ('ViT-B_16', 0.0), ('ViT-B_32', 0.0),
     ('ViT-L_32', 0.0), ('ViT-L_16', 0.1), ('ViT-H_14', 0.1), ('R50+ViT-B_16', 0.1),
