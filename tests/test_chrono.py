@@ -210,5 +210,5 @@ def test_trace_of_chosen_steps(tmp_path):
   off.after(1)
   off.close()
   assert not os.path.exists(tmp_path / 'off')
-  with pytest.raises(ValueError, match='first step'):
+  with pytest.raises(ValueError, match='profile_first_step'):
     trace.StepTrace(str(tmp_path), first_step=0, num_steps=3)

@@ -329,6 +329,7 @@ def test_fewshot_evaluation_runs_inside_training(idx_dir, tmp_path, caplog):
     (dict(warmup_steps=5), 'warmup_steps 5 >= total_steps 3'),
     (dict(vtab_task='clevr_cnt'), "vtab_task 'clevr_cnt' is not a VTAB-1k task"),
     (dict(polyak_decay=1.0), 'polyak_decay 1.0 is not in'),
+    (dict(profile_steps=2), 'profile_first_step 0 / profile_steps 2: set'),
 ])
 def test_bad_config_fails_at_start_up(idx_dir, tmp_path, overrides, message):
   with pytest.raises(ValueError, match=message):

@@ -13,13 +13,19 @@ resumed inside the window traces the rest of it. Each host writes its own trace.
 import jax
 
 
+def validate(first_step, num_steps):
+  """A one-line ValueError naming the config fields if the window is out of range."""
+  if num_steps < 0 or (num_steps and first_step < 1):
+    raise ValueError(f'profile_first_step {first_step} / profile_steps {num_steps}: set '
+                     '--config.profile_first_step to 1 or more and --config.profile_steps to '
+                     'the number of steps to trace (0: no trace)')
+
+
 class StepTrace:
   """Starts jax.profiler before the window's first step, stops after its last."""
 
   def __init__(self, logdir, first_step, num_steps):
-    if num_steps < 0 or (num_steps and first_step < 1):
-      raise ValueError(f'profile steps: first step {first_step} (>= 1) and number of steps '
-                       f'{num_steps} (>= 0; 0 for no trace) are out of range')
+    validate(first_step, num_steps)
     self.logdir = logdir
     self.first_step = first_step
     self.end_step = first_step + num_steps  # one past the last traced step

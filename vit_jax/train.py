@@ -97,6 +97,7 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
                      '--config.model.representation_size to the checkpoint\'s size')
   masked_patches.validate(config)
   polyak.validate(config)
+  trace.validate(config.profile_first_step, config.profile_steps)
   evaluate_lib.validate_fewshot(config)
   optim.validate(config, num_train_examples)
 
