@@ -7,6 +7,7 @@ which works from any directory once the package is installed:
   quickstart                      the offline default (Fashion-MNIST)
   finetune:<model>,<dataset>      Table 4 rows, e.g. finetune:ViT-B_16,cifar10
   pretrain:<model>,<dataset>      Table 3 rows, e.g. pretrain:ViT-B_16,imagenet21k
+  table2:<model>                  Table 2's ImageNet recipe: table2:ViT-L_16, table2:ViT-H_14
   masked_patches:<model>,<data>   Section 4.6 self-supervised rows (and :quickstart)
 
 An existing file wins over a packaged name.
@@ -19,7 +20,7 @@ import re
 from absl import flags
 from ml_collections import config_flags
 
-PACKAGED = ('quickstart', 'finetune', 'pretrain', 'masked_patches')
+PACKAGED = ('quickstart', 'finetune', 'pretrain', 'table2', 'masked_patches')
 EXAMPLES = '--config=quickstart, --config=finetune:ViT-B_16,cifar10 or a file path'
 
 

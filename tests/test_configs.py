@@ -404,3 +404,19 @@ def test_finetune_vtab_row_starts(model, task):
   for arg in (f'{model},vtab/{task}', f'{model},vtab/{task},dev'):
     c = FINETUNE.get_config(arg)
     _check_posemb(c, _start(c, c.num_classes))
+
+
+@pytest.mark.parametrize('model,size', [('ViT-L_16', 512), ('ViT-H_14', 518)])
+def test_table2_row_starts(model, size):
+  """Table 2's ImageNet recipe (B.1.1): Table 4's ImageNet row at 512 / 518 with Polyak
+  averaging 0.9999 and ReaL; 'dev' chooses base_lr without looking at ReaL."""
+  c = configs.load(f'table2:{model}')
+  assert (c.image_size, c.polyak_decay, c.eval_real) == (size, 0.9999, True)
+  table4 = FINETUNE.get_config(f'{model},imagenet2012')
+  differ = {k for k, v in c.items() if table4[k] != v}
+  assert differ - {'image_size'} == {'polyak_decay', 'eval_real'}  # (H/14 is at 518 there too)
+  _check_posemb(c, _start(c, 1000))
+  dev = configs.load(f'table2:{model},dev')
+  assert (dev.train_split, dev.eval_split, dev.eval_real) == ('train[:99%]', 'train[99%:]', False)
+  with pytest.raises(ValueError, match='table2.py:<model>'):
+    configs.load('table2:ViT-B_16')
