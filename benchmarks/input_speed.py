@@ -34,12 +34,13 @@ args = parser.parse_args()
 
 
 def timed(iterator, n):
+  """(img/s, CPU ms per image: all threads of this process, tf.data's included)."""
   next(iterator)  # start-up, untimed
-  t = time.perf_counter()
+  t, cpu = time.perf_counter(), time.process_time()
   images = 0
   for _ in range(n):
     images += len(next(iterator)['label'])
-  return images / (time.perf_counter() - t)
+  return images / (time.perf_counter() - t), 1e3 * (time.process_time() - cpu) / images
 
 
 def main():
@@ -59,14 +60,19 @@ def main():
     config.pp.eval_crop = args.eval_crop
     # Eval reads the split once: cap the timed batches at what one pass yields.
     eval_batches = min(args.batches, args.images // args.batch - 1)
-    train_rates, eval_rates = [], []
+    train_rates, eval_rates, train_cpu, eval_cpu = [], [], [], []
     for r in range(args.rounds):
-      train_rates.append(timed(input_pipeline.train_batches(
-          config, global_batch=args.batch, start_step=r * (args.batches + 1)), args.batches))
-      eval_rates.append(timed(input_pipeline.eval_batches(
-          config, global_batch=args.batch), eval_batches))
-      print(f'round {r + 1}/{args.rounds}: train {train_rates[-1]:.0f} img/s, '
-            f'eval {eval_rates[-1]:.0f} img/s', flush=True)
+      rate, cpu = timed(input_pipeline.train_batches(
+          config, global_batch=args.batch, start_step=r * (args.batches + 1)), args.batches)
+      train_rates.append(rate)
+      train_cpu.append(cpu)
+      rate, cpu = timed(input_pipeline.eval_batches(config, global_batch=args.batch),
+                        eval_batches)
+      eval_rates.append(rate)
+      eval_cpu.append(cpu)
+      print(f'round {r + 1}/{args.rounds}: train {train_rates[-1]:.0f} img/s '
+            f'({train_cpu[-1]:.2f} CPU ms/img), eval {eval_rates[-1]:.0f} img/s '
+            f'({eval_cpu[-1]:.2f} CPU ms/img)', flush=True)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
   load_end = harness.loadavg()
@@ -75,17 +81,18 @@ def main():
              'args': vars(args), 'loadavg_start': load_start, 'loadavg_end': load_end,
              'jpeg_write_s': write_s, 'train_img_s_per_round': train_rates,
              'eval_img_s_per_round': eval_rates, 'train_img_s_median': train_med,
+             'train_cpu_ms_per_image': train_cpu, 'eval_cpu_ms_per_image': eval_cpu,
              'eval_img_s_median': harness.summary(eval_rates)['median'],
              'eval_over_train_per_round': [e / t for t, e in zip(train_rates, eval_rates)],
              'target_train_1000_met': train_med >= 1000}
   print(f'\n### input pipeline ({args.images} JPEGs {h}x{w} -> {args.image_size}, batch '
         f'{args.batch}, {harness.cores()} cores)\n')
   print(harness.markdown_table(
-      ['preprocessing', 'img/s median (min–max over rounds)', 'per round'],
+      ['preprocessing', 'img/s median (min–max over rounds)', 'per round', 'CPU ms per image'],
       [['train: inception crop + resize + flip', harness.fmt_range(train_rates, '.0f'),
-        ', '.join(f'{x:.0f}' for x in train_rates)],
+        ', '.join(f'{x:.0f}' for x in train_rates), harness.fmt_range(train_cpu)],
        [f'eval: decode + {args.eval_crop}', harness.fmt_range(eval_rates, '.0f'),
-        ', '.join(f'{x:.0f}' for x in eval_rates)]]))
+        ', '.join(f'{x:.0f}' for x in eval_rates), harness.fmt_range(eval_cpu)]]))
   print(f'\ntrain target ≥1000 img/s: {"met" if train_med >= 1000 else "MISSED"}; '
         f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
   harness.write_json(args.out, payload)

@@ -10,7 +10,7 @@ benchmarks/README.md; `benchmarks/ynnpack.py` measures the train step on a host)
   host (A) and 0.88-0.92x on another of the same kind (B). No fixed choice is right on
   both, so by default it is measured once per host: `probe()` times the fwd+bwd of a
   ViT-B-shaped encoder block with YNNPACK on and off (two child processes, interleaved
-  rounds, a few seconds on a quiet host) and the verdict is cached per (CPU, cores,
+  rounds; 9-10 s on a quiet 2-core host, once) and the verdict is cached per (CPU, cores,
   jaxlib) in ~/.cache/vit_jax/xla_cpu_flags.json. A probe that fails or cannot tell the
   two apart (within MARGIN) keeps the fixed table below; on a busy host (load above
   BUSY_LOAD per core) no probe runs and nothing is cached: the fixed table, this time.
@@ -244,7 +244,7 @@ for line in sys.stdin:
 '''
 
 
-def probe(rounds=4, steps=3, timeout=60.0):
+def probe(rounds=4, steps=2, timeout=60.0):
   """Times _KERNEL with YNNPACK on (XLA's default) and off in two child processes,
   interleaved (the order alternates per round); returns the cache entry: the verdict,
   its flags (None when the probe failed or tied), and per round the speed ratio off/on of
