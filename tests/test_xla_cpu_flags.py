@@ -111,6 +111,9 @@ def test_auto_probes_once_per_host_and_caches_the_verdict(monkeypatch, outside_p
   assert flags == () and 'delete it to re-probe' in why and calls == [1]
   with open(outside_pytest) as f:
     assert list(json.load(f)) == [xla_cpu_flags.host_key()]
+  # A user's own value for the flag in XLA_FLAGS wins: nothing to probe for.
+  flags, why = xla_cpu_flags.choose({'XLA_FLAGS': f'{NAME}=X'}, cache_path=outside_pytest + '2')
+  assert 'no probe' in why and not os.path.exists(outside_pytest + '2')
   # Another host (or jaxlib) sharing the cache file probes for itself.
   monkeypatch.setattr(xla_cpu_flags, 'host_key', lambda: 'another cpu | 2 cores | jaxlib 0.10.2')
   xla_cpu_flags.choose({}, cache_path=outside_pytest)

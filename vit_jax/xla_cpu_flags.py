@@ -99,6 +99,8 @@ def choose(environ=None, dtype='float32', cache_path=None):
     return (), f'{OPT_OUT}=0'
   if mode == '1' or dtype not in PROBED_DTYPES:
     return fixed, f'the fixed table for {dtype}' + (f' ({OPT_OUT}=1)' if mode == '1' else '')
+  if YNNPACK_OFF.split('=')[0] in environ.get('XLA_FLAGS', ''):
+    return fixed, "XLA_FLAGS decides (no probe)"
   if 'pytest' in sys.modules:
     return fixed, f'the fixed table for {dtype} (under pytest, which pins {OPT_OUT}=1)'
   if any(importlib.util.find_spec(p) for p in _ACCELERATOR_PLUGINS):
