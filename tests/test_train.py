@@ -20,7 +20,9 @@ from vit_jax.configs import quickstart
 from vit_jax import checkpoint
 from vit_jax import flops
 from vit_jax import models
+from vit_jax import rundir
 from vit_jax import train
+from vit_jax import xla_cpu_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -357,6 +359,9 @@ def test_quickstart_command_end_to_end_shortened(idx_dir, tmp_path):
   assert 'step 20/20' in log and 'img/s/core' in log and 'ETA' in log and 'MFU' in log
   assert 'ViT-Ti_16: 141,066 parameters; ' in log and 'Compiled the train step' in log
   assert 'orbax' not in log  # library chatter is filtered out of the readable log
+  # The CPU flags the run started with are kept for its resumption (rundir.recorded_cpu_flags).
+  assert rundir.recorded_cpu_flags(workdir) == xla_cpu_flags.FLAGS_BY_DTYPE['float32']
+  assert rundir.recorded_cpu_flags(str(tmp_path / 'new')) is None
   params = checkpoint.load_npz(os.path.join(workdir, 'final.npz'))
   model = models.get_model('ViT-Ti_16', num_classes=10, patch_size=4, hidden_size=64,
                            mlp_dim=128, num_heads=4, num_layers=4)

@@ -72,6 +72,22 @@ def test_modes_and_a_bad_value():
                                        f'already sets {NAME}')
 
 
+def test_a_resumed_run_keeps_the_flags_it_started_with(monkeypatch):
+  """auto mode takes the workdir's record (vit_jax/rundir.py) instead of choosing again, so
+  a run started with one verdict and resumed after another runs the same kernels."""
+  monkeypatch.setattr(xla_cpu_flags, 'probe', _no_probe)
+  fixed = xla_cpu_flags.FLAGS_BY_DTYPE['float32']
+  assert fixed  # else this test shows nothing
+  env = {xla_cpu_flags.OPT_OUT: 'auto'}
+  assert xla_cpu_flags.apply(env, recorded=()) == []
+  assert 'started with' in xla_cpu_flags.last_choice and xla_cpu_flags.last_flags == ()
+  env = {xla_cpu_flags.OPT_OUT: 'auto'}
+  assert xla_cpu_flags.apply(env, recorded=fixed) == list(fixed)
+  assert xla_cpu_flags.last_flags == fixed
+  env = {xla_cpu_flags.OPT_OUT: '1'}  # an explicit choice wins over the record
+  assert xla_cpu_flags.apply(env, recorded=()) == list(fixed)
+
+
 def test_no_probe_under_pytest_and_its_children_are_pinned(monkeypatch):
   monkeypatch.setattr(xla_cpu_flags, 'probe', _no_probe)
   flags, why = xla_cpu_flags.choose({})  # auto, float32

@@ -20,6 +20,7 @@ from ml_collections import config_flags
 
 from vit_jax import configs
 from vit_jax import paths
+from vit_jax import rundir
 from vit_jax import xla_cpu_flags
 
 config_flags.DEFINE_config_file(
@@ -115,7 +116,11 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   workdir = paths.resolve(FLAGS.workdir)  # once: orbax refuses relative paths
-  added_xla_flags = xla_cpu_flags.apply(dtype=FLAGS.config.dtype)  # before the backend starts
+  recorded = rundir.recorded_cpu_flags(workdir)  # a resumed run keeps its CPU kernels
+  try:
+    xla_cpu_flags.apply(dtype=FLAGS.config.dtype, recorded=recorded)  # before the backend starts
+  except ValueError as e:  # a bad VIT_JAX_XLA_CPU_FLAGS value
+    sys.exit(f'vit_jax: {e}')
   initialize_distributed()
   from vit_jax import train  # pylint: disable=g-import-not-at-top  (after distributed init)
   # The readable log: train.INFO (process 0), train.process<i>.INFO (the others).
@@ -132,10 +137,11 @@ def main(argv):
   logging.info('process %d/%d, %d local / %d global devices (%s)', jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count(),
                jax.devices()[0].platform)
-  if added_xla_flags and jax.devices()[0].platform == 'cpu':
-    logging.info('XLA:CPU flags added (VIT_JAX_XLA_CPU_FLAGS=0 to leave out): %s',
-                 ' '.join(added_xla_flags))
+  if jax.devices()[0].platform == 'cpu':
+    logging.info('%s', xla_cpu_flags.last_choice)
   try:
+    if recorded is None:
+      rundir.record_cpu_flags(workdir, xla_cpu_flags.last_flags)
     train.train_and_evaluate(FLAGS.config, workdir)
   except train.ConfigError as e:
     sys.exit(f'vit_jax: {e}')

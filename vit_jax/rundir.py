@@ -24,6 +24,34 @@ _FREE_FIELDS = ('log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
 _FREE_PREFIXES = ('fewshot_', 'profile_')
 
 
+CPU_FLAGS_FILE = 'xla_cpu_flags.json'  # the XLA:CPU flags the run started with
+
+
+def recorded_cpu_flags(workdir):
+  """The XLA:CPU flags the run in `workdir` started with, or None for a new run (no
+  checkpoint or final.npz yet, or no record)."""
+  path = os.path.join(workdir, CPU_FLAGS_FILE)
+  try:
+    if not (tf.io.gfile.exists(path) and _has_results(workdir)):
+      return None
+    with tf.io.gfile.GFile(path) as f:
+      return tuple(json.load(f)['flags'])
+  except (OSError, tf.errors.OpError, ValueError, KeyError, TypeError):
+    return None  # unreadable: chosen afresh
+
+
+def record_cpu_flags(workdir, flags):
+  """Keeps `flags` (xla_cpu_flags.apply's choice) for the runs that resume this one."""
+  if jax.process_index() == 0:
+    path = os.path.join(workdir, CPU_FLAGS_FILE)
+    try:
+      with tf.io.gfile.GFile(path, 'w') as f:
+        json.dump({'flags': list(flags)}, f)
+    except (OSError, tf.errors.OpError) as e:
+      raise errors.ConfigError(f'cannot write {path}: {errors.one_line(e)}: free space or fix '
+                               'permissions, or use another --workdir') from None
+
+
 def write_config(config, workdir):
   if jax.process_index() == 0:
     path = os.path.join(workdir, 'config.json')

@@ -51,6 +51,7 @@ MARGIN = 0.03  # a probe ratio within 1 +- MARGIN is a tie: the fixed table stay
 # Timings taken beside other work are not evidence: above this load per core, no probe.
 BUSY_LOAD = 0.5
 last_choice = ''  # apply()'s log line: what it chose for this process, and why
+last_flags = ()  # the flags apply() chose for this process (some may be in XLA_FLAGS already)
 _ACCELERATOR_PLUGINS = ('jax_cuda12_plugin', 'jax_cuda13_plugin', 'jax_rocm60_plugin',
                         'jax_rocm7_plugin', 'libtpu')
 
@@ -135,13 +136,15 @@ def pending(environ=None, dtype='float32'):
                       dtype, wanted)
 
 
-def apply(environ=None, dtype='float32'):
+def apply(environ=None, dtype='float32', recorded=None):
   """Adds `dtype`'s CPU flags to XLA_FLAGS in `environ` (os.environ), logs the choice and
   its reason, and returns what it added.
 
+  `recorded`: the flags a run being resumed started with (vit_jax/rundir.py); in auto mode
+  they are kept, so that the resumed steps run the same kernels (bit-identical resume).
   Does nothing once a JAX backend has started (XLA would ignore the change).
   """
-  global last_choice  # pylint: disable=global-statement
+  global last_choice, last_flags  # pylint: disable=global-statement
   environ = os.environ if environ is None else environ
   if environ is os.environ and _backend_started():
     return []
@@ -152,7 +155,11 @@ def apply(environ=None, dtype='float32'):
     last_choice = f'XLA:CPU flags: none added (jaxlib {version} is not one they were checked for)'
     logging.info('%s', last_choice)
     return []
-  wanted, why = choose(environ, dtype)
+  if recorded is not None and _mode(environ) == 'auto':
+    wanted, why = tuple(recorded), 'those the run in this workdir started with'
+  else:
+    wanted, why = choose(environ, dtype)
+  last_flags = tuple(wanted)
   added = flags_to_add(environ.get('XLA_FLAGS', ''), version, environ.get(OPT_OUT), dtype,
                        wanted)
   if added:
