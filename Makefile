@@ -1,7 +1,7 @@
 # Set-up and entry points. Each target installs what it needs first:
 #   make quickstart   venv + package (+ Fashion-MNIST from Debian when root), then train
 #   make test         venv + package with test extras, then the default test suite
-#   make lint         ruff (settings in pyproject.toml), as .ci/run does
+#   make lint         ruff and the yapf format check (settings in pyproject.toml), as .ci/run does
 #   make format       yapf rewrites the tree in the house style (settings in pyproject.toml)
 PYTHON ?= python3
 VENV := .venv
@@ -33,6 +33,7 @@ test: $(VENV)/installed
 
 lint: $(VENV)/installed
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/yapf --diff --recursive --parallel .
 
 format: $(VENV)/installed
 	$(VENV)/bin/yapf --in-place --recursive --parallel .

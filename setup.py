@@ -51,7 +51,10 @@ setuptools.setup(
     version="0.2.0",
     description="Vision Transformers exactly as the ViT paper, in JAX/Flax.",
     packages=["vit_jax", "vit_jax.models", "vit_jax.configs", "vit_jax.launch"],
-    package_dir={"vit_jax.configs": "configs", "vit_jax.launch": "launch"},
+    package_dir={
+        "vit_jax.configs": "configs",
+        "vit_jax.launch": "launch"
+    },
     python_requires=">=3.11",  # jax 0.10, numpy 2.4 and scipy 1.17 need it
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,

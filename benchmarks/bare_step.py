@@ -32,9 +32,8 @@ def setup(devices=1, dtypes=('float32',)):
   its flags once per process, so dtypes whose flags differ cannot be timed in one process
   as the CLI runs them: one line and exit."""
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  os.environ['XLA_FLAGS'] = ' '.join(
-      f for f in os.environ.get('XLA_FLAGS', '').split()
-      if not f.startswith('--xla_force_host_platform_device_count'))
+  os.environ['XLA_FLAGS'] = ' '.join(f for f in os.environ.get('XLA_FLAGS', '').split()
+                                     if not f.startswith('--xla_force_host_platform_device_count'))
   wanted = {d: xla_cpu_flags.pending(dtype=d) for d in dtypes}
   if len({tuple(f) for f in wanted.values()}) > 1:
     sys.exit(f'the CLI runs {" and ".join(wanted)} under different XLA:CPU flags '
@@ -105,8 +104,8 @@ def _xla_flops(compiled):
   return float(cost['flops']) if cost and 'flops' in cost else None
 
 
-def make_config(model_name, batch, *, dtype='float32', remat=False, accum_steps=1,
-                mesh=1, image_size=224, model_overrides=None):
+def make_config(model_name, batch, *, dtype='float32', remat=False, accum_steps=1, mesh=1,
+                image_size=224, model_overrides=None):
   """A common.py config for SGD momentum 0.9 + global-norm clip 1 (Table 4's step)."""
   c = common_config.get_config()
   c.model_name = model_name
@@ -149,12 +148,14 @@ class BareStep:
     self.num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state['params']))
     rng = np.random.default_rng(0)
     b = config.batch_size
-    batch = {'image': rng.uniform(-1, 1, (b, size, size, 3)).astype(np.float32),
-             'label': rng.integers(0, num_classes, (b,)).astype(np.int32)}
+    batch = {
+        'image': rng.uniform(-1, 1, (b, size, size, 3)).astype(np.float32),
+        'label': rng.integers(0, num_classes, (b,)).astype(np.int32)
+    }
     self.batch = jax.device_put(batch, batch_sh)
     self.rng = jax.device_put(jax.random.PRNGKey(0), repl)
-    jitted = jax.jit(train.make_train_step(model, tx, schedule, config, mesh),
-                     in_shardings=(state_sh, batch_sh, repl),
+    jitted = jax.jit(train.make_train_step(model, tx, schedule, config,
+                                           mesh), in_shardings=(state_sh, batch_sh, repl),
                      out_shardings=(state_sh, repl), donate_argnums=(0,))
     t = time.perf_counter()
     self.compiled = jitted.lower(self.state, self.batch, self.rng).compile()

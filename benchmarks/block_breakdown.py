@@ -36,7 +36,8 @@ parser.add_argument('--heads', type=int, default=12)
 parser.add_argument('--dtypes', default='float32,bfloat16')
 parser.add_argument('--reps', type=int, default=3, help='timed calls per variant per round')
 parser.add_argument('--rounds', type=int, default=3)
-parser.add_argument('--step_hlo', default='ViT-B_16', help='model whose train step HLO is counted ("" skips)')
+parser.add_argument('--step_hlo', default='ViT-B_16',
+                    help='model whose train step HLO is counted ("" skips)')
 parser.add_argument('--out', default='')
 args = parser.parse_args()
 
@@ -60,10 +61,13 @@ class AttnBHQD(nn.Module):
       qkv = jnp.einsum('bnd,dthe->tbhne', x.astype(self.dtype), w) + b[:, None, :, None]
       q, k, v = qkv[0], qkv[1], qkv[2]
     else:
+
       def proj(name):
         w = self.param(name, init, (d, self.num_heads, hd)).astype(self.dtype)
-        b = self.param(name + '_bias', nn.initializers.zeros, (self.num_heads, hd)).astype(self.dtype)
+        b = self.param(name + '_bias', nn.initializers.zeros,
+                       (self.num_heads, hd)).astype(self.dtype)
         return jnp.einsum('bnd,dhe->bhne', x.astype(self.dtype), w) + b[None, :, None]
+
       q, k, v = proj('query'), proj('key'), proj('value')
     q = q / jnp.sqrt(hd).astype(q.dtype)
     logits = jnp.einsum('bhqe,bhke->bhqk', q, k, preferred_element_type=jnp.float32)
@@ -82,9 +86,12 @@ class AttnDPA(nn.Module):
   @nn.compact
   def __call__(self, x):
     d = x.shape[-1]
-    proj = lambda name: nn.DenseGeneral((self.num_heads, d // self.num_heads), dtype=self.dtype, name=name)
-    y = jax.nn.dot_product_attention(proj('query')(x), proj('key')(x), proj('value')(x),
-                                     implementation='xla')
+    proj = lambda name: nn.DenseGeneral(
+        (self.num_heads, d // self.num_heads), dtype=self.dtype, name=name)
+    y = jax.nn.dot_product_attention(
+        proj('query')(x),
+        proj('key')(x),
+        proj('value')(x), implementation='xla')
     return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, name='out')(y)
 
 
@@ -100,8 +107,8 @@ class Block(nn.Module):
     if self.variant != 'mlp_only':
       # attn_only and attn_dpa name their attention alike so they share parameters.
       if self.variant == 'attn_only':
-        y = vit.MultiHeadDotProductAttention(args.heads, dtype=self.dtype, name='attn')(
-            ln()(x), deterministic=True)
+        y = vit.MultiHeadDotProductAttention(args.heads, dtype=self.dtype,
+                                             name='attn')(ln()(x), deterministic=True)
       elif self.variant == 'attn_dpa':
         y = AttnDPA(args.heads, self.dtype, name='attn')(ln()(x))
       else:
@@ -131,15 +138,25 @@ def main():
     for v in variants:
       m = Block(v, DTYPES[dtype])
       params = m.init(jax.random.PRNGKey(0), x)
-      f = jax.jit(jax.grad(lambda p, x, m=m: jnp.sum(m.apply(p, x).astype(jnp.float32)), argnums=(0, 1)))
+      f = jax.jit(
+          jax.grad(lambda p, x, m=m: jnp.sum(m.apply(p, x).astype(jnp.float32)), argnums=(0, 1)))
       compiled = f.lower(params, x).compile()
       jax.block_until_ready(compiled(params, x))
-      cases.append({'variant': v, 'dtype': dtype, 'fn': compiled, 'params': params, 'times': [],
-                    'hlo': op_counts(compiled.as_text())})
+      cases.append({
+          'variant': v,
+          'dtype': dtype,
+          'fn': compiled,
+          'params': params,
+          'times': [],
+          'hlo': op_counts(compiled.as_text())
+      })
   # The dot_product_attention variant must compute the shipped attention (same parameters).
   p_only = next(c['params'] for c in cases if c['variant'] == 'attn_only')
-  dpa_diff = float(jnp.max(jnp.abs(Block('attn_dpa', jnp.float32).apply(p_only, x)
-                                   - Block('attn_only', jnp.float32).apply(p_only, x))))
+  dpa_diff = float(
+      jnp.max(
+          jnp.abs(
+              Block('attn_dpa', jnp.float32).apply(p_only, x)
+              - Block('attn_only', jnp.float32).apply(p_only, x))))
   if dpa_diff > 1e-4:
     raise SystemExit(f'attn_dpa differs from attn_only by {dpa_diff:.2e}: the variant is wrong')
   for _ in range(args.rounds):
@@ -163,19 +180,35 @@ def main():
   for c in cases:
     ref = next(r for r in cases if r['variant'] == 'vit_jax' and r['dtype'] == c['dtype'])
     rel = [t / r for t, r in zip(c['times'], ref['times'])]
-    results.append({'variant': c['variant'], 'dtype': c['dtype'], 'fwd_bwd_s_per_round': c['times'],
-                    'relative_to_vit_jax_per_round': rel, 'hlo_op_counts': c['hlo']})
+    results.append({
+        'variant': c['variant'],
+        'dtype': c['dtype'],
+        'fwd_bwd_s_per_round': c['times'],
+        'relative_to_vit_jax_per_round': rel,
+        'hlo_op_counts': c['hlo']
+    })
     h = c['hlo']
-    rows.append([c['variant'], c['dtype'], harness.fmt_range([1e3 * t for t in c['times']], '.1f'),
-                 harness.fmt_range(rel, '.2f'), h['transpose'], h['copy'], h['convert'], h['dot']])
-  payload = {'benchmark': 'block_breakdown', 'machine': bare_step.machine_info(), 'args': vars(args),
-             'loadavg_start': load_start, 'loadavg_end': load_end, 'results': results,
-             'attn_dpa_max_abs_diff_vs_attn_only_f32': dpa_diff,
-             'train_step_hlo_op_counts': step_hlo}
+    rows.append([
+        c['variant'], c['dtype'],
+        harness.fmt_range([1e3 * t for t in c['times']], '.1f'),
+        harness.fmt_range(rel, '.2f'), h['transpose'], h['copy'], h['convert'], h['dot']
+    ])
+  payload = {
+      'benchmark': 'block_breakdown',
+      'machine': bare_step.machine_info(),
+      'args': vars(args),
+      'loadavg_start': load_start,
+      'loadavg_end': load_end,
+      'results': results,
+      'attn_dpa_max_abs_diff_vs_attn_only_f32': dpa_diff,
+      'train_step_hlo_op_counts': step_hlo
+  }
   print(f'\n### one encoder block fwd+bwd, x {shape}\n')
-  print(harness.markdown_table(
-      ['variant', 'dtype', 'ms median (min–max)', 'time / vit_jax per round (median, min–max)',
-       'transpose', 'copy', 'convert', 'dot'], rows))
+  print(
+      harness.markdown_table([
+          'variant', 'dtype', 'ms median (min–max)', 'time / vit_jax per round (median, min–max)',
+          'transpose', 'copy', 'convert', 'dot'
+      ], rows))
   if step_hlo:
     print(f'\n{args.step_hlo} train step (batch {args.batch}) optimised HLO op counts: {step_hlo}')
   print(f'\nloadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')

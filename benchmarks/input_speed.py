@@ -62,37 +62,53 @@ def main():
     eval_batches = min(args.batches, args.images // args.batch - 1)
     train_rates, eval_rates, train_cpu, eval_cpu = [], [], [], []
     for r in range(args.rounds):
-      rate, cpu = timed(input_pipeline.train_batches(
-          config, global_batch=args.batch, start_step=r * (args.batches + 1)), args.batches)
+      rate, cpu = timed(
+          input_pipeline.train_batches(config, global_batch=args.batch, start_step=r *
+                                       (args.batches + 1)), args.batches)
       train_rates.append(rate)
       train_cpu.append(cpu)
-      rate, cpu = timed(input_pipeline.eval_batches(config, global_batch=args.batch),
-                        eval_batches)
+      rate, cpu = timed(input_pipeline.eval_batches(config, global_batch=args.batch), eval_batches)
       eval_rates.append(rate)
       eval_cpu.append(cpu)
-      print(f'round {r + 1}/{args.rounds}: train {train_rates[-1]:.0f} img/s '
-            f'({train_cpu[-1]:.2f} CPU ms/img), eval {eval_rates[-1]:.0f} img/s '
-            f'({eval_cpu[-1]:.2f} CPU ms/img)', flush=True)
+      print(
+          f'round {r + 1}/{args.rounds}: train {train_rates[-1]:.0f} img/s '
+          f'({train_cpu[-1]:.2f} CPU ms/img), eval {eval_rates[-1]:.0f} img/s '
+          f'({eval_cpu[-1]:.2f} CPU ms/img)', flush=True)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
   load_end = harness.loadavg()
   train_med = harness.summary(train_rates)['median']
-  payload = {'benchmark': 'input_speed', 'machine': bare_step.machine_info(),
-             'args': vars(args), 'loadavg_start': load_start, 'loadavg_end': load_end,
-             'jpeg_write_s': write_s, 'train_img_s_per_round': train_rates,
-             'eval_img_s_per_round': eval_rates, 'train_img_s_median': train_med,
-             'train_cpu_ms_per_image': train_cpu, 'eval_cpu_ms_per_image': eval_cpu,
-             'eval_img_s_median': harness.summary(eval_rates)['median'],
-             'eval_over_train_per_round': [e / t for t, e in zip(train_rates, eval_rates)],
-             'target_train_1000_met': train_med >= 1000}
+  payload = {
+      'benchmark': 'input_speed',
+      'machine': bare_step.machine_info(),
+      'args': vars(args),
+      'loadavg_start': load_start,
+      'loadavg_end': load_end,
+      'jpeg_write_s': write_s,
+      'train_img_s_per_round': train_rates,
+      'eval_img_s_per_round': eval_rates,
+      'train_img_s_median': train_med,
+      'train_cpu_ms_per_image': train_cpu,
+      'eval_cpu_ms_per_image': eval_cpu,
+      'eval_img_s_median': harness.summary(eval_rates)['median'],
+      'eval_over_train_per_round': [e / t for t, e in zip(train_rates, eval_rates)],
+      'target_train_1000_met': train_med >= 1000
+  }
   print(f'\n### input pipeline ({args.images} JPEGs {h}x{w} -> {args.image_size}, batch '
         f'{args.batch}, {harness.cores()} cores)\n')
-  print(harness.markdown_table(
-      ['preprocessing', 'img/s median (min–max over rounds)', 'per round', 'CPU ms per image'],
-      [['train: inception crop + resize + flip', harness.fmt_range(train_rates, '.0f'),
-        ', '.join(f'{x:.0f}' for x in train_rates), harness.fmt_range(train_cpu)],
-       [f'eval: decode + {args.eval_crop}', harness.fmt_range(eval_rates, '.0f'),
-        ', '.join(f'{x:.0f}' for x in eval_rates), harness.fmt_range(eval_cpu)]]))
+  print(
+      harness.markdown_table(
+          ['preprocessing', 'img/s median (min–max over rounds)', 'per round', 'CPU ms per image'],
+          [[
+              'train: inception crop + resize + flip',
+              harness.fmt_range(train_rates, '.0f'), ', '.join(f'{x:.0f}' for x in train_rates),
+              harness.fmt_range(train_cpu)
+          ],
+           [
+               f'eval: decode + {args.eval_crop}',
+               harness.fmt_range(eval_rates, '.0f'), ', '.join(f'{x:.0f}' for x in eval_rates),
+               harness.fmt_range(eval_cpu)
+           ]]))
   print(f'\ntrain target ≥1000 img/s: {"met" if train_med >= 1000 else "MISSED"}; '
         f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
   harness.write_json(args.out, payload)

@@ -55,8 +55,9 @@ class _Recorder:
     self._writer, self._log = writer, log
 
   def write_scalars(self, step, scalars):
-    self._log.append((time.perf_counter(), time.process_time(), int(step),
-                      {k: float(v) for k, v in scalars.items()}))
+    self._log.append((time.perf_counter(), time.process_time(), int(step), {
+        k: float(v) for k, v in scalars.items()
+    }))
     return self._writer.write_scalars(step, scalars)
 
   def __getattr__(self, name):
@@ -69,8 +70,7 @@ def run_loop(config, tmp):
   writer = _Recorder(metric_writers.create_default_writer(workdir), log)
   try:
     t = time.perf_counter()
-    result = train.train_and_evaluate(config, workdir, stop_after_steps=args.steps,
-                                      writer=writer)
+    result = train.train_and_evaluate(config, workdir, stop_after_steps=args.steps, writer=writer)
     wall = time.perf_counter() - t
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
@@ -123,30 +123,42 @@ def main():
       times = bare.run(timed_steps)
       bare_cpu.append((time.process_time() - cpu) / timed_steps)
       bare_rates.append(args.batch * len(times) / sum(times))
-      print(f'round {r + 1}/{args.rounds}: loop {rate:.2f} img/s (run {wall:.0f} s with '
-            f'set-up), bare {bare_rates[-1]:.2f} img/s', flush=True)
+      print(
+          f'round {r + 1}/{args.rounds}: loop {rate:.2f} img/s (run {wall:.0f} s with '
+          f'set-up), bare {bare_rates[-1]:.2f} img/s', flush=True)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
 
   ratio = [a / b for a, b in zip(loop_rates, bare_rates)]
   load_end = harness.loadavg()
   med = harness.summary(ratio)['median']
-  payload = {'benchmark': 'loop', 'machine': bare_step.machine_info(), 'args': vars(args),
-             'loadavg_start': load_start, 'loadavg_end': load_end,
-             'loop_img_s_per_round': loop_rates, 'bare_img_s_per_round': bare_rates,
-             'loop_over_bare_per_round': ratio, 'loop_over_bare_median': med,
-             'loop_cpu_s_per_step': loop_cpu, 'bare_cpu_s_per_step': bare_cpu,
-             'loop_wall_s_with_setup': walls, 'loop_own_rates': logs,
-             'target_0p97_met': med >= 0.97}
+  payload = {
+      'benchmark': 'loop',
+      'machine': bare_step.machine_info(),
+      'args': vars(args),
+      'loadavg_start': load_start,
+      'loadavg_end': load_end,
+      'loop_img_s_per_round': loop_rates,
+      'bare_img_s_per_round': bare_rates,
+      'loop_over_bare_per_round': ratio,
+      'loop_over_bare_median': med,
+      'loop_cpu_s_per_step': loop_cpu,
+      'bare_cpu_s_per_step': bare_cpu,
+      'loop_wall_s_with_setup': walls,
+      'loop_own_rates': logs,
+      'target_0p97_met': med >= 0.97
+  }
   print(f'\n### loop vs bare step ({args.model}, batch {args.batch}, {args.dtype}, '
         f'{args.steps} steps per run)\n')
-  print(harness.markdown_table(
-      ['round', 'loop img/s', 'bare img/s', 'loop / bare', 'CPU s/step loop', 'CPU s/step bare',
-       "loop's own report img/s"],
-      [[i + 1, f'{a:.2f}', f'{b:.2f}', f'{c:.3f}', f'{lc:.3f}', f'{bc:.3f}',
-        ', '.join(f'{r:.2f}' for _, r in own)]
-       for i, (a, b, c, lc, bc, own) in enumerate(zip(loop_rates, bare_rates, ratio, loop_cpu,
-                                                     bare_cpu, logs))]))
+  print(
+      harness.markdown_table([
+          'round', 'loop img/s', 'bare img/s', 'loop / bare', 'CPU s/step loop', 'CPU s/step bare',
+          "loop's own report img/s"
+      ], [[
+          i + 1, f'{a:.2f}', f'{b:.2f}', f'{c:.3f}', f'{lc:.3f}', f'{bc:.3f}', ', '.join(
+              f'{r:.2f}' for _, r in own)
+      ] for i, (a, b, c, lc, bc,
+                own) in enumerate(zip(loop_rates, bare_rates, ratio, loop_cpu, bare_cpu, logs))]))
   extra = [lc / bc - 1 for lc, bc in zip(loop_cpu, bare_cpu)]
   print(f'\nloop CPU time per step over the bare step\'s: +{harness.fmt_range(extra, ".1%")} '
         '(with the step using every core, the loop can be at most that much slower; less '

@@ -25,8 +25,9 @@ from vit_jax import flops as vflops
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
 harness.add_model_args(parser)
-parser.add_argument('--remat', default='',
-                    help="comma-separated remat policies (models/remat.py) timed side by side; '' = off")
+parser.add_argument(
+    '--remat', default='',
+    help="comma-separated remat policies (models/remat.py) timed side by side; '' = off")
 parser.add_argument('--accum_steps', type=int, default=1)
 parser.add_argument('--mesh', type=int, default=1, help='devices on the data axis (CPU: simulated)')
 parser.add_argument('--peak', type=float, default=0.0,
@@ -75,17 +76,28 @@ def main():
     flop_s = [s.flops_analytic / t for t in per_round]
     # MFU per device: the step's FLOPs over its devices' peaks.
     peak_list = [p * len(s.mesh.devices.flat) if p else None for p in peaks[c.dtype]]
-    mfu = [vflops.mfu(s.flops_analytic, t, p) if p else None
-           for t, p in zip(per_round, peak_list)]
+    mfu = [vflops.mfu(s.flops_analytic, t, p) if p else None for t, p in zip(per_round, peak_list)]
     results.append({
-        'model': c.model_name, 'batch': c.batch_size, 'dtype': c.dtype, 'remat': c.remat,
-        'accum_steps': c.accum_steps, 'mesh': args.mesh, 'image_size': c.image_size,
-        'overrides': overrides, 'num_params': s.num_params, 'compile_s': s.compile_s,
-        'step_s_all': all_times, 'step_s_median': step_s,
-        'img_s_per_round': img_s, 'img_s_median': c.batch_size / step_s,
-        'flops_per_step_analytic': s.flops_analytic, 'flops_per_step_xla': s.flops_xla,
-        'flop_s_per_round': flop_s, 'peak_flop_s_per_round': peak_list,
-        'peak': sources[c.dtype], 'mfu_per_round': mfu,
+        'model': c.model_name,
+        'batch': c.batch_size,
+        'dtype': c.dtype,
+        'remat': c.remat,
+        'accum_steps': c.accum_steps,
+        'mesh': args.mesh,
+        'image_size': c.image_size,
+        'overrides': overrides,
+        'num_params': s.num_params,
+        'compile_s': s.compile_s,
+        'step_s_all': all_times,
+        'step_s_median': step_s,
+        'img_s_per_round': img_s,
+        'img_s_median': c.batch_size / step_s,
+        'flops_per_step_analytic': s.flops_analytic,
+        'flops_per_step_xla': s.flops_xla,
+        'flop_s_per_round': flop_s,
+        'peak_flop_s_per_round': peak_list,
+        'peak': sources[c.dtype],
+        'mfu_per_round': mfu,
         'xla_planned_memory_gib': s.memory_gib,
     })
 
@@ -94,38 +106,54 @@ def main():
     for name in models:
       a = next(x for x in results if x['model'] == name and x['dtype'] == 'float32')
       b = next(x for x in results if x['model'] == name and x['dtype'] == 'bfloat16')
-      ratios.append({'model': name, 'bf16_over_f32_per_round':
-                     [y / x for x, y in zip(a['img_s_per_round'], b['img_s_per_round'])]})
+      ratios.append({
+          'model': name,
+          'bf16_over_f32_per_round': [
+              y / x for x, y in zip(a['img_s_per_round'], b['img_s_per_round'])
+          ]
+      })
 
   load_end = harness.loadavg()
-  payload = {'benchmark': 'train_step', 'machine': bare_step.machine_info(), 'args': vars(args),
-             'loadavg_start': load_start, 'loadavg_end': load_end,
-             'peak_flop_s_per_device': peaks, 'peak_source': sources,
-             'peak_rss_gib': harness.peak_rss_gib(),
-             'device_peak_memory_gib': bare_step.device_peak_memory_gib(),
-             'results': results, 'bf16_vs_f32': ratios}
+  payload = {
+      'benchmark': 'train_step',
+      'machine': bare_step.machine_info(),
+      'args': vars(args),
+      'loadavg_start': load_start,
+      'loadavg_end': load_end,
+      'peak_flop_s_per_device': peaks,
+      'peak_source': sources,
+      'peak_rss_gib': harness.peak_rss_gib(),
+      'device_peak_memory_gib': bare_step.device_peak_memory_gib(),
+      'results': results,
+      'bf16_vs_f32': ratios
+  }
 
   rows = []
   for x in results:
     rows.append([
-        x['model'], x['batch'], x['dtype'] + (f' remat={x["remat"]}' if x['remat'] else '')
-        + (f' accum{x["accum_steps"]}' if x['accum_steps'] > 1 else ''),
-        harness.fmt_range(x['img_s_per_round']), f'{x["step_s_median"]:.3f}',
+        x['model'],
+        x['batch'],
+        x['dtype'] + (f' remat={x["remat"]}' if x['remat'] else '') +
+        (f' accum{x["accum_steps"]}' if x['accum_steps'] > 1 else ''),
+        harness.fmt_range(x['img_s_per_round']),
+        f'{x["step_s_median"]:.3f}',
         f'{x["flops_per_step_analytic"] / 1e9:.1f}',
         'n/a' if x['flops_per_step_xla'] is None else f'{x["flops_per_step_xla"] / 1e9:.1f}',
         harness.fmt_range([f / 1e9 for f in x['flop_s_per_round']], '.1f'),
-        'n/a' if None in x['mfu_per_round']
-        else harness.fmt_range([100 * m for m in x['mfu_per_round']], '.1f'),
+        'n/a' if None in x['mfu_per_round'] else harness.fmt_range(
+            [100 * m for m in x['mfu_per_round']], '.1f'),
         'n/a' if x['xla_planned_memory_gib'] is None else f'{x["xla_planned_memory_gib"]:.2f}',
     ])
   print(f'\n### train_step ({payload["machine"]["device_kind"] or "cpu"}, '
         f'{jax.device_count()} device(s), {harness.cores()} cores)\n')
-  print(harness.markdown_table(
-      ['model', 'batch', 'dtype', 'img/s median (min–max over rounds)', 'step s',
-       'GFLOP/step (analytic)', 'GFLOP/step (XLA)', 'GFLOP/s', 'MFU %', 'XLA mem GiB'], rows))
-  print('\npeak GFLOP/s per device: ' + ', '.join(
-      f'{dt} {harness.fmt_range([p / 1e9 for p in v], ".0f")} ({sources[dt]})'
-      for dt, v in peaks.items() if None not in v))
+  print(
+      harness.markdown_table([
+          'model', 'batch', 'dtype', 'img/s median (min–max over rounds)', 'step s',
+          'GFLOP/step (analytic)', 'GFLOP/step (XLA)', 'GFLOP/s', 'MFU %', 'XLA mem GiB'
+      ], rows))
+  print('\npeak GFLOP/s per device: '
+        + ', '.join(f'{dt} {harness.fmt_range([p / 1e9 for p in v], ".0f")} ({sources[dt]})'
+                    for dt, v in peaks.items() if None not in v))
   for r in ratios:
     print(f'bf16/f32 img/s {r["model"]}: per round '
           + ', '.join(f'{v:.2f}' for v in r['bf16_over_f32_per_round']))

@@ -29,15 +29,20 @@ import harness
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
 harness.add_model_args(parser)
 parser.add_argument('--torch_impl', default='auto', choices=('auto', 'timm', 'minimal'))
-parser.add_argument('--remat', default='', help="vit_jax's remat policy (models/remat.py); '' = off")
+parser.add_argument('--remat', default='',
+                    help="vit_jax's remat policy (models/remat.py); '' = off")
 parser.add_argument('--out', default='')
 parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
 parser.add_argument('--threads', type=int, default=0, help=argparse.SUPPRESS)
 args = parser.parse_args()
 
-TIMM_NAMES = {'ViT-Ti_16': 'vit_tiny_patch16_224', 'ViT-S_16': 'vit_small_patch16_224',
-              'ViT-B_16': 'vit_base_patch16_224', 'ViT-B_32': 'vit_base_patch32_224',
-              'R50+ViT-B_16': 'vit_base_r50_s16_224'}
+TIMM_NAMES = {
+    'ViT-Ti_16': 'vit_tiny_patch16_224',
+    'ViT-S_16': 'vit_small_patch16_224',
+    'ViT-B_16': 'vit_base_patch16_224',
+    'ViT-B_32': 'vit_base_patch32_224',
+    'R50+ViT-B_16': 'vit_base_r50_s16_224'
+}
 
 
 # ----------------------------------------------------------------- PyTorch worker
@@ -53,6 +58,7 @@ def torch_worker():
   sys.stdout = sys.stderr  # only protocol lines on the pipe
 
   class Attention(nn.Module):
+
     def __init__(self, dim, heads):
       super().__init__()
       self.heads = heads
@@ -66,6 +72,7 @@ def torch_worker():
       return self.proj(x.transpose(1, 2).reshape(b, n, c))
 
   class Block(nn.Module):
+
     def __init__(self, dim, mlp_dim, heads):
       super().__init__()
       self.norm1 = nn.LayerNorm(dim, eps=1e-6)
@@ -87,6 +94,7 @@ def torch_worker():
     return F.pad(x, pads, value=value) if any(pads) else x
 
   class StdConv(nn.Conv2d):
+
     def __init__(self, cin, cout, k, s=1):
       super().__init__(cin, cout, k, s, padding=0, bias=False)
 
@@ -98,6 +106,7 @@ def torch_worker():
       return F.conv2d(x, w, None, self.stride)
 
   class Unit(nn.Module):
+
     def __init__(self, cin, mid, stride):
       super().__init__()
       self.proj = None
@@ -114,6 +123,7 @@ def torch_worker():
       return F.relu(r + self.gn3(self.conv3(y)))
 
   class Stem(nn.Module):
+
     def __init__(self, layers, width=64):
       super().__init__()
       self.conv, self.gn = StdConv(3, width, 7, 2), nn.GroupNorm(32, width)
@@ -131,6 +141,7 @@ def torch_worker():
       return self.units(x)
 
   class ViT(nn.Module):
+
     def __init__(self, f, image_size, num_classes):
       super().__init__()
       d, p = f['hidden_size'], f['patch_size']
@@ -144,8 +155,8 @@ def torch_worker():
       n = (size // p)**2 + 1
       self.cls = nn.Parameter(torch.zeros(1, 1, d))
       self.pos = nn.Parameter(torch.randn(1, n, d) * 0.02)
-      self.blocks = nn.Sequential(*[Block(d, f['mlp_dim'], f['num_heads'])
-                                    for _ in range(f['num_layers'])])
+      self.blocks = nn.Sequential(
+          *[Block(d, f['mlp_dim'], f['num_heads']) for _ in range(f['num_layers'])])
       self.norm = nn.LayerNorm(d, eps=1e-6)
       self.head = nn.Linear(d, num_classes)
 
@@ -196,9 +207,13 @@ def torch_worker():
 
       step()  # warm-up
       steps[cmd['key']] = step
-      reply = {'impl': impl, 'note': impl_note, 'torch': torch.__version__,
-               'threads': torch.get_num_threads(),
-               'num_params': sum(p.numel() for p in model.parameters())}
+      reply = {
+          'impl': impl,
+          'note': impl_note,
+          'torch': torch.__version__,
+          'threads': torch.get_num_threads(),
+          'num_params': sum(p.numel() for p in model.parameters())
+      }
     elif cmd['cmd'] == 'run':
       times = []
       for _ in range(cmd['steps']):
@@ -215,11 +230,13 @@ def torch_worker():
 
 
 class Worker:
+
   def __init__(self, threads):
-    self.proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), '--worker', '--threads', str(threads),
-         '--torch_impl', args.torch_impl],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    self.proc = subprocess.Popen([
+        sys.executable,
+        os.path.abspath(__file__), '--worker', '--threads',
+        str(threads), '--torch_impl', args.torch_impl
+    ], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
   def call(self, **cmd):
     self.proc.stdin.write(json.dumps(cmd) + '\n')
@@ -252,16 +269,25 @@ def main():
     fields = vmodels.get_variant(name, **overrides)
     for dtype in dtypes:
       key = f'{name}/{dtype}'
-      jstep = bare_step.BareStep(bare_step.make_config(
-          name, batch, dtype=dtype, remat=args.remat, image_size=args.image_size,
-          model_overrides=overrides))
+      jstep = bare_step.BareStep(
+          bare_step.make_config(name, batch, dtype=dtype, remat=args.remat,
+                                image_size=args.image_size, model_overrides=overrides))
       jstep.run(1)
-      info = worker.call(cmd='build', key=key, name=name, fields=fields, dtype=dtype,
-                         batch=batch, image_size=args.image_size, overrides=overrides)
-      print(f'built {key}: jax {jstep.num_params:,} params, torch {info["num_params"]:,} '
-            f'({info["impl"]})', flush=True)
-      cases.append({'key': key, 'model': name, 'batch': batch, 'dtype': dtype, 'jax': jstep,
-                    'torch_info': info, 'jax_times': [], 'torch_times': []})
+      info = worker.call(cmd='build', key=key, name=name, fields=fields, dtype=dtype, batch=batch,
+                         image_size=args.image_size, overrides=overrides)
+      print(
+          f'built {key}: jax {jstep.num_params:,} params, torch {info["num_params"]:,} '
+          f'({info["impl"]})', flush=True)
+      cases.append({
+          'key': key,
+          'model': name,
+          'batch': batch,
+          'dtype': dtype,
+          'jax': jstep,
+          'torch_info': info,
+          'jax_times': [],
+          'torch_times': []
+      })
 
   torch_rss = 0.0
   for r in range(args.rounds):
@@ -283,30 +309,50 @@ def main():
     ratio = [a / b for a, b in zip(jax_img, torch_img)]
     info = c['torch_info']
     results.append({
-        'model': c['model'], 'batch': c['batch'], 'dtype': c['dtype'],
-        'torch_impl': info['impl'], 'torch_version': info['torch'],
-        'torch_threads': info['threads'], 'jax_threads(cores)': threads,
-        'jax_params': c['jax'].num_params, 'torch_params': info['num_params'],
-        'jax_step_s': c['jax_times'], 'torch_step_s': c['torch_times'],
-        'jax_img_s_per_round': jax_img, 'torch_img_s_per_round': torch_img,
-        'ratio_per_round': ratio, 'ratio_median': harness.summary(ratio)['median'],
-        'target_1p1x_met': harness.summary(ratio)['median'] >= 1.1})
-    rows.append([c['model'], c['batch'], c['dtype'] if c['dtype'] == 'float32'
-                 else 'bf16 / autocast bf16', harness.fmt_range(jax_img),
-                 harness.fmt_range(torch_img), ', '.join(f'{x:.2f}' for x in ratio),
-                 harness.fmt_range(ratio), 'met' if results[-1]['target_1p1x_met'] else 'MISSED'])
+        'model': c['model'],
+        'batch': c['batch'],
+        'dtype': c['dtype'],
+        'torch_impl': info['impl'],
+        'torch_version': info['torch'],
+        'torch_threads': info['threads'],
+        'jax_threads(cores)': threads,
+        'jax_params': c['jax'].num_params,
+        'torch_params': info['num_params'],
+        'jax_step_s': c['jax_times'],
+        'torch_step_s': c['torch_times'],
+        'jax_img_s_per_round': jax_img,
+        'torch_img_s_per_round': torch_img,
+        'ratio_per_round': ratio,
+        'ratio_median': harness.summary(ratio)['median'],
+        'target_1p1x_met': harness.summary(ratio)['median'] >= 1.1
+    })
+    rows.append([
+        c['model'], c['batch'], c['dtype'] if c['dtype'] == 'float32' else 'bf16 / autocast bf16',
+        harness.fmt_range(jax_img),
+        harness.fmt_range(torch_img), ', '.join(f'{x:.2f}' for x in ratio),
+        harness.fmt_range(ratio), 'met' if results[-1]['target_1p1x_met'] else 'MISSED'
+    ])
   load_end = harness.loadavg()
   note = cases[0]['torch_info']['note'] if cases else ''
-  payload = {'benchmark': 'vs_pytorch', 'machine': bare_step.machine_info(), 'args': vars(args),
-             'loadavg_start': load_start, 'loadavg_end': load_end, 'torch_note': note,
-             # Peak RSS of each process over all its cases (one case per run to compare).
-             'jax_peak_rss_gib': harness.peak_rss_gib(), 'torch_peak_rss_gib': torch_rss,
-             'results': results}
+  payload = {
+      'benchmark': 'vs_pytorch',
+      'machine': bare_step.machine_info(),
+      'args': vars(args),
+      'loadavg_start': load_start,
+      'loadavg_end': load_end,
+      'torch_note': note,
+      # Peak RSS of each process over all its cases (one case per run to compare).
+      'jax_peak_rss_gib': harness.peak_rss_gib(),
+      'torch_peak_rss_gib': torch_rss,
+      'results': results
+  }
   print(f'\n### vit_jax vs PyTorch ({threads} threads each)' + (f' — {note}' if note else ''))
   print()
-  print(harness.markdown_table(
-      ['model', 'batch', 'precision', 'vit_jax img/s', 'PyTorch img/s', 'ratio per pair',
-       'ratio median (min–max)', '≥1.1×'], rows))
+  print(
+      harness.markdown_table([
+          'model', 'batch', 'precision', 'vit_jax img/s', 'PyTorch img/s', 'ratio per pair',
+          'ratio median (min–max)', '≥1.1×'
+      ], rows))
   print(f'\npeak host RSS over all cases: vit_jax {payload["jax_peak_rss_gib"]:.2f} GiB, '
         f'PyTorch worker {torch_rss:.2f} GiB')
   print(f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')

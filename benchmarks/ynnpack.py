@@ -31,12 +31,18 @@ SIDES = {'xla defaults': '', 'ynnpack off': xla_cpu_flags.YNNPACK_OFF}
 
 def _train_step(model, batch, dtype, xla_flags, workdir):
   out = os.path.join(workdir, 'step.json')
-  env = {**os.environ, 'VIT_JAX_XLA_CPU_FLAGS': '0', 'TF_CPP_MIN_LOG_LEVEL': '2',
-         'XLA_FLAGS': xla_flags}
-  cmd = [sys.executable, os.path.join(os.path.dirname(__file__), 'train_step.py'),
-         '--models', model, '--batch', str(batch), '--dtypes', dtype,
-         '--image_size', str(args.image_size), '--steps', str(args.steps), '--rounds', '1',
-         '--peak', '1e12', '--out', out]
+  env = {
+      **os.environ, 'VIT_JAX_XLA_CPU_FLAGS': '0',
+      'TF_CPP_MIN_LOG_LEVEL': '2',
+      'XLA_FLAGS': xla_flags
+  }
+  cmd = [
+      sys.executable,
+      os.path.join(os.path.dirname(__file__), 'train_step.py'), '--models', model, '--batch',
+      str(batch), '--dtypes', dtype, '--image_size',
+      str(args.image_size), '--steps',
+      str(args.steps), '--rounds', '1', '--peak', '1e12', '--out', out
+  ]
   for o in args.override:
     cmd += ['--override', o]
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -53,8 +59,15 @@ def main():
   with tempfile.TemporaryDirectory() as workdir:
     for model, batch in harness.model_batches(args):
       for dtype in args.dtypes.split(','):
-        row = {'model': model, 'batch': batch, 'dtype': dtype,
-               'img_s': {s: [] for s in SIDES}, 'xla_flags': {}}
+        row = {
+            'model': model,
+            'batch': batch,
+            'dtype': dtype,
+            'img_s': {
+                s: [] for s in SIDES
+            },
+            'xla_flags': {}
+        }
         for r in range(args.rounds):
           for side, xla_flags in SIDES.items():
             img_s, flags = _train_step(model, batch, dtype, xla_flags, workdir)
@@ -68,22 +81,33 @@ def main():
         results.append(row)
   probe = xla_cpu_flags.probe(rounds=args.probe_rounds) if args.probe_rounds else None
   load_end = harness.loadavg()
-  rows = [[x['model'], x['batch'], x['dtype'], harness.fmt_range(x['img_s']['xla defaults']),
-           harness.fmt_range(x['img_s']['ynnpack off']),
-           ', '.join(f'{v:.2f}' for v in x['ratio_per_round']), x['cli_side']] for x in results]
+  rows = [[
+      x['model'], x['batch'], x['dtype'],
+      harness.fmt_range(x['img_s']['xla defaults']),
+      harness.fmt_range(x['img_s']['ynnpack off']),
+      ', '.join(f'{v:.2f}' for v in x['ratio_per_round']), x['cli_side']
+  ] for x in results]
   print('\n### train step: YNNPACK fusions off vs XLA defaults\n')
-  print(harness.markdown_table(
-      ['model', 'batch', 'dtype', 'img/s XLA defaults', 'img/s YNNPACK off',
-       'off / defaults per pair', 'the CLI runs'], rows))
+  print(
+      harness.markdown_table([
+          'model', 'batch', 'dtype', 'img/s XLA defaults', 'img/s YNNPACK off',
+          'off / defaults per pair', 'the CLI runs'
+      ], rows))
   print(f'\nYNNPACK off: {xla_cpu_flags.YNNPACK_OFF!r}')
   if probe:
     print('start-up probe (ViT-B-shaped block), YNNPACK off/on per round: '
           + ', '.join(f'{r:.2f}' for r in probe.get('off_over_on', ()))
           + f'; verdict: {probe.get("verdict") or probe.get("error")}')
   print(f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
-  harness.write_json(args.out, {
-      'benchmark': 'ynnpack', 'args': vars(args), 'loadavg_start': load_start,
-      'loadavg_end': load_end, 'results': results, 'probe': probe})
+  harness.write_json(
+      args.out, {
+          'benchmark': 'ynnpack',
+          'args': vars(args),
+          'loadavg_start': load_start,
+          'loadavg_end': load_end,
+          'results': results,
+          'probe': probe
+      })
 
 
 if __name__ == '__main__':

@@ -85,36 +85,29 @@ _LR_GRID = (0.001, 0.003, 0.01, 0.03)  # Table 4, every dataset but ImageNet.
 
 # Table 4: dataset key -> Table4Row.
 TABLE4 = {
-    'imagenet2012': Table4Row(
-        tfds_name='imagenet2012', num_classes=1000, total_steps=20_000,
-        lr_grid=(0.003, 0.01, 0.03, 0.06), base_lr=0.03, warmup_steps=500,
-        train_split='train', test_split='validation',
-        dev_train_split='train[:99%]', dev_eval_split='train[99%:]',
-        train_crop='inception', flip=True),
-    'cifar100': Table4Row(
-        tfds_name='cifar100', num_classes=100, total_steps=10_000,
-        lr_grid=_LR_GRID, base_lr=0.01, warmup_steps=500,
-        train_split='train', test_split='test',
-        dev_train_split='train[:98%]', dev_eval_split='train[98%:]',
-        train_crop='inception', flip=True),
-    'cifar10': Table4Row(
-        tfds_name='cifar10', num_classes=10, total_steps=10_000,
-        lr_grid=_LR_GRID, base_lr=0.003, warmup_steps=500,
-        train_split='train', test_split='test',
-        dev_train_split='train[:98%]', dev_eval_split='train[98%:]',
-        train_crop='inception', flip=True),
-    'oxford_iiit_pet': Table4Row(
-        tfds_name='oxford_iiit_pet', num_classes=37, total_steps=500,
-        lr_grid=_LR_GRID, base_lr=0.003, warmup_steps=100,
-        train_split='train', test_split='test',
-        dev_train_split='train[:90%]', dev_eval_split='train[90%:]',
-        train_crop='inception', flip=True),
-    'oxford_flowers102': Table4Row(
-        tfds_name='oxford_flowers102', num_classes=102, total_steps=500,
-        lr_grid=_LR_GRID, base_lr=0.003, warmup_steps=100,
-        train_split='train', test_split='test',
-        dev_train_split='train[:90%]', dev_eval_split='train[90%:]',
-        train_crop='inception', flip=True),
+    'imagenet2012': Table4Row(tfds_name='imagenet2012', num_classes=1000, total_steps=20_000,
+                              lr_grid=(0.003, 0.01, 0.03, 0.06), base_lr=0.03, warmup_steps=500,
+                              train_split='train', test_split='validation',
+                              dev_train_split='train[:99%]', dev_eval_split='train[99%:]',
+                              train_crop='inception', flip=True),
+    'cifar100': Table4Row(tfds_name='cifar100', num_classes=100, total_steps=10_000,
+                          lr_grid=_LR_GRID, base_lr=0.01, warmup_steps=500, train_split='train',
+                          test_split='test', dev_train_split='train[:98%]',
+                          dev_eval_split='train[98%:]', train_crop='inception', flip=True),
+    'cifar10': Table4Row(tfds_name='cifar10', num_classes=10, total_steps=10_000, lr_grid=_LR_GRID,
+                         base_lr=0.003, warmup_steps=500, train_split='train', test_split='test',
+                         dev_train_split='train[:98%]', dev_eval_split='train[98%:]',
+                         train_crop='inception', flip=True),
+    'oxford_iiit_pet': Table4Row(tfds_name='oxford_iiit_pet', num_classes=37, total_steps=500,
+                                 lr_grid=_LR_GRID, base_lr=0.003, warmup_steps=100,
+                                 train_split='train', test_split='test',
+                                 dev_train_split='train[:90%]', dev_eval_split='train[90%:]',
+                                 train_crop='inception', flip=True),
+    'oxford_flowers102': Table4Row(tfds_name='oxford_flowers102', num_classes=102, total_steps=500,
+                                   lr_grid=_LR_GRID, base_lr=0.003, warmup_steps=100,
+                                   train_split='train', test_split='test',
+                                   dev_train_split='train[:90%]', dev_eval_split='train[90%:]',
+                                   train_crop='inception', flip=True),
 }
 
 # VTAB-1k, 19 tasks (vit_jax/vtab.py): 2500 steps, LR 0.01.
@@ -123,13 +116,19 @@ VTAB = vtab.VTAB
 # Models with a published ImageNet-21k checkpoint at pretrained_path(model): the
 # paper's five ViTs (Table 5), the published hybrid, and the BiT-M ResNets that are
 # also Table 6 baselines. Other names work too, with --config.pretrained_path.
-MODELS = ('ViT-B_16', 'ViT-B_32', 'ViT-L_16', 'ViT-L_32', 'ViT-H_14', 'R50+ViT-B_16',
-          'R50x1', 'R101x1', 'R152x2')
+MODELS = ('ViT-B_16', 'ViT-B_32', 'ViT-L_16', 'ViT-L_32', 'ViT-H_14', 'R50+ViT-B_16', 'R50x1',
+          'R101x1', 'R152x2')
 
 # Fine-tuning dropout of the official repository's model configs (module docstring);
 # models with a Transformer not listed here get 0.0.
-FINETUNE_DROPOUT = {'ViT-L_16': 0.1, 'ViT-H_14': 0.1, 'R50+ViT-B_16': 0.1,
-                    'R50+ViT-L_32': 0.1, 'R50+ViT-B_32': 0.1, 'R50+ViT-L_16': 0.1}
+FINETUNE_DROPOUT = {
+    'ViT-L_16': 0.1,
+    'ViT-H_14': 0.1,
+    'R50+ViT-B_16': 0.1,
+    'R50+ViT-L_32': 0.1,
+    'R50+ViT-B_32': 0.1,
+    'R50+ViT-L_16': 0.1
+}
 
 RESOLUTION = 384  # Table 4.
 # B.1.1: the Table 2 ImageNet fine-tuning of ViT-H/14 (the /14 row without a 384).
@@ -166,19 +165,17 @@ def image_size_for(model, dataset):
 
 def _vtab_row(task):
   """The Table4Row of a VTAB-1k task (vtab.Task): 2500 steps at LR 0.01, whole images."""
-  return Table4Row(
-      tfds_name=task.tfds_name, num_classes=task.num_classes, total_steps=vtab.VTAB_STEPS,
-      lr_grid=(vtab.VTAB_LR,), base_lr=vtab.VTAB_LR, warmup_steps=vtab.VTAB_WARMUP,
-      train_split=f'{task.train800}+{task.val200}', test_split=task.test,
-      dev_train_split=task.train800, dev_eval_split=task.val200,
-      train_crop='resize', flip=task.flip)
+  return Table4Row(tfds_name=task.tfds_name, num_classes=task.num_classes,
+                   total_steps=vtab.VTAB_STEPS, lr_grid=(vtab.VTAB_LR,), base_lr=vtab.VTAB_LR,
+                   warmup_steps=vtab.VTAB_WARMUP, train_split=f'{task.train800}+{task.val200}',
+                   test_split=task.test, dev_train_split=task.train800, dev_eval_split=task.val200,
+                   train_crop='resize', flip=task.flip)
 
 
 def get_config(arg=None):
   """Config of one Table 4 row; arg is '<model>,<dataset>[,dev]'."""
   parts = [p.strip() for p in (arg or '').split(',')]
-  usage = ('configs/finetune.py:<model>,<dataset>[,dev] with a dataset among: '
-           + ' '.join(rows()))
+  usage = ('configs/finetune.py:<model>,<dataset>[,dev] with a dataset among: ' + ' '.join(rows()))
   if len(parts) not in (2, 3) or not parts[0] or (len(parts) == 3 and parts[2] != 'dev'):
     raise ValueError(f'Bad finetune argument {arg!r}: use {usage}')
   model, dataset = parts[:2]

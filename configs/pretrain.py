@@ -46,22 +46,23 @@ class Table3Row(NamedTuple):
 
 # Table 3, one Table3Row (models, dataset, epochs, base_lr, lr_decay, weight_decay, dropout)
 # per line.
-TABLE3 = tuple(Table3Row(*row) for row in (
-    (('ViT-B_16', 'ViT-B_32'), 'jft300m', (7,), 8e-4, 'linear', 0.1, 0.0),
-    (('ViT-L_32',), 'jft300m', (7,), 6e-4, 'linear', 0.1, 0.0),
-    (('ViT-L_16',), 'jft300m', (7, 14), 4e-4, 'linear', 0.1, 0.0),
-    (('ViT-H_14',), 'jft300m', (14,), 3e-4, 'linear', 0.1, 0.0),
-    (('R50x1', 'R50x2'), 'jft300m', (7,), 1e-3, 'linear', 0.1, 0.0),
-    (('R101x1',), 'jft300m', (7,), 8e-4, 'linear', 0.1, 0.0),
-    (('R152x1',), 'jft300m', (7,), 6e-4, 'linear', 0.1, 0.0),
-    (('R152x2',), 'jft300m', (7, 14), 6e-4, 'linear', 0.1, 0.0),  # 14: Table 6.
-    (('R50+ViT-B_16', 'R50+ViT-B_32'), 'jft300m', (7,), 8e-4, 'linear', 0.1, 0.0),
-    (('R50+ViT-L_32',), 'jft300m', (7,), 2e-4, 'linear', 0.1, 0.0),
-    (('R50+ViT-L_16',), 'jft300m', (7, 14), 4e-4, 'linear', 0.1, 0.0),
-    (('ViT-B_16', 'ViT-B_32'), 'imagenet21k', (90,), 1e-3, 'linear', 0.03, 0.1),
-    (('ViT-L_16', 'ViT-L_32'), 'imagenet21k', (90, 30), 1e-3, 'linear', 0.03, 0.1),
-    (('ViT-*',), 'imagenet2012', (300,), 3e-3, 'cosine', 0.3, 0.1),
-))
+TABLE3 = tuple(
+    Table3Row(*row) for row in (
+        (('ViT-B_16', 'ViT-B_32'), 'jft300m', (7,), 8e-4, 'linear', 0.1, 0.0),
+        (('ViT-L_32',), 'jft300m', (7,), 6e-4, 'linear', 0.1, 0.0),
+        (('ViT-L_16',), 'jft300m', (7, 14), 4e-4, 'linear', 0.1, 0.0),
+        (('ViT-H_14',), 'jft300m', (14,), 3e-4, 'linear', 0.1, 0.0),
+        (('R50x1', 'R50x2'), 'jft300m', (7,), 1e-3, 'linear', 0.1, 0.0),
+        (('R101x1',), 'jft300m', (7,), 8e-4, 'linear', 0.1, 0.0),
+        (('R152x1',), 'jft300m', (7,), 6e-4, 'linear', 0.1, 0.0),
+        (('R152x2',), 'jft300m', (7, 14), 6e-4, 'linear', 0.1, 0.0),  # 14: Table 6.
+        (('R50+ViT-B_16', 'R50+ViT-B_32'), 'jft300m', (7,), 8e-4, 'linear', 0.1, 0.0),
+        (('R50+ViT-L_32',), 'jft300m', (7,), 2e-4, 'linear', 0.1, 0.0),
+        (('R50+ViT-L_16',), 'jft300m', (7, 14), 4e-4, 'linear', 0.1, 0.0),
+        (('ViT-B_16', 'ViT-B_32'), 'imagenet21k', (90,), 1e-3, 'linear', 0.03, 0.1),
+        (('ViT-L_16', 'ViT-L_32'), 'imagenet21k', (90, 30), 1e-3, 'linear', 0.03, 0.1),
+        (('ViT-*',), 'imagenet2012', (300,), 3e-3, 'cosine', 0.3, 0.1),
+    ))
 
 # ImageNet-21k images per epoch: 12.4M. The paper says "14M images" (14,197,122 in
 # the fall 2011 release, 21,841 synsets), but the maintainers state that the set they
@@ -85,9 +86,8 @@ DATASETS = {
     'imagenet21k': dict(tfds='imagenet21k', train='full[51200:]', eval='full[:25600]',
                         examples=I21K_IMAGES, loss='sigmoid_xent', head_bias_init=-10.0,
                         end_lr=1e-5, clip=0.0),
-    'imagenet2012': dict(tfds='imagenet2012', train='train', eval='validation',
-                         examples=1_281_167, loss='softmax_xent', head_bias_init=0.0,
-                         end_lr=0.0, clip=1.0),
+    'imagenet2012': dict(tfds='imagenet2012', train='train', eval='validation', examples=1_281_167,
+                         loss='softmax_xent', head_bias_init=0.0, end_lr=0.0, clip=1.0),
 }
 
 
@@ -177,4 +177,3 @@ def get_config(arg=None):
   c.fewshot_datasets = (('imagenet2012', 'train[:5%]', 'validation'),)
   c.fewshot_shots = (5,)
   return c
-

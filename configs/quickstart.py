@@ -12,8 +12,8 @@ The numbers are meant to be tuned: every one is a --config.x override.
 from vit_jax.configs import common
 
 # The knobs most worth tuning, in one place.
-MODEL = dict(patch_size=4, hidden_size=64, mlp_dim=128, num_heads=4, num_layers=4,
-             dropout_rate=0.0, attention_dropout_rate=0.0)
+MODEL = dict(patch_size=4, hidden_size=64, mlp_dim=128, num_heads=4, num_layers=4, dropout_rate=0.0,
+             attention_dropout_rate=0.0)
 BATCH_SIZE = 128
 TOTAL_STEPS = 2000  # ~4.3 epochs of the 60,000 training images.
 WARMUP_STEPS = 200

@@ -84,8 +84,8 @@ def patch_features(model, params, config, split):
 
   @jax.jit
   def features(images):
-    _, state = model.apply({'params': params}, images, capture_intermediates=lambda m, _: (
-        m.name == 'encoder_norm'), mutable=['intermediates'])
+    _, state = model.apply({'params': params}, images, capture_intermediates=lambda m, _:
+                           (m.name == 'encoder_norm'), mutable=['intermediates'])
     tokens = state['intermediates']['Transformer']['encoder_norm']['__call__'][0]
     return jnp.mean(tokens[:, 1:], axis=1)  # without the class token
 
@@ -107,9 +107,9 @@ def fewshot(config, params_or_none):
     params = checkpoint.load_pretrained(params_or_none, model, 0, config.image_size)
   n = FLAGS.fewshot_pool
   out = {}
-  for name, extract in (('class_token', lambda split: evaluate.extract_features(
-      model, params, config, split, 1000)), ('patch_mean', lambda split: patch_features(
-          model, params, config, split))):
+  for name, extract in ((
+      'class_token', lambda split: evaluate.extract_features(model, params, config, split, 1000)),
+                        ('patch_mean', lambda split: patch_features(model, params, config, split))):
     pool_x, pool_y = extract(f'train[:{n}]')
     test_x, test_y = extract('test')
     r = evaluate.fewshot_accuracy(pool_x, pool_y, test_x, test_y, 10, shots=(5,),
@@ -124,8 +124,10 @@ def _stats(values):
 
 def table(results):
   seeds = len(FLAGS.seeds)
-  lines = ['| labelled images | from scratch | masked patch pre-trained | difference |',
-           '|---|---|---|---|']
+  lines = [
+      '| labelled images | from scratch | masked patch pre-trained | difference |',
+      '|---|---|---|---|'
+  ]
   for labels in FLAGS.labels:
     s = [results['finetune'][f'{labels}/scratch/{x}'] for x in FLAGS.seeds]
     m = [results['finetune'][f'{labels}/masked/{x}'] for x in FLAGS.seeds]
@@ -141,11 +143,12 @@ def table(results):
                  f'| {100 * (f1["mean"] - f0["mean"]):+.1f} |')
   p = results['pretrain']
   lines.append('')
-  lines.append(f'Pre-training: {p["steps"]} steps of batch 128, masked-patch (3-bit mean '
-               f'colour) accuracy on the test images {100 * p["accuracy"]:.1f}% (always predicting the '
-               f'most frequent colour class: {100 * p["majority"]:.1f}%); fine-tuning: '
-               f'{FLAGS.finetune_steps} steps of batch {FLAGS.finetune_batch}, Adam, base LR '
-               f'{FLAGS.finetune_lr:g}, cosine.')
+  lines.append(
+      f'Pre-training: {p["steps"]} steps of batch 128, masked-patch (3-bit mean '
+      f'colour) accuracy on the test images {100 * p["accuracy"]:.1f}% (always predicting the '
+      f'most frequent colour class: {100 * p["majority"]:.1f}%); fine-tuning: '
+      f'{FLAGS.finetune_steps} steps of batch {FLAGS.finetune_batch}, Adam, base LR '
+      f'{FLAGS.finetune_lr:g}, cosine.')
   return '\n'.join(lines)
 
 
@@ -153,8 +156,7 @@ def _majority_rate(config):
   """Share of the corrupted test patches whose colour is the most frequent class."""
   counts = np.zeros(512)
   for batch in input_pipeline.eval_batches(config, global_batch=1000):
-    t = np.asarray(masked_patches.targets(batch['image'][batch['mask']], 4,
-                                          config.masked_patches))
+    t = np.asarray(masked_patches.targets(batch['image'][batch['mask']], 4, config.masked_patches))
     counts += np.bincount(t.ravel(), minlength=512)
   return float(counts.max() / counts.sum())
 
@@ -178,8 +180,12 @@ def main(argv):
   pre = pretrain_config()
   if 'pretrain' not in results:
     r = train.train_and_evaluate(pre, pre_dir)
-    results['pretrain'] = {'steps': r['step'], 'accuracy': r['accuracy'], 'loss': r['loss'],
-                           'majority': _majority_rate(pre)}
+    results['pretrain'] = {
+        'steps': r['step'],
+        'accuracy': r['accuracy'],
+        'loss': r['loss'],
+        'majority': _majority_rate(pre)
+    }
     save()
   print(f'pre-training done ({time.time() - t0:.0f} s): {results["pretrain"]}', flush=True)
   final = os.path.join(pre_dir, 'final.npz')

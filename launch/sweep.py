@@ -145,13 +145,14 @@ def overrides(sets, assignments):
 
 
 def point_argv(config, workdir, sets, name, assignments, python=sys.executable):
-  return [python, '-m', 'vit_jax.main', f'--config={config}',
-          f'--workdir={join(workdir, name)}', *overrides(sets, assignments)]
+  return [
+      python, '-m', 'vit_jax.main', f'--config={config}', f'--workdir={join(workdir, name)}',
+      *overrides(sets, assignments)
+  ]
 
 
 def join(directory, name):
-  return directory.rstrip('/') + '/' + name if '://' in directory else os.path.join(
-      directory, name)
+  return directory.rstrip('/') + '/' + name if '://' in directory else os.path.join(directory, name)
 
 
 def tpu_commands(args, config, workdir, sets, points):
@@ -159,8 +160,9 @@ def tpu_commands(args, config, workdir, sets, points):
   if not workdir.startswith('gs://'):
     raise SweepError('--tpu needs --workdir=gs://BUCKET/..., where this machine can read the '
                      'results')
-  jobs = [(tpu_vm.train_argv(config, join(workdir, name), overrides(sets, assignments)),
-           f'sweep-{name}') for name, assignments in points]
+  jobs = [(tpu_vm.train_argv(config, join(workdir, name), overrides(sets,
+                                                                    assignments)), f'sweep-{name}')
+          for name, assignments in points]
   return [tpu_vm.ssh(args, 'all', tpu_vm.start_script(jobs))]
 
 
@@ -181,8 +183,7 @@ def run_sweep(config, workdir, sets, points, runner=run_local, out=None):
   statuses = {}
   for i, (name, assignments) in enumerate(points):
     argv = point_argv(config, workdir, sets, name, assignments)
-    print(f'== sweep point {i + 1}/{len(points)}: {name}\n{shlex.join(argv)}', file=out,
-          flush=True)
+    print(f'== sweep point {i + 1}/{len(points)}: {name}\n{shlex.join(argv)}', file=out, flush=True)
     paths.makedirs(join(workdir, name))
     try:
       rc = runner(argv, join(join(workdir, name), 'sweep.log'))
@@ -220,12 +221,16 @@ def summarize(workdir, points, statuses=None):
     point_dir = join(workdir, name)
     accuracy = read_accuracy(point_dir)
     status = statuses.get(name) or _read_status(point_dir) or ('done' if accuracy else 'not run')
-    rows.append({'point': name, 'status': status,
-                 'final_accuracy': accuracy[-1][1] if accuracy else None,
-                 'best_accuracy': max(v for _, v in accuracy) if accuracy else None,
-                 'steps': accuracy[-1][0] if accuracy else None})
-  candidates = [r for r in rows if r['final_accuracy'] is not None
-                and not r['status'].startswith('failed')]
+    rows.append({
+        'point': name,
+        'status': status,
+        'final_accuracy': accuracy[-1][1] if accuracy else None,
+        'best_accuracy': max(v for _, v in accuracy) if accuracy else None,
+        'steps': accuracy[-1][0] if accuracy else None
+    })
+  candidates = [
+      r for r in rows if r['final_accuracy'] is not None and not r['status'].startswith('failed')
+  ]
   winner = max(candidates, key=lambda r: r['final_accuracy'])['point'] if candidates else None
   return rows, winner
 
@@ -243,9 +248,10 @@ def _cell(value):
 
 
 def markdown(rows, winner, config, points, sets):
-  lines = [f'# Sweep of `{config}`', '',
-           '| ' + ' | '.join(c.replace('_', ' ') for c in COLUMNS) + ' |',
-           '|' + '---|' * len(COLUMNS)]
+  lines = [
+      f'# Sweep of `{config}`', '', '| ' + ' | '.join(c.replace('_', ' ') for c in COLUMNS) + ' |',
+      '|' + '---|' * len(COLUMNS)
+  ]
   lines += ['| ' + ' | '.join(_cell(r[c]) for c in COLUMNS) + ' |' for r in rows]
   lines.append('')
   if winner:
@@ -302,8 +308,8 @@ def parser():
   p.add_argument('--project', help='Google Cloud project (with --tpu)')
   p.add_argument('--dry-run', '--dry_run', dest='dry_run', action='store_true',
                  help='print the commands, run nothing')
-  p.add_argument('--summarize-only', '--summarize_only', dest='summarize_only',
-                 action='store_true', help='only read the results and write the summary')
+  p.add_argument('--summarize-only', '--summarize_only', dest='summarize_only', action='store_true',
+                 help='only read the results and write the summary')
   return p
 
 
@@ -332,15 +338,15 @@ def main(argv=None, runner=run_local, out=None):
       commands = tpu_commands(tpu_args, args.config, args.workdir, sets, points)
       tpu_vm.execute(commands, args.dry_run, out=out)
       if not args.dry_run:
-        print(f'Started {len(points)} points on {args.tpu}. Follow one with '
-              f'vit-tpu logs --name {args.tpu} --zone {args.zone} --log sweep-'
-              f'{points[0][0]} -f; when all are done, add --summarize-only to this command.',
-              file=out)
+        print(
+            f'Started {len(points)} points on {args.tpu}. Follow one with '
+            f'vit-tpu logs --name {args.tpu} --zone {args.zone} --log sweep-'
+            f'{points[0][0]} -f; when all are done, add --summarize-only to this command.',
+            file=out)
       return
     elif args.dry_run:
       for name, assignments in points:
-        print(shlex.join(point_argv(args.config, args.workdir, sets, name, assignments)),
-              file=out)
+        print(shlex.join(point_argv(args.config, args.workdir, sets, name, assignments)), file=out)
       return
     else:
       statuses = run_sweep(args.config, args.workdir, sets, points, runner, out)

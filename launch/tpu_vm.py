@@ -48,30 +48,34 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CODE_DIR, VENV_DIR, LOG_DIR = 'vit_jax', 'vit_jax_venv', 'vit_jax_logs'
 PID_FILE = f'{LOG_DIR}/run.pid'
 # Left out of the tarball of the working tree.
-TAR_EXCLUDES = ('.git', '.venv', 'workdirs', '__pycache__', '*.egg-info', '.pytest_cache',
-                'build', 'dist', '*.npz')  # Checkpoints: read them from gs:// instead.
+TAR_EXCLUDES = ('.git', '.venv', 'workdirs', '__pycache__', '*.egg-info', '.pytest_cache', 'build',
+                'dist', '*.npz')  # Checkpoints: read them from gs:// instead.
 # Runtime images per TPU generation (gcloud compute tpus versions list --zone Z).
-RUNTIME_VERSIONS = {'v2': 'tpu-ubuntu2204-base', 'v3': 'tpu-ubuntu2204-base',
-                    'v4': 'tpu-ubuntu2204-base', 'v5litepod': 'v2-alpha-tpuv5-lite',
-                    'v5p': 'v2-alpha-tpuv5', 'v6e': 'v2-alpha-tpuv6e'}
+RUNTIME_VERSIONS = {
+    'v2': 'tpu-ubuntu2204-base',
+    'v3': 'tpu-ubuntu2204-base',
+    'v4': 'tpu-ubuntu2204-base',
+    'v5litepod': 'v2-alpha-tpuv5-lite',
+    'v5p': 'v2-alpha-tpuv5',
+    'v6e': 'v2-alpha-tpuv6e'
+}
 # Generations whose docs create them through queued resources (Spot too, any generation).
 QUEUED_GENERATIONS = ('v5litepod', 'v5p', 'v6e')
 # Zones that offer each generation, AS OF 2026-11 (Google Cloud "TPU regions and zones",
 # https://cloud.google.com/tpu/docs/regions-zones). Incomplete and changing: only a warning
 # comes of it; check the docs (or `gcloud compute tpus accelerator-types list --zone Z`).
 TPU_ZONES = {
-    'v2': ('us-central1-a', 'us-central1-b', 'us-central1-c', 'us-central1-f',
-           'europe-west4-a', 'asia-east1-c'),
+    'v2': ('us-central1-a', 'us-central1-b', 'us-central1-c', 'us-central1-f', 'europe-west4-a',
+           'asia-east1-c'),
     'v3': ('us-central1-a', 'us-central1-b', 'us-central1-f', 'europe-west4-a'),
     'v4': ('us-central2-b',),
     'v5litepod': ('us-central1-a', 'us-south1-a', 'us-west1-c', 'us-west4-a', 'us-east1-c',
-                  'us-east5-a', 'us-east5-b', 'us-east5-c', 'europe-west4-b',
-                  'asia-southeast1-b'),
+                  'us-east5-a', 'us-east5-b', 'us-east5-c', 'europe-west4-b', 'asia-southeast1-b'),
     'v5p': ('us-central1-a', 'us-east5-a', 'us-east5-b', 'us-east5-c', 'us-south1-a',
             'europe-west4-b'),
-    'v6e': ('us-central1-b', 'us-central2-b', 'us-east1-d', 'us-east4-a', 'us-east4-b',
-            'us-east5-a', 'us-east5-b', 'us-east5-c', 'us-west1-c', 'europe-west4-a',
-            'asia-northeast1-b'),
+    'v6e':
+        ('us-central1-b', 'us-central2-b', 'us-east1-d', 'us-east4-a', 'us-east4-b', 'us-east5-a',
+         'us-east5-b', 'us-east5-c', 'us-west1-c', 'europe-west4-a', 'asia-northeast1-b'),
 }
 # States (tpu-vm describe: state; queued-resources describe: state.state).
 GONE = ('PREEMPTED', 'TERMINATED', 'SUSPENDED', 'FAILED', 'MISSING')  # delete, create again
@@ -120,8 +124,9 @@ def jax_version(constraints=os.path.join(REPO_ROOT, 'constraints.txt')):
 
 def in_checkout():
   """True when this module runs from a working tree (not from an installed wheel)."""
-  return all(os.path.exists(os.path.join(REPO_ROOT, p))
-             for p in ('setup.py', 'constraints.txt', 'vit_jax'))
+  return all(
+      os.path.exists(os.path.join(REPO_ROOT, p))
+      for p in ('setup.py', 'constraints.txt', 'vit_jax'))
 
 
 def python_requires():
@@ -160,8 +165,8 @@ def gcloud(verb, args, *rest):
 
 def queued(verb, args, *rest):
   """gcloud compute tpus queued-resources VERB NAME --zone Z [--project P] REST..."""
-  return (['gcloud', 'compute', 'tpus', 'queued-resources', verb, args.name, '--zone',
-           args.zone] + _project(args) + list(rest))
+  return (['gcloud', 'compute', 'tpus', 'queued-resources', verb, args.name, '--zone', args.zone]
+          + _project(args) + list(rest))
 
 
 def _internal_ip(args):
@@ -174,8 +179,7 @@ def ssh(args, worker, command):
 
 def train_argv(config, workdir, overrides=()):
   """The command every worker runs (from the code directory, in the venv)."""
-  return ['python3', '-m', 'vit_jax.main', f'--config={config}', f'--workdir={workdir}',
-          *overrides]
+  return ['python3', '-m', 'vit_jax.main', f'--config={config}', f'--workdir={workdir}', *overrides]
 
 
 def start_script(jobs):
@@ -185,13 +189,17 @@ def start_script(jobs):
   job does not stop the next. The process group id goes to ~/vit_jax_logs/run.pid (for
   `stop`); a second start while one is running is refused.
   """
+
   def status(log):
     return f'"$HOME"/{LOG_DIR}/{shlex.quote(log + ".status")}'
+
   body = '; '.join(f'{shlex.join(argv)} > "$HOME"/{LOG_DIR}/{shlex.quote(log + ".log")} 2>&1; '
                    f'echo $? > {status(log)}' for argv, log in jobs)
   pid = f'"$HOME"/{PID_FILE}'
   return '; '.join([
-      'set -e', f'cd "$HOME"/{CODE_DIR}', f'. "$HOME"/{VENV_DIR}/bin/activate',
+      'set -e',
+      f'cd "$HOME"/{CODE_DIR}',
+      f'. "$HOME"/{VENV_DIR}/bin/activate',
       # The installed package, not ./vit_jax (which lacks vit_jax.configs): no cwd on sys.path.
       'export PYTHONSAFEPATH=1',
       f'mkdir -p "$HOME"/{LOG_DIR}',
@@ -199,8 +207,9 @@ def start_script(jobs):
       'run is still going: vit-tpu stop ... first" >&2; exit 1; fi',
       'rm -f ' + ' '.join(status(log) for _, log in jobs),
       f'setsid nohup sh -c {shlex.quote(body)} > /dev/null 2>&1 < /dev/null & echo $! > {pid}',
-      'echo "$(hostname): started, logs in ~/' + LOG_DIR + '/: ' +
-      ' '.join(f'{log}.log' for _, log in jobs) + '"'])
+      'echo "$(hostname): started, logs in ~/' + LOG_DIR + '/: '
+      + ' '.join(f'{log}.log' for _, log in jobs) + '"'
+  ])
 
 
 def status_script(log):
@@ -224,7 +233,8 @@ def setup_script(args):
   apt = 'sudo DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 -qq'
   pip = f'"$HOME"/{VENV_DIR}/bin/python -m pip install -q'
   return '; '.join([
-      'set -e', fetch,
+      'set -e',
+      fetch,
       # The TPU images ship an older Python than setup.py's python_requires (with its venv).
       f'if ! {py} -c "import ensurepip" 2>/dev/null; then {apt} update; '
       f'{apt} install -y {py} {py}-venv; fi',
@@ -233,7 +243,8 @@ def setup_script(args):
       # constraints.txt pins the tested stack, jax included; jax[tpu] brings libtpu (PyPI).
       f'(cd {CODE_DIR} && {pip} -c constraints.txt ' + shlex.quote('.[tpu]') + ')',
       f'echo "$(hostname): ready, $({VENV_DIR}/bin/python -c "import jax; print(\'jax\', '
-      f'jax.__version__)")"'])
+      f'jax.__version__)")"'
+  ])
 
 
 # ---------------------------------------------------------------- steps besides commands
@@ -302,8 +313,10 @@ class Resume:
 
   def show(self):
     describe = state_commands(self.args)
-    lines = [f'{shlex.join(describe[0])}  # {"/".join(GONE)}: every line below; {READY}: '
-             'only the last']
+    lines = [
+        f'{shlex.join(describe[0])}  # {"/".join(GONE)}: every line below; {READY}: '
+        'only the last'
+    ]
     lines += [f'{shlex.join(c)}  # ACTIVE: then' for c in describe[1:]]
     return '\n'.join(lines + [_show(s) for s in recreate_steps(self.args)])
 
@@ -315,8 +328,9 @@ class Resume:
       return
     if state in PENDING:
       runner.say(f'{self.args.name} is {state}: waiting for it, then setting it up')
-      runner.execute(wait_steps(self.args) + setup_commands(self.args)
-                     + run_commands(self.args, preflight=False))
+      runner.execute(
+          wait_steps(self.args) + setup_commands(self.args)
+          + run_commands(self.args, preflight=False))
       return
     if state not in GONE:
       raise LaunchError(f'{self.args.name} is {state}, which resume does not handle: start or '
@@ -340,7 +354,8 @@ class Watch:
         *[f'{shlex.join(c)}' for c in state_commands(a)],
         f'{shlex.join(ssh(a, 0, status_script(a.log)))}  # running, or exit N of the run',
         '# missing at the start: created; preempted/missing later: as `vit-tpu resume`; '
-        'READY but the run ended without final.npz: only the run again'])
+        'READY but the run ended without final.npz: only the run again'
+    ])
 
   def run(self, runner):
     a, recoveries, ended, polls = self.args, 0, None, 0
@@ -408,7 +423,6 @@ def final_path(workdir):
 
 path_exists = paths.exists  # a module attribute: tests replace it
 
-
 # ---------------------------------------------------------------- choices
 
 
@@ -456,18 +470,23 @@ def create_commands(args):
     cmd = queued('create', args, '--node-id', args.name, '--accelerator-type',
                  args.accelerator_type, '--runtime-version', runtime_version(args))
   else:
-    cmd = gcloud('create', args, '--accelerator-type', args.accelerator_type,
-                 '--version', runtime_version(args))
+    cmd = gcloud('create', args, '--accelerator-type', args.accelerator_type, '--version',
+                 runtime_version(args))
   extra = ['--spot'] * args.spot + ['--preemptible'] * args.preemptible
   return [cmd + extra + ['--internal-ips'] * args.internal_ips] + wait_steps(args)
 
 
 def wait_steps(args):
   if api(args) == 'queued':
-    return [Wait(queued('describe', args, '--format=value(state.state)'), ('ACTIVE',),
-                 ('FAILED', 'SUSPENDED', 'SUSPENDING', 'MISSING'), f'queued resource {args.name}', args.poll)]
-  return [Wait(gcloud('describe', args, '--format=value(state)'), (READY,),
-               ('PREEMPTED', 'TERMINATED', 'STOPPED', 'MISSING'), f'TPU VM {args.name}', args.poll)]
+    return [
+        Wait(queued('describe', args, '--format=value(state.state)'), ('ACTIVE',),
+             ('FAILED', 'SUSPENDED', 'SUSPENDING', 'MISSING'), f'queued resource {args.name}',
+             args.poll)
+    ]
+  return [
+      Wait(gcloud('describe', args, '--format=value(state)'), (READY,),
+           ('PREEMPTED', 'TERMINATED', 'STOPPED', 'MISSING'), f'TPU VM {args.name}', args.poll)
+  ]
 
 
 def state_commands(args):
@@ -511,11 +530,12 @@ def setup_commands(args):
                         'to copy): pass --repo_url=https://github.com/OWNER/vit_jax.git '
                         '[--branch B]')
     tarball = tarball_path(args.name)
-    commands.append(['tar', '-czf', tarball, *(f'--exclude={p}' for p in TAR_EXCLUDES),
-                     '-C', REPO_ROOT, '.'])
-    commands.append(['gcloud', 'compute', 'tpus', 'tpu-vm', 'scp', tarball,
-                     f'{args.name}:{CODE_DIR}.tar.gz', '--zone', args.zone]
-                    + _project(args) + ['--worker=all'] + _internal_ip(args))
+    commands.append(
+        ['tar', '-czf', tarball, *(f'--exclude={p}' for p in TAR_EXCLUDES), '-C', REPO_ROOT, '.'])
+    commands.append([
+        'gcloud', 'compute', 'tpus', 'tpu-vm', 'scp', tarball, f'{args.name}:{CODE_DIR}.tar.gz',
+        '--zone', args.zone
+    ] + _project(args) + ['--worker=all'] + _internal_ip(args))
   commands.append(ssh(args, 'all', setup_script(args)))
   return commands
 
@@ -649,8 +669,8 @@ def preflight_steps(args):
 
   datasets = [(config.dataset, config.data_dir, 'data_dir')]
   if config.fewshot_every_steps:
-    datasets += [(entry[0], config.fewshot_data_dir or config.data_dir,
-                  'fewshot_data_dir' if config.fewshot_data_dir else 'data_dir')
+    datasets += [(entry[0], config.fewshot_data_dir
+                  or config.data_dir, 'fewshot_data_dir' if config.fewshot_data_dir else 'data_dir')
                  for entry in config.fewshot_datasets]
   checks = []
   for name, data_dir, field in dict.fromkeys(datasets):
@@ -667,14 +687,16 @@ def preflight_steps(args):
                         f'--config.{field}=gs://BUCKET/tensorflow_datasets (prepared with '
                         f'`tfds build {name} --data_dir=gs://BUCKET/tensorflow_datasets`)')
     if data_dir.startswith('gs://'):
-      checks.append(Check(f'TFDS {name} is prepared in {data_dir}',
-                          functools.partial(check_tfds, name, data_dir)))
+      checks.append(
+          Check(f'TFDS {name} is prepared in {data_dir}',
+                functools.partial(check_tfds, name, data_dir)))
     else:
       args.warnings.append(f'--config.{field}={data_dir} is not checked from here: it must hold '
                            f'a prepared {name} on every host; gs:// is simpler')
   if args.workdir.startswith('gs://'):
-    checks.append(Check(f'--workdir {args.workdir} is writable (a probe object is written and '
-                        'deleted)', functools.partial(check_writable, args.workdir)))
+    checks.append(
+        Check(f'--workdir {args.workdir} is writable (a probe object is written and '
+              'deleted)', functools.partial(check_writable, args.workdir)))
   return checks
 
 
@@ -704,8 +726,14 @@ def build_commands(action, args):
       return steps + create_commands(args) + setup_commands(args) + run_commands(
           args, preflight=False)
     return steps + [Resume(args) if action == 'resume' else Watch(args)]
-  return {'create': create_commands, 'setup': setup_commands, 'run': run_commands,
-          'logs': logs_commands, 'stop': stop_commands, 'delete': delete_commands}[action](args)
+  return {
+      'create': create_commands,
+      'setup': setup_commands,
+      'run': run_commands,
+      'logs': logs_commands,
+      'stop': stop_commands,
+      'delete': delete_commands
+  }[action](args)
 
 
 def _require(args, action, *fields):
@@ -730,8 +758,9 @@ def parser():
                  help='v3-8, v4-32, v5litepod-8 (v5e-8), v5p-8, v6e-8, ...')
   p.add_argument('--runtime_version', '--runtime-version', '--version',
                  help='TPU VM image (default per generation, e.g. tpu-ubuntu2204-base)')
-  p.add_argument('--api', choices=('queued', 'node'), help='create through a queued resource '
-                 '(default for v5e, v5p, v6e and Spot) or tpu-vm create (node)')
+  p.add_argument(
+      '--api', choices=('queued', 'node'), help='create through a queued resource '
+      '(default for v5e, v5p, v6e and Spot) or tpu-vm create (node)')
   p.add_argument('--spot', action='store_true', help='create a Spot TPU VM')
   p.add_argument('--preemptible', action='store_true', help='create a preemptible TPU VM')
   p.add_argument('--internal_ips', '--internal-ips', action='store_true',
@@ -739,8 +768,9 @@ def parser():
   p.add_argument('--repo_url', '--repo-url', help='git clone this URL instead of copying '
                  'the local working tree')
   p.add_argument('--branch', help='branch or tag for --repo_url')
-  p.add_argument('--python', default=None, help='Python for the venv on the VM (default: '
-                 "setup.py's python_requires, e.g. python3.11)")
+  p.add_argument(
+      '--python', default=None, help='Python for the venv on the VM (default: '
+      "setup.py's python_requires, e.g. python3.11)")
   p.add_argument('--config', help='as for vit-train, e.g. finetune:ViT-B_16,cifar10')
   p.add_argument('--workdir', help='gs://BUCKET/DIR (required on several hosts)')
   p.add_argument('--worker', default=None, help='logs: 0 (default), another index, or all')

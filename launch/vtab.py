@@ -49,8 +49,10 @@ def task_config(model, task, dev):
 
 def task_argv(model, task, dev, workdir, overrides, python=sys.executable):
   """The vit-train command line of one task."""
-  return [python, '-m', 'vit_jax.main', f'--config={task_config(model, task, dev)}',
-          f'--workdir={sweep.join(workdir, task)}', *overrides]
+  return [
+      python, '-m', 'vit_jax.main', f'--config={task_config(model, task, dev)}',
+      f'--workdir={sweep.join(workdir, task)}', *overrides
+  ]
 
 
 def is_finished(task_dir):
@@ -90,9 +92,13 @@ def collect(workdir, tasks, statuses=None):
     finished = is_finished(task_dir)
     accuracy = sweep.read_accuracy(task_dir) if finished else []
     status = statuses.get(task) or ('done' if finished else 'not finished')
-    rows.append({'task': task, 'group': vtab.VTAB[task].group, 'status': status,
-                 'accuracy': accuracy[-1][1] if accuracy else None,
-                 'steps': accuracy[-1][0] if accuracy else None})
+    rows.append({
+        'task': task,
+        'group': vtab.VTAB[task].group,
+        'status': status,
+        'accuracy': accuracy[-1][1] if accuracy else None,
+        'steps': accuracy[-1][0] if accuracy else None
+    })
   return rows
 
 
@@ -102,8 +108,11 @@ def means(rows):
   for name in (*vtab.GROUPS, 'overall'):
     asked = [r for r in rows if name in ('overall', r['group'])]
     values = [r['accuracy'] for r in asked if r['accuracy'] is not None]
-    out[name] = {'mean': sum(values) / len(values) if values else None,
-                 'tasks': len(values), 'of': len(asked)}
+    out[name] = {
+        'mean': sum(values) / len(values) if values else None,
+        'tasks': len(values),
+        'of': len(asked)
+    }
   return out
 
 
@@ -113,10 +122,14 @@ def _percent(value):
 
 def markdown(model, dev, rows, group_means):
   split = 'val200 (dev)' if dev else 'test'
-  lines = [f'# VTAB-1k: {model}, top-1 accuracy (%) on each task\'s {split} split', '',
-           '| group | task | accuracy | steps | status |', '|---|---|---|---|---|']
-  lines += [f'| {r["group"]} | {r["task"]} | {_percent(r["accuracy"])} | '
-            f'{"-" if r["steps"] is None else r["steps"]} | {r["status"]} |' for r in rows]
+  lines = [
+      f'# VTAB-1k: {model}, top-1 accuracy (%) on each task\'s {split} split', '',
+      '| group | task | accuracy | steps | status |', '|---|---|---|---|---|'
+  ]
+  lines += [
+      f'| {r["group"]} | {r["task"]} | {_percent(r["accuracy"])} | '
+      f'{"-" if r["steps"] is None else r["steps"]} | {r["status"]} |' for r in rows
+  ]
   names = (*vtab.GROUPS, 'overall')
   lines += ['', '| ' + ' | '.join(names) + ' |', '|' + '---|' * len(names)]
   cells = []
@@ -134,8 +147,12 @@ def write_results(args, rows):
   text = markdown(args.model, args.dev, rows, group_means)
   with paths.open_file(sweep.join(args.workdir, f'{RESULTS}.md'), 'w') as f:
     f.write(text)
-  record = {'model': args.model, 'split': 'val200' if args.dev else 'test',
-            'tasks': rows, 'means': group_means}
+  record = {
+      'model': args.model,
+      'split': 'val200' if args.dev else 'test',
+      'tasks': rows,
+      'means': group_means
+  }
   with paths.open_file(sweep.join(args.workdir, f'{RESULTS}.json'), 'w') as f:
     json.dump(record, f, indent=1)
     f.write('\n')
@@ -157,8 +174,8 @@ def parser():
                  help='train on train800, evaluate on val200 (the development protocol)')
   p.add_argument('--dry-run', '--dry_run', dest='dry_run', action='store_true',
                  help='print the commands, run nothing')
-  p.add_argument('--summarize-only', '--summarize_only', dest='summarize_only',
-                 action='store_true', help='only read the results and write the tables')
+  p.add_argument('--summarize-only', '--summarize_only', dest='summarize_only', action='store_true',
+                 help='only read the results and write the tables')
   return p
 
 
@@ -178,8 +195,8 @@ def main(argv=None, runner=sweep.run_local, out=None):
     statuses = None
     if args.dry_run:
       for task in tasks:
-        skip = '# final.npz present, skipped: ' if is_finished(
-            sweep.join(args.workdir, task)) else ''
+        skip = '# final.npz present, skipped: ' if is_finished(sweep.join(args.workdir,
+                                                                          task)) else ''
         print(skip + shlex.join(task_argv(args.model, task, args.dev, args.workdir, overrides)),
               file=out)
       return

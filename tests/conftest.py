@@ -28,14 +28,17 @@ def wheel_venv(tmp_path_factory):
   tmp = tmp_path_factory.mktemp('wheel')
   src = tmp / 'src'
   shutil.copytree(ROOT, src, ignore=_NOT_SOURCE)  # build from a copy: no build/ in the checkout
-  subprocess.run([sys.executable, '-m', 'pip', 'wheel', '-q', '--no-deps', '-w',
-                  str(tmp / 'dist'), str(src)], check=True, capture_output=True)
+  subprocess.run(
+      [sys.executable, '-m', 'pip', 'wheel', '-q', '--no-deps', '-w',
+       str(tmp / 'dist'),
+       str(src)], check=True, capture_output=True)
   wheel, = (tmp / 'dist').glob('vit_jax-*.whl')
   venv = tmp / 'venv'
   subprocess.run([sys.executable, '-m', 'venv', str(venv)], check=True)
-  out = subprocess.run([str(venv / 'bin' / 'python'), '-m', 'pip', 'install', '-q', '-c',
-                        os.path.join(ROOT, 'constraints.txt'), f'{wheel}[test]'],
-                       capture_output=True, text=True)
+  out = subprocess.run([
+      str(venv / 'bin' / 'python'), '-m', 'pip', 'install', '-q', '-c',
+      os.path.join(ROOT, 'constraints.txt'), f'{wheel}[test]'
+  ], capture_output=True, text=True)
   assert out.returncode == 0, out.stderr[-3000:]
   return venv
 

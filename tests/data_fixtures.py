@@ -21,8 +21,8 @@ def image_id(image: np.ndarray) -> int:
   return int(pixels[0] + 256 * pixels[1])
 
 
-def write_idx(directory: str, num_train: int = 40, num_test: int = 13,
-              num_classes: int = 10, start: int = 0) -> str:
+def write_idx(directory: str, num_train: int = 40, num_test: int = 13, num_classes: int = 10,
+              start: int = 0) -> str:
   """Fashion-MNIST-like IDX .gz files; example i is id_image(i), label i % C.
 
   Train examples are numbered from `start`, test ones after the train ones.
@@ -32,21 +32,18 @@ def write_idx(directory: str, num_train: int = 40, num_test: int = 13,
   for prefix, n in (('train', num_train), ('t10k', num_test)):
     ids = np.arange(first, first + n)
     first += n
-    images = np.stack([id_image(int(i)) for i in ids]) if n else np.zeros(
-        (0, 28, 28), np.uint8)
+    images = np.stack([id_image(int(i)) for i in ids]) if n else np.zeros((0, 28, 28), np.uint8)
     labels = (ids % num_classes).astype(np.uint8)
     header = np.array([2051, n, 28, 28], '>i4').tobytes()
-    with gzip.open(os.path.join(directory, f'{prefix}-images-idx3-ubyte.gz'),
-                   'wb') as f:
+    with gzip.open(os.path.join(directory, f'{prefix}-images-idx3-ubyte.gz'), 'wb') as f:
       f.write(header + images.tobytes())
-    with gzip.open(os.path.join(directory, f'{prefix}-labels-idx1-ubyte.gz'),
-                   'wb') as f:
+    with gzip.open(os.path.join(directory, f'{prefix}-labels-idx1-ubyte.gz'), 'wb') as f:
       f.write(np.array([2049, n], '>i4').tobytes() + labels.tobytes())
   return directory
 
 
-def write_folder(root: str, split: str, per_class: dict[str, list[int]],
-                 fmt: str = 'PNG', gray_every: int = 3, size: int = 28) -> dict:
+def write_folder(root: str, split: str, per_class: dict[str, list[int]], fmt: str = 'PNG',
+                 gray_every: int = 3, size: int = 28) -> dict:
   """<root>/<split>/<class>/<id>.<ext> images; returns {id: class name}.
 
   PNG images keep id_image(id) exactly (lossless); every `gray_every`-th image
@@ -73,8 +70,8 @@ def write_corrupt(path: str) -> None:
     f.write(b'\x89PNG\r\n\x1a\n' + b'not really a png' * 8)
 
 
-def write_jpegs(root: str, num: int, num_classes: int = 4,
-                height: int = 375, width: int = 500, seed: int = 0) -> None:
+def write_jpegs(root: str, num: int, num_classes: int = 4, height: int = 375, width: int = 500,
+                seed: int = 0) -> None:
   """ImageNet-sized random-ish JPEGs under <root>/train/<class>/ (benchmarks)."""
   rng = np.random.default_rng(seed)
   base = rng.integers(0, 256, (height // 8, width // 8, 3), dtype=np.uint8)
@@ -84,7 +81,6 @@ def write_jpegs(root: str, num: int, num_classes: int = 4,
     # Smooth content compresses like a photo; shift it so files differ.
     image = Image.fromarray(np.roll(base, i, axis=1)).resize((width, height))
     image.save(os.path.join(folder, f'{i:06d}.jpg'), 'JPEG', quality=90)
-
 
 
 def label_set(index: int) -> list[int]:
@@ -107,18 +103,21 @@ def mock_real(num_examples: int):
 
   def as_dataset(self, split, decoders=None, read_config=None, **kwargs):
     del self, split, decoders, read_config, kwargs
-    examples = [{'image': png(i), 'original_label': i % 7,
-                 'real_label': np.array(label_set(i), np.int64),
-                 'file_name': f'ILSVRC2012_val_{i:08d}.JPEG'} for i in range(num_examples)]
+    examples = [{
+        'image': png(i),
+        'original_label': i % 7,
+        'real_label': np.array(label_set(i), np.int64),
+        'file_name': f'ILSVRC2012_val_{i:08d}.JPEG'
+    } for i in range(num_examples)]
     return tf.data.Dataset.from_generator(
-        lambda: iter(examples),
-        output_signature={'image': tf.TensorSpec((), tf.string),
-                          'original_label': tf.TensorSpec((), tf.int64),
-                          'real_label': tf.TensorSpec((None,), tf.int64),
-                          'file_name': tf.TensorSpec((), tf.string)})
+        lambda: iter(examples), output_signature={
+            'image': tf.TensorSpec((), tf.string),
+            'original_label': tf.TensorSpec((), tf.int64),
+            'real_label': tf.TensorSpec((None,), tf.int64),
+            'file_name': tf.TensorSpec((), tf.string)
+        })
 
-  return _fresh_sources(tfds.testing.mock_data(num_examples=num_examples,
-                                               as_dataset_fn=as_dataset))
+  return _fresh_sources(tfds.testing.mock_data(num_examples=num_examples, as_dataset_fn=as_dataset))
 
 
 @contextlib.contextmanager

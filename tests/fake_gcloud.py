@@ -43,8 +43,7 @@ def _flag(argv, name):
 
 def _describe(table, name):
   if name not in table:
-    print(f'ERROR: (gcloud.compute.tpus) NOT_FOUND: Resource {name} was not found',
-          file=sys.stderr)
+    print(f'ERROR: (gcloud.compute.tpus) NOT_FOUND: Resource {name} was not found', file=sys.stderr)
     return 1
   states = table[name]['states']
   print(states[0])
@@ -61,8 +60,8 @@ def _exists(table, name, what):
 
 
 def run(state, argv):
-  if argv[:3] != ['compute', 'tpus', 'tpu-vm'] and argv[:3] != [
-      'compute', 'tpus', 'queued-resources']:
+  if argv[:3] != ['compute', 'tpus', 'tpu-vm'
+                 ] and argv[:3] != ['compute', 'tpus', 'queued-resources']:
     print(f'fake gcloud: unsupported {argv}', file=sys.stderr)
     return 2
   kind, verb, name = argv[2], argv[3], argv[4]

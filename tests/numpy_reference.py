@@ -134,8 +134,8 @@ def bit_forward(p, images, layers):
   pre = 'resnet/'
   gn = lambda y, name: group_norm(y, p[name + '/gamma'], p[name + '/beta'], eps=1e-5)
   conv = lambda y, name, stride, pad: conv2d(
-      y, standardize(p[name + '/standardized_conv2d/kernel'], 1e-10, True), stride,
-      ((pad, pad), (pad, pad)))
+      y, standardize(p[name + '/standardized_conv2d/kernel'], 1e-10, True), stride, ((pad, pad),
+                                                                                     (pad, pad)))
   x = conv(images.astype(np.float64), pre + 'root_block', 2, 3)
   x = max_pool(x, 3, 2, ((1, 1), (1, 1)), 0.0)  # zero padding, then VALID pool
   for i, units in enumerate(layers):
@@ -143,7 +143,8 @@ def bit_forward(p, images, layers):
       u = f'{pre}block{i + 1}/unit{j + 1:02d}/'
       stride = 2 if (i > 0 and j == 0) else 1
       out = relu(gn(x, u + 'a/group_norm'))
-      res = conv(out, u + 'a/proj', stride, 0) if (u + 'a/proj/standardized_conv2d/kernel') in p else x
+      res = conv(out, u
+                 + 'a/proj', stride, 0) if (u + 'a/proj/standardized_conv2d/kernel') in p else x
       y = conv(out, u + 'a', 1, 0)
       y = conv(relu(gn(y, u + 'b/group_norm')), u + 'b', stride, 1)
       y = conv(relu(gn(y, u + 'c/group_norm')), u + 'c', 1, 0)

@@ -8,8 +8,10 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ['--image_size', '32', '--override', 'num_layers=1', '--override', 'hidden_size=48',
-        '--override', 'mlp_dim=96', '--override', 'num_heads=2']
+TINY = [
+    '--image_size', '32', '--override', 'num_layers=1', '--override', 'hidden_size=48',
+    '--override', 'mlp_dim=96', '--override', 'num_heads=2'
+]
 
 
 def _run(script, *flags, tmp_path):
@@ -18,8 +20,9 @@ def _run(script, *flags, tmp_path):
   env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', 'VIT_JAX_XLA_CPU_FLAGS': '1'}
   env.pop('XLA_FLAGS', None)
   proc = subprocess.run(
-      [sys.executable, os.path.join(REPO, 'benchmarks', f'{script}.py'), *flags,
-       '--out', str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+      [sys.executable,
+       os.path.join(REPO, 'benchmarks', f'{script}.py'), *flags, '--out',
+       str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert '| ' in proc.stdout  # the markdown table
   payload = json.loads(out.read_text())
@@ -28,8 +31,8 @@ def _run(script, *flags, tmp_path):
 
 
 def test_train_step(tmp_path):
-  p = _run('train_step', '--models', 'ViT-Ti_16', '--batch', '2', '--dtypes', 'float32',
-           '--steps', '2', '--rounds', '1', *TINY, tmp_path=tmp_path)
+  p = _run('train_step', '--models', 'ViT-Ti_16', '--batch', '2', '--dtypes', 'float32', '--steps',
+           '2', '--rounds', '1', *TINY, tmp_path=tmp_path)
   r = p['results'][0]
   assert r['img_s_median'] > 0 and r['flops_per_step_analytic'] > 0
   assert r['flops_per_step_xla'] >= r['flops_per_step_analytic']
@@ -38,29 +41,28 @@ def test_train_step(tmp_path):
 
 def test_vs_pytorch(tmp_path):
   pytest.importorskip('torch')
-  p = _run('vs_pytorch', '--models', 'ViT-Ti_16', '--batch', '2', '--dtypes', 'float32',
-           '--steps', '2', '--rounds', '1', *TINY, tmp_path=tmp_path)
+  p = _run('vs_pytorch', '--models', 'ViT-Ti_16', '--batch', '2', '--dtypes', 'float32', '--steps',
+           '2', '--rounds', '1', *TINY, tmp_path=tmp_path)
   r = p['results'][0]
   assert r['jax_params'] == r['torch_params']
   assert len(r['ratio_per_round']) == 1
 
 
 def test_loop(tmp_path):
-  p = _run('loop', '--batch', '2', '--steps', '3', '--rounds', '1', '--images', '8',
-           '--jpeg_size', '40,48', '--log_every', '1', '--checkpoint_every', '0', *TINY,
-           tmp_path=tmp_path)
+  p = _run('loop', '--batch', '2', '--steps', '3', '--rounds', '1', '--images', '8', '--jpeg_size',
+           '40,48', '--log_every', '1', '--checkpoint_every', '0', *TINY, tmp_path=tmp_path)
   assert p['loop_img_s_per_round'][0] > 0 and p['bare_img_s_per_round'][0] > 0
 
 
 def test_input_speed(tmp_path):
-  p = _run('input_speed', '--images', '16', '--jpeg_size', '40,48', '--batch', '4',
-           '--batches', '2', '--rounds', '1', '--image_size', '32', tmp_path=tmp_path)
+  p = _run('input_speed', '--images', '16', '--jpeg_size', '40,48', '--batch', '4', '--batches',
+           '2', '--rounds', '1', '--image_size', '32', tmp_path=tmp_path)
   assert p['train_img_s_median'] > 0 and p['eval_img_s_median'] > 0
 
 
 def test_ynnpack(tmp_path):
-  p = _run('ynnpack', '--models', 'ViT-Ti_16', '--batch', '2', '--steps', '1',
-           '--rounds', '1', '--probe_rounds', '0', *TINY, tmp_path=tmp_path)
+  p = _run('ynnpack', '--models', 'ViT-Ti_16', '--batch', '2', '--steps', '1', '--rounds', '1',
+           '--probe_rounds', '0', *TINY, tmp_path=tmp_path)
   r = p['results'][0]
   assert 'ynn_fusion_type' in r['xla_flags']['ynnpack off']
   assert 'ynn_fusion_type' not in r['xla_flags']['xla defaults']
@@ -72,14 +74,16 @@ def test_block_breakdown(tmp_path):
   p = _run('block_breakdown', '--batch', '2', '--tokens', '5', '--hidden', '16', '--mlp', '32',
            '--heads', '2', '--dtypes', 'float32', '--rounds', '1', '--reps', '1', '--step_hlo', '',
            tmp_path=tmp_path)
-  assert {r['variant'] for r in p['results']} == {
-      'vit_jax', 'attn_bhqd', 'fused_qkv', 'attn_only', 'attn_dpa', 'mlp_only'}
+  assert {r['variant'] for r in p['results']
+         } == {'vit_jax', 'attn_bhqd', 'fused_qkv', 'attn_only', 'attn_dpa', 'mlp_only'}
   assert p['attn_dpa_max_abs_diff_vs_attn_only_f32'] < 1e-4
   assert all(r['fwd_bwd_s_per_round'][0] > 0 for r in p['results'])
 
 
 def test_no_script_reuses_a_package_module_name():
   package = {os.path.splitext(f)[0] for f in os.listdir(os.path.join(REPO, 'vit_jax'))}
-  scripts = {os.path.splitext(f)[0] for f in os.listdir(os.path.join(REPO, 'benchmarks'))
-             if f.endswith('.py')}
+  scripts = {
+      os.path.splitext(f)[0] for f in os.listdir(os.path.join(REPO, 'benchmarks'))
+      if f.endswith('.py')
+  }
   assert not scripts & package

@@ -25,11 +25,13 @@ def _random_like(shape, rng, name):
 
 def _write_vit_file(path, model, image_size, seed=0, hybrid=False):
   """A ViT/hybrid .npz in the published layout; returns its flat dict (float64)."""
-  shapes = jax.eval_shape(lambda: model.init(
-      jax.random.PRNGKey(0), jnp.zeros((1, image_size, image_size, 3)), train=False))['params']
+  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(
+      0), jnp.zeros((1, image_size, image_size, 3)), train=False))['params']
   rng = np.random.default_rng(seed)
-  flat = {k: _random_like(v.shape, rng, k)
-          for k, v in flax.traverse_util.flatten_dict(shapes, sep='/').items()}
+  flat = {
+      k: _random_like(v.shape, rng, k)
+      for k, v in flax.traverse_util.flatten_dict(shapes, sep='/').items()
+  }
   if hybrid:  # the published hybrid files store GroupNorm parameters as (1, 1, 1, C)
     flat = {k: (v.reshape(1, 1, 1, -1) if '/gn' in f'/{k}' else v) for k, v in flat.items()}
   np.savez(path, **flat)
@@ -47,19 +49,25 @@ def _write_bit_file(path, layers, width, num_classes, seed=0):
     for j in range(units):
       u = f'resnet/block{i + 1}/unit{j + 1:02d}/'
       flat.update({
-          u + 'a/group_norm/gamma': (cin,), u + 'a/group_norm/beta': (cin,),
+          u + 'a/group_norm/gamma': (cin,),
+          u + 'a/group_norm/beta': (cin,),
           u + 'a/standardized_conv2d/kernel': (1, 1, cin, mid),
-          u + 'b/group_norm/gamma': (mid,), u + 'b/group_norm/beta': (mid,),
+          u + 'b/group_norm/gamma': (mid,),
+          u + 'b/group_norm/beta': (mid,),
           u + 'b/standardized_conv2d/kernel': (3, 3, mid, mid),
-          u + 'c/group_norm/gamma': (mid,), u + 'c/group_norm/beta': (mid,),
+          u + 'c/group_norm/gamma': (mid,),
+          u + 'c/group_norm/beta': (mid,),
           u + 'c/standardized_conv2d/kernel': (1, 1, mid, 4 * mid),
       })
       if j == 0:
         flat[u + 'a/proj/standardized_conv2d/kernel'] = (1, 1, cin, 4 * mid)
       cin = 4 * mid
-  flat.update({'resnet/group_norm/gamma': (cin,), 'resnet/group_norm/beta': (cin,),
-               'resnet/head/conv2d/kernel': (1, 1, cin, num_classes),
-               'resnet/head/conv2d/bias': (num_classes,)})
+  flat.update({
+      'resnet/group_norm/gamma': (cin,),
+      'resnet/group_norm/beta': (cin,),
+      'resnet/head/conv2d/kernel': (1, 1, cin, num_classes),
+      'resnet/head/conv2d/bias': (num_classes,)
+  })
   flat = {k: _random_like(s, rng, k) for k, s in flat.items()}
   np.savez(path, **flat)
   return flat
@@ -153,8 +161,7 @@ def test_load_pretrained_replaces_head_and_drops_prelogits(tmp_path, caplog):
   flat = _write_vit_file(tmp_path / 'up.npz', upstream, 32)
   model = models.get_model('ViT-Ti_16', num_classes=7, **TINY)
   with caplog.at_level(logging.INFO):
-    params = checkpoint.load_pretrained(str(tmp_path / 'up.npz'), model, 7, 32,
-                                        head_bias_init=-3.0)
+    params = checkpoint.load_pretrained(str(tmp_path / 'up.npz'), model, 7, 32, head_bias_init=-3.0)
   assert 'pre_logits' not in params
   assert params['head']['kernel'].shape == (32, 7) and not np.any(params['head']['kernel'])
   np.testing.assert_array_equal(params['head']['bias'], -3.0)
@@ -194,8 +201,9 @@ def test_shape_mismatch_names_key_shapes_and_cause(tmp_path):
   upstream = models.get_model('ViT-Ti_16', num_classes=10, **TINY)
   _write_vit_file(tmp_path / 'up.npz', upstream, 32)
   other = models.get_model('ViT-Ti_32', num_classes=10, **TINY)
-  with pytest.raises(ValueError, match=r'embedding/kernel: checkpoint \(16, 16, 3, 32\) vs '
-                                       r'model \(32, 32, 3, 32\): patch size'):
+  with pytest.raises(
+      ValueError, match=r'embedding/kernel: checkpoint \(16, 16, 3, 32\) vs '
+      r'model \(32, 32, 3, 32\): patch size'):
     checkpoint.load_pretrained(str(tmp_path / 'up.npz'), other, 10, 64)
 
 

@@ -128,24 +128,26 @@ def test_setup_text():
   assert 'no peak FLOP/s known for unknown:NVIDIA GeForce RTX 4090' in text
 
 
-@pytest.mark.parametrize('kind,dtype,tflops', [
-    ('TPU v2', 'bfloat16', 22.5),  # per TensorCore: two JAX devices per chip
-    ('TPU v3', 'bfloat16', 61.5),
-    ('TPU v3', 'float32', 61.5),  # one bf16 MXU pass, JAX's default precision
-    ('TPU v4', 'bfloat16', 275),
-    ('TPU v5 lite', 'bfloat16', 197),
-    ('TPU v5', 'bfloat16', 459),
-    ('TPU v5p', 'float32', 459),
-    ('TPU v6 lite', 'bfloat16', 918),
-    ('NVIDIA A100-SXM4-40GB', 'bfloat16', 312),
-    ('NVIDIA A100 80GB PCIe', 'float32', 156),  # TF32
-    ('NVIDIA H100 80GB HBM3', 'bfloat16', 989.5),
-    ('NVIDIA H100 80GB HBM3', 'float32', 494.5),
-    ('NVIDIA H100 PCIe', 'bfloat16', 756.5),
-    ('NVIDIA H100 NVL', 'bfloat16', 835.5),
-    ('NVIDIA H200', 'bfloat16', 989.5),
-    ('NVIDIA H200 NVL', 'float32', 417.5),
-])
+@pytest.mark.parametrize(
+    'kind,dtype,tflops',
+    [
+        ('TPU v2', 'bfloat16', 22.5),  # per TensorCore: two JAX devices per chip
+        ('TPU v3', 'bfloat16', 61.5),
+        ('TPU v3', 'float32', 61.5),  # one bf16 MXU pass, JAX's default precision
+        ('TPU v4', 'bfloat16', 275),
+        ('TPU v5 lite', 'bfloat16', 197),
+        ('TPU v5', 'bfloat16', 459),
+        ('TPU v5p', 'float32', 459),
+        ('TPU v6 lite', 'bfloat16', 918),
+        ('NVIDIA A100-SXM4-40GB', 'bfloat16', 312),
+        ('NVIDIA A100 80GB PCIe', 'float32', 156),  # TF32
+        ('NVIDIA H100 80GB HBM3', 'bfloat16', 989.5),
+        ('NVIDIA H100 80GB HBM3', 'float32', 494.5),
+        ('NVIDIA H100 PCIe', 'bfloat16', 756.5),
+        ('NVIDIA H100 NVL', 'bfloat16', 835.5),
+        ('NVIDIA H200', 'bfloat16', 989.5),
+        ('NVIDIA H200 NVL', 'float32', 417.5),
+    ])
 def test_peak_table(kind, dtype, tflops):
   assert device_peaks.peak_flops(kind, dtype) == pytest.approx(tflops * 1e12)
 

@@ -42,8 +42,10 @@ TABLE3 = [
     ('ViT-B_32', 'imagenet21k', (90,), 1e-3, 'linear', 0.03, 0.1),
     ('ViT-L_16', 'imagenet21k', (90, 30), 1e-3, 'linear', 0.03, 0.1),
     ('ViT-L_32', 'imagenet21k', (90, 30), 1e-3, 'linear', 0.03, 0.1),
-] + [(m, 'imagenet2012', (300,), 3e-3, 'cosine', 0.3, 0.1)  # "ViT-*".
-     for m in ('ViT-B_16', 'ViT-B_32', 'ViT-L_16', 'ViT-L_32', 'ViT-H_14', 'ViT-S_16', 'ViT-Ti_16')]
+] + [
+    (m, 'imagenet2012', (300,), 3e-3, 'cosine', 0.3, 0.1)  # "ViT-*".
+    for m in ('ViT-B_16', 'ViT-B_32', 'ViT-L_16', 'ViT-L_32', 'ViT-H_14', 'ViT-S_16', 'ViT-Ti_16')
+]
 
 # (TFDS name, training images) per pre-training dataset.
 PRETRAIN_DATA = {
@@ -78,11 +80,11 @@ def test_pretrain_row(model, dataset, epochs, base_lr, decay, wd, dropout):
     else:  # BiT ResNets: no dropout or pre-logits layers.
       assert 'dropout_rate' not in c.model and 'representation_size' not in c.model
     if dataset == 'imagenet2012':
-      assert (c.loss, c.head_bias_init, c.end_lr, c.grad_clip_norm) == (
-          'softmax_xent', 0.0, 0.0, 1.0)
+      assert (c.loss, c.head_bias_init, c.end_lr, c.grad_clip_norm) == ('softmax_xent', 0.0, 0.0,
+                                                                        1.0)
     else:  # The published ImageNet-21k recipe; clipping is ImageNet-only in B.1.
-      assert (c.loss, c.head_bias_init, c.end_lr, c.grad_clip_norm) == (
-          'sigmoid_xent', -10.0, 1e-5, 0.0)
+      assert (c.loss, c.head_bias_init, c.end_lr, c.grad_clip_norm) == ('sigmoid_xent', -10.0, 1e-5,
+                                                                        0.0)
     optim.validate(c)
 
 
@@ -96,7 +98,8 @@ def test_pretrain_total_steps_example():
 @pytest.mark.parametrize('arg', [
     None, '', 'ViT-B_16', 'ViT-B_16,foo', 'R200x3,jft300m', 'ViT-H_14,imagenet21k',
     'R50x1,imagenet2012', 'ViT-B_16,jft300m,14', 'ViT-L_16,jft300m,ten', 'a,b,c,d',
-    'ViT-*,imagenet2012', 'ViT-B_10,imagenet2012', 'ViT-X_16,imagenet2012'])
+    'ViT-*,imagenet2012', 'ViT-B_10,imagenet2012', 'ViT-X_16,imagenet2012'
+])
 def test_pretrain_bad_row(arg):
   with pytest.raises(ValueError) as e:
     PRETRAIN.get_config(arg)
@@ -133,15 +136,24 @@ TABLE4_SPLITS = {
 }
 # The 19 VTAB-1k tasks: (TFDS name, classes).
 VTAB = {
-    'caltech101': ('caltech101', 102), 'cifar100': ('cifar100', 100), 'dtd': ('dtd', 47),
-    'oxford_flowers102': ('oxford_flowers102', 102), 'oxford_iiit_pet': ('oxford_iiit_pet', 37),
-    'sun397': ('sun397', 397), 'svhn': ('svhn_cropped', 10),
-    'patch_camelyon': ('patch_camelyon', 2), 'eurosat': ('eurosat/rgb', 10),
+    'caltech101': ('caltech101', 102),
+    'cifar100': ('cifar100', 100),
+    'dtd': ('dtd', 47),
+    'oxford_flowers102': ('oxford_flowers102', 102),
+    'oxford_iiit_pet': ('oxford_iiit_pet', 37),
+    'sun397': ('sun397', 397),
+    'svhn': ('svhn_cropped', 10),
+    'patch_camelyon': ('patch_camelyon', 2),
+    'eurosat': ('eurosat/rgb', 10),
     'resisc45': ('resisc45', 45),
     'diabetic_retinopathy': ('diabetic_retinopathy_detection/btgraham-300', 5),
-    'clevr_count': ('clevr', 8), 'clevr_distance': ('clevr', 6), 'dmlab': ('dmlab', 6),
-    'dsprites_location': ('dsprites', 16), 'dsprites_orientation': ('dsprites', 16),
-    'kitti_distance': ('kitti', 4), 'smallnorb_azimuth': ('smallnorb', 18),
+    'clevr_count': ('clevr', 8),
+    'clevr_distance': ('clevr', 6),
+    'dmlab': ('dmlab', 6),
+    'dsprites_location': ('dsprites', 16),
+    'dsprites_orientation': ('dsprites', 16),
+    'kitti_distance': ('kitti', 4),
+    'smallnorb_azimuth': ('smallnorb', 18),
     'smallnorb_elevation': ('smallnorb', 9),
 }
 
@@ -202,8 +214,9 @@ def test_finetune_no_flip_where_it_changes_the_label():
     assert not FINETUNE.get_config(f'ViT-B_16,vtab/{task}').pp.flip
 
 
-@pytest.mark.parametrize('arg', [None, 'ViT-B_16', 'ViT-B_16,foo', 'ViT-B_16,vtab/foo',
-                                 'ViT-B_16,cifar10,test', ',cifar10'])
+@pytest.mark.parametrize(
+    'arg',
+    [None, 'ViT-B_16', 'ViT-B_16,foo', 'ViT-B_16,vtab/foo', 'ViT-B_16,cifar10,test', ',cifar10'])
 def test_finetune_bad_row(arg):
   with pytest.raises(ValueError) as e:
     FINETUNE.get_config(arg)
@@ -232,32 +245,44 @@ def _parse(argv):
 
 def test_command_line_overrides():
   c = _parse([
-      'prog', f'--config={configs.resolve("pretrain:ViT-L_16,imagenet21k,30")}',
-      '--config.base_lr=0.002', '--config.weight_decay=0',  # int literal into a float field.
-      '--config.num_epochs=10', '--config.model.dropout_rate=0', '--config.grad_clip_norm=1',
-      '--config.lr_decay=cosine', '--config.end_lr=0',
+      'prog',
+      f'--config={configs.resolve("pretrain:ViT-L_16,imagenet21k,30")}',
+      '--config.base_lr=0.002',
+      '--config.weight_decay=0',  # int literal into a float field.
+      '--config.num_epochs=10',
+      '--config.model.dropout_rate=0',
+      '--config.grad_clip_norm=1',
+      '--config.lr_decay=cosine',
+      '--config.end_lr=0',
   ])
   assert c.num_epochs == 10.0 and isinstance(c.num_epochs, float)
   assert (c.base_lr, c.weight_decay, c.model.dropout_rate) == (0.002, 0.0, 0.0)
   assert (c.grad_clip_norm, c.lr_decay) == (1.0, 'cosine')
   optim.validate(c)
 
-  c = _parse(['prog', f'--config={configs.resolve("finetune:ViT-B_16,cifar10")}',
-              '--config.base_lr=0.03', '--config.lr_grid=(0.01,0.03)',
-              '--config.total_steps=500'])
+  c = _parse([
+      'prog', f'--config={configs.resolve("finetune:ViT-B_16,cifar10")}', '--config.base_lr=0.03',
+      '--config.lr_grid=(0.01,0.03)', '--config.total_steps=500'
+  ])
   assert c.base_lr == 0.03 and tuple(c.lr_grid) == (0.01, 0.03) and c.total_steps == 500
 
 
 # --- Choices settled against the paper and the official repository (finetune.py docstring).
 
 
-@pytest.mark.parametrize('model,dataset,size', [
-    ('ViT-B_16', 'cifar10', 384), ('ViT-B_32', 'imagenet2012', 384),
-    ('ViT-L_16', 'imagenet2012', 384), ('R50+ViT-B_16', 'oxford_iiit_pet', 384),
-    ('R50x1', 'cifar100', 384), ('ViT-B_8', 'cifar10', 384),
-    ('ViT-H_14', 'cifar10', 378), ('ViT-H_14', 'vtab/dmlab', 378),  # 27 x 14, grid 27 x 27.
-    ('ViT-H_14', 'imagenet2012', 518),  # B.1.1 / Table 2: 37 x 14.
-])
+@pytest.mark.parametrize(
+    'model,dataset,size',
+    [
+        ('ViT-B_16', 'cifar10', 384),
+        ('ViT-B_32', 'imagenet2012', 384),
+        ('ViT-L_16', 'imagenet2012', 384),
+        ('R50+ViT-B_16', 'oxford_iiit_pet', 384),
+        ('R50x1', 'cifar100', 384),
+        ('ViT-B_8', 'cifar10', 384),
+        ('ViT-H_14', 'cifar10', 378),
+        ('ViT-H_14', 'vtab/dmlab', 378),  # 27 x 14, grid 27 x 27.
+        ('ViT-H_14', 'imagenet2012', 518),  # B.1.1 / Table 2: 37 x 14.
+    ])
 def test_finetune_resolution(model, dataset, size):
   assert FINETUNE.get_config(f'{model},{dataset}').image_size == size
   assert FINETUNE.get_config(f'{model},{dataset},dev').image_size == size
@@ -273,10 +298,10 @@ def test_finetune_resolution_fits_every_variant():
       assert size % stride == 0 and 384 - stride < size <= 518, (name, dataset, size)
 
 
-@pytest.mark.parametrize('model,dropout', [
-    ('ViT-Ti_16', 0.0), ('ViT-S_16', 0.0), ('ViT-B_16', 0.0), ('ViT-B_32', 0.0),
-    ('ViT-L_32', 0.0), ('ViT-L_16', 0.1), ('ViT-H_14', 0.1), ('R50+ViT-B_16', 0.1),
-    ('R50+ViT-L_32', 0.1)])
+@pytest.mark.parametrize('model,dropout', [('ViT-Ti_16', 0.0), ('ViT-S_16', 0.0), ('ViT-B_16', 0.0),
+                                           ('ViT-B_32', 0.0), ('ViT-L_32', 0.0), ('ViT-L_16', 0.1),
+                                           ('ViT-H_14', 0.1), ('R50+ViT-B_16', 0.1),
+                                           ('R50+ViT-L_32', 0.1)])
 def test_finetune_dropout_is_the_official_model_configs(model, dropout):
   c = FINETUNE.get_config(f'{model},cifar10')
   assert (c.model.dropout_rate, c.model.attention_dropout_rate) == (dropout, 0.0)
@@ -300,6 +325,8 @@ def test_finetune_bit_paths():
 
 PRETRAIN_CLASSES = {'jft300m': 18_291, 'imagenet21k': 21_843, 'imagenet2012': 1000}
 PRETRAIN_RESOLUTION = 224
+
+
 @functools.lru_cache(maxsize=None)
 def _trunk_shapes(model_name, image_size, overrides, head_bias_init, num_classes):
   """Parameter shapes of a model traced once per (model, resolution, overrides)."""
@@ -308,8 +335,7 @@ def _trunk_shapes(model_name, image_size, overrides, head_bias_init, num_classes
   config.model.update(dict(overrides))
   model = train.build_model(config, num_classes)
   images = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
-  variables = jax.eval_shape(
-      lambda x: model.init(jax.random.PRNGKey(0), x, train=False), images)
+  variables = jax.eval_shape(lambda x: model.init(jax.random.PRNGKey(0), x, train=False), images)
   return variables['params']
 
 
@@ -321,17 +347,18 @@ def _param_shapes(c, num_classes):
   module, so one trace (model.init under jax.eval_shape at the row's resolution) serves
   every row of the same model, resolution and overrides; rows with another class count
   differ only in the head, whose (D, K) kernel and (K,) bias are set here."""
-  key = (c.model_name, c.image_size, tuple(sorted(c.model.to_dict().items())),
-         c.head_bias_init)
+  key = (c.model_name, c.image_size, tuple(sorted(c.model.to_dict().items())), c.head_bias_init)
   traced_classes = _TRUNKS.setdefault(key, num_classes)
   params = _trunk_shapes(*key, traced_classes)
   head = params['head']
   assert head['kernel'].shape[-1] == head['bias'].shape[-1] == traced_classes
   assert train.build_model(c, num_classes).num_classes == num_classes
   if traced_classes != num_classes:
-    params = dict(params, head={
-        'kernel': jax.ShapeDtypeStruct(head['kernel'].shape[:-1] + (num_classes,), jnp.float32),
-        'bias': jax.ShapeDtypeStruct((num_classes,), jnp.float32)})
+    params = dict(
+        params, head={
+            'kernel': jax.ShapeDtypeStruct(head['kernel'].shape[:-1] + (num_classes,), jnp.float32),
+            'bias': jax.ShapeDtypeStruct((num_classes,), jnp.float32)
+        })
   return params, key + (num_classes,)
 
 
@@ -379,11 +406,12 @@ def _check_posemb(c, params):
   assert _interpolated_shape(g0 * g0 + has_cls, target[1], target[2], has_cls) == target
 
 
-@pytest.mark.parametrize('model,dataset', PRETRAIN.rows() + [
-    ('ViT-S_16', 'imagenet2012'), ('ViT-Ti_16', 'imagenet2012')])
+@pytest.mark.parametrize(
+    'model,dataset',
+    PRETRAIN.rows() + [('ViT-S_16', 'imagenet2012'), ('ViT-Ti_16', 'imagenet2012')])
 def test_pretrain_row_starts(model, dataset):
-  epochs = next(row.epochs for row in PRETRAIN.TABLE3 if row.dataset == dataset and (
-      model in row.models or row.models == ('ViT-*',)))
+  epochs = next(row.epochs for row in PRETRAIN.TABLE3
+                if row.dataset == dataset and (model in row.models or row.models == ('ViT-*',)))
   for arg in [f'{model},{dataset}'] + [f'{model},{dataset},{e}' for e in epochs]:
     c = PRETRAIN.get_config(arg)
     assert c.image_size == PRETRAIN_RESOLUTION

@@ -25,8 +25,7 @@ def _lstsq_reference(x, labels, num_classes, l2_reg):
   """min ||Xw + b - Y||^2 + l2 ||w||^2 as one least-squares system (bias free)."""
   n, d = x.shape
   y = 2.0 * np.eye(num_classes)[labels] - 1.0
-  a = np.block([[x, np.ones((n, 1))],
-                [np.sqrt(l2_reg) * np.eye(d), np.zeros((d, 1))]])
+  a = np.block([[x, np.ones((n, 1))], [np.sqrt(l2_reg) * np.eye(d), np.zeros((d, 1))]])
   rhs = np.concatenate([y, np.zeros((d, num_classes))])
   sol = np.linalg.lstsq(a, rhs, rcond=None)[0]
   return sol[:d], sol[d]
@@ -72,12 +71,10 @@ def test_separable_features_give_accuracy_one():
   train_y, test_y = np.repeat(np.arange(5), 10), np.repeat(np.arange(5), 20)
   train_x = centres[train_y] + 0.1 * rng.normal(size=(50, 16))
   test_x = centres[test_y] + 0.1 * rng.normal(size=(100, 16))
-  out = evaluate.fewshot_accuracy(train_x, train_y, test_x, test_y, 5, shots=(1, 5),
-                                  seeds=(0, 1))
+  out = evaluate.fewshot_accuracy(train_x, train_y, test_x, test_y, 5, shots=(1, 5), seeds=(0, 1))
   assert set(out) == {1, 5}
   for r in out.values():
     assert r['mean'] == 1.0 and r['per_seed'] == [1.0, 1.0] and r['std'] == 0.0
-
 
 
 def test_standardised_fit_matches_numpy_and_ignores_feature_scales():
@@ -88,8 +85,8 @@ def test_standardised_fit_matches_numpy_and_ignores_feature_scales():
   train_x = (centres[train_y] + 0.8 * rng.normal(size=(24, 6))) * scales
   test_x = (centres[test_y] + 0.8 * rng.normal(size=(30, 6))) * scales
   draw = lambda k, seed: evaluate.sample_k_shot(train_y, k, seed)
-  got = evaluate.fewshot_accuracy(train_x, train_y, test_x, test_y, 3, shots=(2, 8),
-                                  seeds=(0, 1), l2_reg=4.0, standardise=True)
+  got = evaluate.fewshot_accuracy(train_x, train_y, test_x, test_y, 3, shots=(2, 8), seeds=(0, 1),
+                                  l2_reg=4.0, standardise=True)
   for k in (2, 8):
     for seed, acc in zip((0, 1), got[k]['per_seed']):
       idx = draw(k, seed)
@@ -102,9 +99,10 @@ def test_standardised_fit_matches_numpy_and_ignores_feature_scales():
   again = evaluate.fewshot_accuracy(train_x * rescale, train_y, test_x * rescale, test_y, 3,
                                     shots=(2, 8), seeds=(0, 1), l2_reg=4.0, standardise=True)
   assert again == got
-  plain, unit = [evaluate.fewshot_accuracy(train_x * r, train_y, test_x * r, test_y, 3,
-                                           shots=(8,), seeds=(0,), l2_reg=4.0)[8]['mean']
-                 for r in (1.0, 1.0 / scales)]
+  plain, unit = [
+      evaluate.fewshot_accuracy(train_x * r, train_y, test_x * r, test_y, 3, shots=(8,), seeds=(0,),
+                                l2_reg=4.0)[8]['mean'] for r in (1.0, 1.0 / scales)
+  ]
   assert plain < unit - 0.2 and got[8]['mean'] > plain + 0.2, (plain, unit, got[8]['mean'])
   # A feature constant over the k-shot set is only centred (no division by zero).
   x = np.concatenate([train_x, np.ones((24, 1))], 1)
@@ -129,7 +127,6 @@ def test_fewshot_config_errors_name_the_fix():
     evaluate.validate_fewshot(c)
 
 
-
 def test_other_datasets_are_read_with_their_own_label_feature():
   """A multi-label run (label_key 'labels') evaluated few-shot on a single-label dataset."""
   run = evaluate_cli.cli_config(dataset='imagenet21k', label_key='labels')
@@ -147,15 +144,14 @@ def tiny(tmp_path_factory):
   params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 3)))['params']
   path = str(tmp / 'tiny.npz')
   checkpoint.save_npz(path, params)
-  config = evaluate_cli.cli_config(
-      dataset='fashion_mnist_local', data_dir=idx_dir, image_size=28, eval_batch_size=16,
-      fewshot_shots=(1, 5), fewshot_seeds=(0, 1))
+  config = evaluate_cli.cli_config(dataset='fashion_mnist_local', data_dir=idx_dir, image_size=28,
+                                   eval_batch_size=16, fewshot_shots=(1, 5), fewshot_seeds=(0, 1))
   return dict(idx_dir=idx_dir, model=model, params=params, path=path, config=config)
 
 
 def test_extract_features_matches_direct_apply(tiny):
-  feats, labels = evaluate.extract_features(tiny['model'], tiny['params'], tiny['config'],
-                                            'test', batch_size=16)
+  feats, labels = evaluate.extract_features(tiny['model'], tiny['params'], tiny['config'], 'test',
+                                            batch_size=16)
   assert feats.shape == (20, 32) and labels.shape == (20,)
   np.testing.assert_array_equal(labels, np.arange(60, 80) % 10)
   images = np.stack([data_fixtures.id_image(i) for i in range(60, 80)])
@@ -174,14 +170,16 @@ def test_evaluator_matches_pure_functions(tiny, standardise):
   cached = sum(int(b['mask'].sum()) for b in fewshot.tasks['fashion_mnist_local']._train_batches)
   assert 10 * 5 <= cached <= 10 * 5 * 2
   metrics = fewshot(tiny['params'])
-  assert set(metrics) == {'fewshot/fashion_mnist_local/1shot', 'fewshot/fashion_mnist_local/5shot',
-                          'fewshot/mean/1shot', 'fewshot/mean/5shot'}
+  assert set(metrics) == {
+      'fewshot/fashion_mnist_local/1shot', 'fewshot/fashion_mnist_local/5shot',
+      'fewshot/mean/1shot', 'fewshot/mean/5shot'
+  }
   tx, ty = evaluate.extract_features(tiny['model'], tiny['params'], config, 'train', 16)
   ex, ey = evaluate.extract_features(tiny['model'], tiny['params'], config, 'test', 16)
   ref = evaluate.fewshot_accuracy(tx, ty, ex, ey, 10, (1, 5), (0, 1), standardise=standardise)
   for k in (1, 5):
-    assert metrics[f'fewshot/fashion_mnist_local/{k}shot'] == pytest.approx(ref[k]['mean'],
-                                                                           abs=1e-6)
+    assert metrics[f'fewshot/fashion_mnist_local/{k}shot'] == pytest.approx(
+        ref[k]['mean'], abs=1e-6)
     assert metrics[f'fewshot/mean/{k}shot'] == metrics[f'fewshot/fashion_mnist_local/{k}shot']
   assert fewshot(tiny['params']) == metrics  # cached data, same answer
 
@@ -190,18 +188,20 @@ def test_library_and_inspect_load_no_evaluation_cli():
   """evaluate.py (the library) loads no CLI; vit-inspect loads neither it nor TensorFlow."""
   code = ('import sys; import vit_jax.{}; '
           'print(sorted(m for m in ("vit_jax.evaluate_cli", "tensorflow") if m in sys.modules))')
-  loaded = [subprocess.run([sys.executable, '-c', code.format(module)], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120).stdout.strip()
-            for module in ('evaluate', 'inspection')]
+  loaded = [
+      subprocess.run([sys.executable, '-c', code.format(module)], cwd=ROOT, capture_output=True,
+                     text=True, timeout=120).stdout.strip() for module in ('evaluate', 'inspection')
+  ]
   assert loaded == ["['tensorflow']", '[]']
 
 
 def test_cli_end_to_end(tiny):
-  cmd = [sys.executable, '-m', 'vit_jax.evaluate_cli', '--checkpoint', tiny['path'],
-         '--model', 'ViT-Ti_16', '--model_overrides',
-         ','.join(f'{k}={v}' for k, v in TINY.items()), '--dataset', 'fashion_mnist_local',
-         '--data_dir', tiny['idx_dir'], '--image_size', '28', '--mode', 'all',
-         '--shots', '1,5', '--seeds', '0,1', '--batch_size', '8']
+  cmd = [
+      sys.executable, '-m', 'vit_jax.evaluate_cli', '--checkpoint', tiny['path'], '--model',
+      'ViT-Ti_16', '--model_overrides', ','.join(f'{k}={v}' for k, v in TINY.items()), '--dataset',
+      'fashion_mnist_local', '--data_dir', tiny['idx_dir'], '--image_size', '28', '--mode', 'all',
+      '--shots', '1,5', '--seeds', '0,1', '--batch_size', '8'
+  ]
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2')
   out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
@@ -209,7 +209,7 @@ def test_cli_end_to_end(tiny):
   assert lines[0].split() == ['mode', 'metric', 'value']
   assert lines[1].startswith('top1') and '(20 images)' in lines[1]
   assert [l.split()[1:3] for l in lines[2:]] == [['fashion_mnist_local', '1-shot'],
-                                                  ['fashion_mnist_local', '5-shot']]
+                                                 ['fashion_mnist_local', '5-shot']]
   # Errors are one line naming the fix (in-process: the same code path as the CLI).
   args = dict(checkpoint=tiny['path'], model='ViT-Ti_16', model_overrides='num_layers=2,'
               'hidden_size=32,mlp_dim=64,num_heads=2,patch_size=7', dataset='fashion_mnist_local',
@@ -263,8 +263,10 @@ def test_cli_real_on_mocked_imagenet2012_real(tmp_path):
   path = str(tmp_path / 'real.npz')
   checkpoint.save_npz(path, params)
   overrides = ','.join(f'{k}={v}' for k, v in TINY.items())
-  args = ['vit-evaluate', '--checkpoint', path, '--model', 'ViT-Ti_16', '--model_overrides',
-          overrides, '--dataset', 'imagenet2012_real', '--image_size', '28', '--batch_size', '8']
+  args = [
+      'vit-evaluate', '--checkpoint', path, '--model', 'ViT-Ti_16', '--model_overrides', overrides,
+      '--dataset', 'imagenet2012_real', '--image_size', '28', '--batch_size', '8'
+  ]
   child = ('import sys; from tests import data_fixtures; from vit_jax import evaluate_cli\n'
            f'sys.argv = {args!r} + sys.argv[1:]\n'
            'with data_fixtures.mock_real(37):\n  evaluate_cli.run_cli()')
@@ -278,8 +280,10 @@ def test_cli_real_on_mocked_imagenet2012_real(tmp_path):
   used = [i for i in range(37) if data_fixtures.label_set(i)]
   want = np.mean([top1[i] in data_fixtures.label_set(i) for i in used])
   lines = out.stdout.strip().splitlines()
-  assert lines[1].split() == ['top1', 'validation', 'ReaL', f'{want:.4f}', f'({len(used)}',
-                              'images', 'with', 'a', 'ReaL', 'label)'], lines
+  assert lines[1].split() == [
+      'top1', 'validation', 'ReaL', f'{want:.4f}', f'({len(used)}', 'images', 'with', 'a', 'ReaL',
+      'label)'
+  ], lines
   assert len(used) == 35 and 0.2 < want < 0.8  # examples 0 and 32 have empty sets
   few = subprocess.run([sys.executable, '-c', child, '--mode', 'fewshot'], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
@@ -295,13 +299,15 @@ def test_fewshot_over_two_datasets_reports_each_and_the_mean(tiny, tmp_path):
   functions on each dataset's features, and the mean is theirs; the CLI prints both, run
   from a shell in tmp_path with relative paths."""
   folder = tmp_path / 'shapes'
-  data_fixtures.write_folder(str(folder), 'train', {c: list(range(100 + 10 * i, 106 + 10 * i))
-                                                    for i, c in enumerate('abc')})
-  data_fixtures.write_folder(str(folder), 'test', {c: list(range(200 + 10 * i, 204 + 10 * i))
-                                                   for i, c in enumerate('abc')})
+  data_fixtures.write_folder(str(folder), 'train', {
+      c: list(range(100 + 10 * i, 106 + 10 * i)) for i, c in enumerate('abc')
+  })
+  data_fixtures.write_folder(str(folder), 'test', {
+      c: list(range(200 + 10 * i, 204 + 10 * i)) for i, c in enumerate('abc')
+  })
   config = tiny['config'].copy_and_resolve_references()
-  config.fewshot_datasets = (('fashion_mnist_local', 'train', 'test'),
-                             (f'folder:{folder}', 'train', 'test'))
+  config.fewshot_datasets = (('fashion_mnist_local', 'train', 'test'), (f'folder:{folder}', 'train',
+                                                                        'test'))
   metrics = evaluate.FewShotEvaluator(config, tiny['model'])(tiny['params'])
   model, params = tiny['model'], tiny['params']
   for label, dataset, classes in (('fashion_mnist_local', 'fashion_mnist_local', 10),
@@ -317,18 +323,21 @@ def test_fewshot_over_two_datasets_reports_each_and_the_mean(tiny, tmp_path):
     assert metrics[f'fewshot/mean/{k}shot'] == pytest.approx(mean / 2, abs=1e-12)
 
   os.symlink(tiny['idx_dir'], tmp_path / 'idx')
-  cmd = ['vit-evaluate', '--checkpoint', tiny['path'], '--model', 'ViT-Ti_16',
-         '--model_overrides', ','.join(f'{k}={v}' for k, v in TINY.items()),
-         '--data_dir', 'idx', '--image_size', '28', '--fewshot_datasets',
-         'fashion_mnist_local,folder:shapes', '--shots', '1,5', '--seeds', '0,1',
-         '--batch_size', '8']
+  cmd = [
+      'vit-evaluate', '--checkpoint', tiny['path'], '--model', 'ViT-Ti_16', '--model_overrides',
+      ','.join(f'{k}={v}' for k, v in TINY.items()), '--data_dir', 'idx', '--image_size', '28',
+      '--fewshot_datasets', 'fashion_mnist_local,folder:shapes', '--shots', '1,5', '--seeds', '0,1',
+      '--batch_size', '8'
+  ]
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2',
              PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ['PATH'])
   out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   table = {' '.join(l.split()[1:3]): l.split()[3] for l in out.stdout.strip().splitlines()[1:]}
-  assert list(table) == ['fashion_mnist_local 1-shot', 'fashion_mnist_local 5-shot',
-                         'shapes 1-shot', 'shapes 5-shot', 'mean 1-shot', 'mean 5-shot']
+  assert list(table) == [
+      'fashion_mnist_local 1-shot', 'fashion_mnist_local 5-shot', 'shapes 1-shot', 'shapes 5-shot',
+      'mean 1-shot', 'mean 5-shot'
+  ]
   for k in (1, 5):
     assert table[f'shapes {k}-shot'] == f'{metrics[f"fewshot/shapes/{k}shot"]:.4f}'
     assert table[f'mean {k}-shot'] == f'{metrics[f"fewshot/mean/{k}shot"]:.4f}'

@@ -23,11 +23,13 @@ from vit_jax import rundir
 from vit_jax import train
 from vit_jax.configs import quickstart
 
-ARGS = ['--config=quickstart', '--config.total_steps=30', '--config.warmup_steps=2',
-        '--config.checkpoint_every_steps=10', '--config.eval_every_steps=0',
-        '--config.log_every_steps=10', '--config.train_split=train[:2048]',
-        '--config.eval_split=test[:512]', '--config.model.num_layers=1',
-        '--config.batch_size=32', '--config.eval_batch_size=256', '--config.prefetch=1']
+ARGS = [
+    '--config=quickstart', '--config.total_steps=30', '--config.warmup_steps=2',
+    '--config.checkpoint_every_steps=10', '--config.eval_every_steps=0',
+    '--config.log_every_steps=10', '--config.train_split=train[:2048]',
+    '--config.eval_split=test[:512]', '--config.model.num_layers=1', '--config.batch_size=32',
+    '--config.eval_batch_size=256', '--config.prefetch=1'
+]
 
 
 def _env(devices=8):
@@ -38,9 +40,11 @@ def _env(devices=8):
 def _cli(cwd, workdir, *extra, devices=8, file_size_limit=None):
   command = [sys.executable, '-m', 'vit_jax.main', *ARGS, f'--workdir={workdir}', *extra]
   if file_size_limit:  # "disk full" for files past the limit (Python ignores SIGXFSZ)
-    command[1:3] = ['-c', 'import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, '
-                    f'({file_size_limit}, {file_size_limit})); sys.argv[0] = "vit_jax.main"; '
-                    'runpy.run_module("vit_jax.main", run_name="__main__")']
+    command[1:3] = [
+        '-c', 'import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, '
+        f'({file_size_limit}, {file_size_limit})); sys.argv[0] = "vit_jax.main"; '
+        'runpy.run_module("vit_jax.main", run_name="__main__")'
+    ]
   proc = subprocess.run(command, cwd=cwd, env=_env(devices), capture_output=True, text=True,
                         timeout=400)
   lines = proc.stderr.strip().splitlines()
@@ -122,8 +126,9 @@ def test_config_check_fields(good, tmp_path):
   run = _copy(good, tmp_path)
   config = quickstart.get_config()
   with open(run / 'config.json') as f:
-    config.update_from_flattened_dict(
-        {k: v for k, v in _flat(json.load(f)).items() if not isinstance(v, list)})
+    config.update_from_flattened_dict({
+        k: v for k, v in _flat(json.load(f)).items() if not isinstance(v, list)
+    })
   rundir.check_resume_config(config, str(run))  # the same config
   for field, value in (('log_every_steps', 7), ('checkpoint_every_steps', 0),
                        ('keep_checkpoints', 9), ('eval_batch_size', 64), ('mesh_data', 4),
@@ -213,8 +218,7 @@ def test_workdir_of_another_model_says_so(good, tmp_path):
 
 # 2. Save failures.
 def test_failed_save_stops_at_once(tmp_path):
-  rc, err, last = _cli(tmp_path, 'run', '--config.total_steps=200',
-                       file_size_limit=64 * 1024)
+  rc, err, last = _cli(tmp_path, 'run', '--config.total_steps=200', file_size_limit=64 * 1024)
   assert rc == 1, err[-3000:]
   # Which save meets the limit first depends on how orbax chunks its files; whichever it
   # is, the run stops by the next save at the latest, not at the end.
@@ -234,13 +238,15 @@ def test_orphaned_orbax_write_tasks_are_not_printed():
   import gc  # pylint: disable=import-outside-toplevel
   import logging  # pylint: disable=import-outside-toplevel
   # A failed task, and a failed gather (its record names no file; its traceback does).
-  source = ('import asyncio\n'
-            'async def write():\n  raise OSError(27, "File too large")\n'
-            'async def start():\n  return [asyncio.ensure_future(write()), asyncio.gather(write())]\n')
+  source = (
+      'import asyncio\n'
+      'async def write():\n  raise OSError(27, "File too large")\n'
+      'async def start():\n  return [asyncio.ensure_future(write()), asyncio.gather(write())]\n')
   namespace = {}
   records = []
 
   class Keep(logging.Handler):
+
     def emit(self, record):
       records.append(record.getMessage())
 
@@ -267,11 +273,10 @@ def test_orphaned_orbax_write_tasks_are_not_printed():
 
 # 6. Ctrl-C.
 def test_ctrl_c_saves_then_exits_non_zero(tmp_path):
-  proc = subprocess.Popen([sys.executable, '-m', 'vit_jax.main', *ARGS, '--workdir=run',
-                           '--config.total_steps=5000', '--config.log_every_steps=5',
-                           '--config.checkpoint_every_steps=0'],
-                          cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen([
+      sys.executable, '-m', 'vit_jax.main', *ARGS, '--workdir=run', '--config.total_steps=5000',
+      '--config.log_every_steps=5', '--config.checkpoint_every_steps=0'
+  ], cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   log = tmp_path / 'run' / 'train.INFO'
   deadline = time.time() + 200
   while not (log.exists() and 'step 5/' in log.read_text()):
@@ -332,7 +337,7 @@ def _make_folder(root, empty_class):
     (dict(log_every_steps=-1), r'log_every_steps -1 is negative: set --config.log_every_steps'),
     (dict(on_nonfinite='ignore'), r"on_nonfinite 'ignore' is unknown"),
     (dict(num_classes=5), r'num_classes 5 is smaller than the dataset\'s 10 classes .* '
-                          r'--config.num_classes=10'),
+     r'--config.num_classes=10'),
     (dict(dataset='mnist', data_dir='DATA'),
      r'dataset mnist is not prepared in data_dir .*DATA: run `tfds build mnist '
      r'--data_dir=.*DATA` or set --config.data_dir'),

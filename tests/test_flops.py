@@ -68,15 +68,16 @@ def test_tiny_bit_by_hand():
   assert flops.forward_flops('BiT-M-R50x1', 32, 10, count_padding=True, **kw) == padded
 
 
-@pytest.mark.parametrize('size,k,stride,pads', [
-    (8, 3, 1, 'SAME'), (9, 3, 2, 'SAME'), (11, 7, 2, 'SAME'), (10, 3, 2, 'SAME'),
-    (17, 7, 2, (3, 3)), (13, 3, 2, (1, 1)), (15, 1, 2, (0, 0)), (12, 4, 4, (0, 0))])
+@pytest.mark.parametrize('size,k,stride,pads', [(8, 3, 1, 'SAME'), (9, 3, 2, 'SAME'),
+                                                (11, 7, 2, 'SAME'), (10, 3, 2, 'SAME'),
+                                                (17, 7, 2, (3, 3)), (13, 3, 2, (1, 1)),
+                                                (15, 1, 2, (0, 0)), (12, 4, 4, (0, 0))])
 def test_conv_count_is_xla_convention(size, k, stride, pads):
   # XLA's cost analysis skips kernel taps on zero padding; so do we (exactly).
   x, w = jnp.zeros((1, size, size, 3)), jnp.zeros((k, k, 3, 5))
   padding = pads if pads == 'SAME' else [pads, pads]
-  conv = lambda x, w: jax.lax.conv_general_dilated(
-      x, w, (stride, stride), padding, dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+  conv = lambda x, w: jax.lax.conv_general_dilated(x, w, (stride, stride), padding,
+                                                   dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
   got, out = flops._conv(size, k, stride, pads, 3, 5, count_padding=False)
   assert out == jax.eval_shape(conv, x, w).shape[1]
   assert got == flops.xla_flops(conv, x, w)
@@ -103,8 +104,8 @@ def test_feature_map_matches_bit_model(size):
   x = jnp.zeros((1, size, size, 3))
   params = _abstract_params(model, x)
   _, state = jax.eval_shape(
-      lambda p, x: model.apply({'params': p}, x, capture_intermediates=True,
-                               mutable=['intermediates']), params, x)
+      lambda p, x: model.apply({'params': p}, x, capture_intermediates=True, mutable=
+                               ['intermediates']), params, x)
   shape = state['intermediates']['block4']['__call__'][0].shape
   assert shape[1] == shape[2] == flops.feature_map_size('BiT-M-R50x1', size, **kw)
 
@@ -122,8 +123,8 @@ def _analytic_over_xla(name, size, num_classes, **kw):
 # ViT-Ti/16 x2 layers 0.988; small hybrid 0.970; small BiT 0.965 (full BiT-R50x1: 0.974).
 @pytest.mark.parametrize('name,size,num_classes,kw,low', [
     ('ViT-Ti_16', 224, 1000, dict(num_layers=2), 0.97),
-    ('R50+ViT-B_16', 97, 10, dict(resnet_layers=(1, 1), num_layers=1, hidden_size=64,
-                                  mlp_dim=128, num_heads=2), 0.94),
+    ('R50+ViT-B_16', 97, 10,
+     dict(resnet_layers=(1, 1), num_layers=1, hidden_size=64, mlp_dim=128, num_heads=2), 0.94),
     ('BiT-M-R50x1', 97, 10, dict(resnet_layers=(1, 1, 1)), 0.94),
 ])
 def test_analytic_vs_xla(name, size, num_classes, kw, low):
@@ -135,8 +136,8 @@ def test_derived_quantities():
   assert 35.1e9 < fwd < 35.2e9  # ~17.6 GMACs, as commonly quoted for ViT-B/16 at 224
   assert flops.train_flops('ViT-B_16') == 3 * fwd
   assert flops.train_step_flops('ViT-B_16', 256) == 256 * 3 * fwd
-  assert flops.pretraining_exaflops('ViT-B_16', 1, num_images=10**6, num_classes=1000) == (
-      pytest.approx(3 * fwd * 1e6 / 1e18))
+  assert flops.pretraining_exaflops('ViT-B_16', 1, num_images=10**6,
+                                    num_classes=1000) == (pytest.approx(3 * fwd * 1e6 / 1e18))
   assert flops.mfu(2e12, 0.5, 8e12) == pytest.approx(0.5)
   with pytest.raises(ValueError, match='step_seconds'):
     flops.mfu(1.0, 0.0, 1.0)
@@ -147,12 +148,17 @@ def test_derived_quantities():
 
 
 def test_xla_flops_accepts_list_form(monkeypatch):
+
   class Compiled:
+
     def cost_analysis(self):
       return [{'flops': 42.0}]
+
   class Lowered:
+
     def compile(self):
       return Compiled()
-  monkeypatch.setattr(flops.jax, 'jit', lambda fn: type('J', (), {
-      'lower': lambda self, *a: Lowered()})())
+
+  monkeypatch.setattr(flops.jax, 'jit',
+                      lambda fn: type('J', (), {'lower': lambda self, *a: Lowered()})())
   assert flops.xla_flops(lambda x: x, 1.0) == 42.0

@@ -80,8 +80,8 @@ def _smooth_rgb(h, w, seed=0):
 def test_preprocess_train_shapes_and_range(crop):
   c = _config(image_size=32, pp_train_crop=crop)
   rgb = _smooth_rgb(48, 64)
-  for image in (rgb, rgb[..., :1], tf.constant(_png(rgb)),
-                tf.constant(_jpeg(rgb)), tf.constant(_png(rgb[..., 0]))):
+  for image in (rgb, rgb[..., :1], tf.constant(_png(rgb)), tf.constant(_jpeg(rgb)),
+                tf.constant(_png(rgb[..., 0]))):
     out = preprocessing.preprocess_train(image, tf.constant([3, 4]), c).numpy()
     assert out.shape == (32, 32, 3) and out.dtype == np.float32
     assert -1.0 <= out.min() < out.max() <= 1.0
@@ -107,8 +107,10 @@ def test_inception_crop_deterministic_per_seed_and_varies_across_seeds():
   np.testing.assert_array_equal(run([1, 2]), run([1, 2]))
   outs = [run([1, s]) for s in range(6)]
   assert all(not np.allclose(outs[0], o) for o in outs[1:])
-  boxes = {tuple(np.asarray(preprocessing.inception_crop(image, tf.constant([0, s]), 0.05)
-                            .shape)) for s in range(10)}
+  boxes = {
+      tuple(np.asarray(preprocessing.inception_crop(image, tf.constant([0, s]), 0.05).shape))
+      for s in range(10)
+  }
   assert len(boxes) > 5  # Crops of varying sizes.
   assert all(h * w >= 0.05 * 64 * 80 * 0.99 for h, w, _ in boxes)
 
@@ -133,8 +135,7 @@ def test_flip_is_seeded():
 
 
 def test_preprocess_eval_central_crop():
-  c = _config(image_size=32, pp_eval_crop='central',
-              pp_central_crop_fraction=0.5)
+  c = _config(image_size=32, pp_eval_crop='central', pp_central_crop_fraction=0.5)
   image = np.zeros((40, 100, 3), np.uint8)
   image[:, 55:60] = 255  # A white band right of the centre of a wide image.
   out = preprocessing.preprocess_eval(image, c).numpy()
@@ -152,11 +153,9 @@ def test_preprocess_eval_central_crop():
 def test_info_and_train_batches(idx_dir):
   c = _config(data_dir=idx_dir)
   assert ip.get_info(c) == ip.DatasetInfo(10, NUM_TRAIN, NUM_TEST)
-  c2 = _config(data_dir=idx_dir, train_split='train[:25%]',
-               num_train_examples=-1)
+  c2 = _config(data_dir=idx_dir, train_split='train[:25%]', num_train_examples=-1)
   assert ip.get_info(c2).num_train_examples == NUM_TRAIN // 4
-  batch = next(ip.train_batches(c, global_batch=8, process_index=1,
-                                process_count=2))
+  batch = next(ip.train_batches(c, global_batch=8, process_index=1, process_count=2))
   assert set(batch) == {'image', 'label'}
   assert batch['image'].shape == (4, 28, 28, 3)
   assert batch['image'].dtype == np.float32 and batch['label'].dtype == np.int32
@@ -169,9 +168,10 @@ def test_epochs_are_permutations_of_the_host_shard(idx_dir):
   c = _config(data_dir=idx_dir, pp_train_crop='resize', pp_flip=False)
   it = ip.train_batches(c, global_batch=8, process_index=0, process_count=1)
   ids = [i for b in _take(it, 10) for i in _ids(b)]  # 2 epochs of 40.
-  labels = [l for b in _take(ip.train_batches(
-      c, global_batch=8, process_index=0, process_count=1), 5)
-            for l in b['label']]
+  labels = [
+      l for b in _take(ip.train_batches(c, global_batch=8, process_index=0, process_count=1), 5)
+      for l in b['label']
+  ]
   assert sorted(ids[:40]) == sorted(ids[40:]) == list(range(NUM_TRAIN))
   assert ids[:40] != ids[40:]  # Reshuffled each epoch.
   assert ids[:40] != sorted(ids[:40])
@@ -200,8 +200,7 @@ def test_exact_resume_across_epoch_boundaries(idx_dir, hosts):
   # k=3 resumes in epoch 0, k=7 in epoch 2 (position 84 // hosts); both
   # resumed streams contain batches that straddle an epoch boundary.
   for k in (3, 7):
-    assert any((s * local) // shard != ((s + 1) * local - 1) // shard
-               for s in range(k, n))
+    assert any((s * local) // shard != ((s + 1) * local - 1) // shard for s in range(k, n))
     resumed = _take(ip.train_batches(c, start_step=k, **kw), n - k)
     for a, b in zip(full[k:], resumed):
       np.testing.assert_array_equal(a['label'], b['label'])
@@ -213,8 +212,9 @@ def test_exact_resume_across_epoch_boundaries(idx_dir, hosts):
 
 def test_eval_complete_over_two_processes(idx_dir):
   c = _config(data_dir=idx_dir)
-  per_host = [list(ip.eval_batches(c, global_batch=4, process_index=h,
-                                   process_count=2)) for h in range(2)]
+  per_host = [
+      list(ip.eval_batches(c, global_batch=4, process_index=h, process_count=2)) for h in range(2)
+  ]
   assert len(per_host[0]) == len(per_host[1]) == 4  # ceil(7 / 2)
   seen = []
   for batches in per_host:
@@ -222,8 +222,8 @@ def test_eval_complete_over_two_processes(idx_dir):
       assert b['image'].shape == (2, 28, 28, 3) and b['mask'].dtype == bool
       ids = _ids(b)
       seen += [i for i, m in zip(ids, b['mask']) if m]
-      np.testing.assert_array_equal(
-          b['label'][b['mask']], [i % 10 for i, m in zip(ids, b['mask']) if m])
+      np.testing.assert_array_equal(b['label'][b['mask']],
+                                    [i % 10 for i, m in zip(ids, b['mask']) if m])
   assert sorted(seen) == list(range(NUM_TRAIN, NUM_TRAIN + NUM_TEST))
   masks = np.concatenate([b['mask'] for bs in per_host for b in bs])
   assert masks.sum() == NUM_TEST  # 3 padding examples, all masked.
@@ -237,8 +237,7 @@ def test_missing_idx_files_error(tmp_path):
 
 def test_bad_batch_size_error(idx_dir):
   with pytest.raises(ValueError, match='multiple of the process count'):
-    ip.train_batches(_config(data_dir=idx_dir), global_batch=9,
-                     process_index=0, process_count=2)
+    ip.train_batches(_config(data_dir=idx_dir), global_batch=9, process_index=0, process_count=2)
 
 
 # ------------------------------------------------------------ image folder
@@ -248,8 +247,9 @@ def test_folder_eval_skips_and_counts_corrupt(folder):
   info = ip.get_info(c)
   assert info.num_classes == 3
   assert info.num_eval_examples == 5 + 2 + 1  # PNGs, JPEGs, the corrupt file.
-  iterators = [ip.eval_batches(c, global_batch=6, process_index=h, process_count=2)
-               for h in range(2)]
+  iterators = [
+      ip.eval_batches(c, global_batch=6, process_index=h, process_count=2) for h in range(2)
+  ]
   per_host = [list(it) for it in iterators]
   assert [it.skipped for it in iterators] == [0, 1]  # Host 1 reads the corrupt file.
   assert len(per_host[0]) == len(per_host[1]) == 2
@@ -282,8 +282,7 @@ def test_folder_train_replaces_corrupt_and_resumes(folder):
   ids = [i for b in full for i in _ids(b)]
   assert set(ids) == set(train)  # Never the zero placeholder image.
   for b in full:
-    np.testing.assert_array_equal(
-        b['label'], [{'a': 0, 'b': 1}[train[i]] for i in _ids(b)])
+    np.testing.assert_array_equal(b['label'], [{'a': 0, 'b': 1}[train[i]] for i in _ids(b)])
   resumed = _take(ip.train_batches(c, start_step=3, **kw), 3)
   for a, b in zip(full[3:], resumed):
     np.testing.assert_array_equal(a['image'], b['image'])
@@ -300,11 +299,12 @@ def test_tfds_source_with_mock_data():
   with tfds.testing.mock_data(num_examples=10):
     c = _config(dataset='mnist', image_size=16)
     assert ip.get_info(c) == ip.DatasetInfo(10, 10, 10)
-    batch = next(ip.train_batches(c, global_batch=4, process_index=0,
-                                  process_count=1))
+    batch = next(ip.train_batches(c, global_batch=4, process_index=0, process_count=1))
     assert batch['image'].shape == (4, 16, 16, 3)
-    counts = [len(list(ip.eval_batches(c, global_batch=4, process_index=h,
-                                       process_count=2))) for h in range(2)]
+    counts = [
+        len(list(ip.eval_batches(c, global_batch=4, process_index=h, process_count=2)))
+        for h in range(2)
+    ]
     assert counts == [3, 3]  # 5 examples per host in batches of 2.
 
 
@@ -320,10 +320,8 @@ def test_to_global_and_prefetch_to_mesh(idx_dir):
   assert arrays['image'].shape == (16, 28, 28, 3)
   assert arrays['label'].shape == (16,)
   assert arrays['image'].sharding.is_equivalent_to(sharding, 4)
-  assert {s.data.shape for s in arrays['image'].addressable_shards} == {
-      (2, 28, 28, 3)}
-  np.testing.assert_array_equal(np.asarray(arrays['image']),
-                                batches[0]['image'])
+  assert {s.data.shape for s in arrays['image'].addressable_shards} == {(2, 28, 28, 3)}
+  np.testing.assert_array_equal(np.asarray(arrays['image']), batches[0]['image'])
   out = list(ip.prefetch_to_mesh(iter(batches), sharding, size=2))
   assert len(out) == 3
   for a, b in zip(out, batches):
@@ -333,8 +331,10 @@ def test_to_global_and_prefetch_to_mesh(idx_dir):
 def test_two_hosts_see_the_rows_of_one_host_with_the_same_augmentation(idx_dir):
   c = _config(data_dir=idx_dir, image_size=16)  # inception crop + flip
   one = _take(ip.train_batches(c, global_batch=8, process_index=0, process_count=1), 7)
-  two = [_take(ip.train_batches(c, global_batch=8, process_index=h, process_count=2,
-                                start_step=2), 5) for h in range(2)]
+  two = [
+      _take(ip.train_batches(c, global_batch=8, process_index=h, process_count=2, start_step=2), 5)
+      for h in range(2)
+  ]
   for a, b0, b1 in zip(one[2:], *two):
     np.testing.assert_array_equal(a['image'], np.concatenate([b0['image'], b1['image']]))
     np.testing.assert_array_equal(a['label'], np.concatenate([b0['label'], b1['label']]))
@@ -362,8 +362,11 @@ def test_label_set_feature_gives_multi_hot_labels():
   # TFDS's own random mock examples: sets with repeated labels count each label once.
   with tfds.testing.mock_data(num_examples=6):
     data_sources.clear_cache()
-    raw = [ex['real_label'] for ex in tfds.as_numpy(tfds.builder('imagenet2012_real').as_dataset(
-        split='validation', decoders={'image': tfds.decode.SkipDecoding()}))]
+    raw = [
+        ex['real_label'] for ex in tfds.as_numpy(
+            tfds.builder('imagenet2012_real').as_dataset(
+                split='validation', decoders={'image': tfds.decode.SkipDecoding()}))
+    ]
     labels = next(ip.eval_batches(c, global_batch=8, process_index=0, process_count=1))['label']
     data_sources.clear_cache()
   assert any(len(set(r)) < len(r) for r in raw)  # the mock does repeat labels
@@ -380,18 +383,13 @@ def test_tf_devices_are_set_on_first_pipeline_use_not_at_import(idx_dir):
   """Importing vit_jax (every module that reads data) leaves TF's devices alone; the
   first pipeline call hides accelerators from TF, once."""
   code = '\n'.join([
-      'import sys',
-      'import tensorflow as tf',
-      'calls = []',
+      'import sys', 'import tensorflow as tf', 'calls = []',
       'tf.config.set_visible_devices = lambda *a: calls.append(a)',
       'from vit_jax import evaluate, evaluate_cli, input_pipeline, predict, train',
-      'from vit_jax.configs import common',
-      'print(calls)',
-      'c = common.get_config()',
-      'c.data_dir = sys.argv[1]',
-      'input_pipeline.get_info(c)',
-      'list(input_pipeline.eval_batches(c, global_batch=16))',
-      'print(calls)'])
+      'from vit_jax.configs import common', 'print(calls)', 'c = common.get_config()',
+      'c.data_dir = sys.argv[1]', 'input_pipeline.get_info(c)',
+      'list(input_pipeline.eval_batches(c, global_batch=16))', 'print(calls)'
+  ])
   out = subprocess.run([sys.executable, '-c', code, idx_dir], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]

@@ -74,9 +74,10 @@ def test_attention_distance_self_and_uniform():
   # Uniform attention (class token included in the keys: it is dropped and the rest
   # renormalised) -> the mean distance over all ordered patch pairs, brute force.
   d = vit_inspect.mean_attention_distance(_broadcast(np.full((t, t), 1 / t)), ppt)
-  pairs = [np.hypot(r1 - r2, c1 - c2) * ppt
-           for r1 in range(side) for c1 in range(side)
-           for r2 in range(side) for c2 in range(side)]
+  pairs = [
+      np.hypot(r1 - r2, c1 - c2) * ppt for r1 in range(side) for c1 in range(side)
+      for r2 in range(side) for c2 in range(side)
+  ]
   np.testing.assert_allclose(d, np.mean(pairs), rtol=1e-12)
 
 
@@ -138,8 +139,8 @@ def test_figures_render_to_png():
   _assert_png(vit_inspect.figure_png(vit_inspect.filters_figure(rng.normal(size=(10, 4, 4, 3)))))
   sim = vit_inspect.posemb_similarity(rng.normal(size=(1, 17, 8)))
   _assert_png(vit_inspect.figure_png(vit_inspect.posemb_figure(sim)))
-  _assert_png(vit_inspect.figure_png(
-      vit_inspect.attention_distance_figure(rng.random((4, 3)) * 28, 28)))
+  _assert_png(
+      vit_inspect.figure_png(vit_inspect.attention_distance_figure(rng.random((4, 3)) * 28, 28)))
 
 
 # ---------------------------------------------------------------- a model
@@ -169,16 +170,19 @@ def test_attention_maps_of_a_model(tiny):
 
 def test_cli_end_to_end(tiny):
   outdir = str(tiny['tmp'] / 'figures')
-  cmd = [sys.executable, '-m', 'vit_jax.inspection', '--checkpoint', tiny['path'],
-         '--model', 'ViT-Ti_16', '--model_overrides',
-         ','.join(f'{k}={v}' for k, v in TINY.items()), '--image_size', '28',
-         '--num_components', '12', '--outdir', outdir, '--images', *tiny['images']]
+  cmd = [
+      sys.executable, '-m', 'vit_jax.inspection', '--checkpoint', tiny['path'], '--model',
+      'ViT-Ti_16', '--model_overrides', ','.join(f'{k}={v}' for k, v in TINY.items()),
+      '--image_size', '28', '--num_components', '12', '--outdir', outdir, '--images',
+      *tiny['images']
+  ]
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
   names = sorted(os.listdir(outdir))
-  assert names == ['arrays.npz', 'attention_distance.png', 'embedding_filters.png',
-                   'position_embedding_similarity.png', 'rollout_00_photo0.png',
-                   'rollout_01_photo1.png']
+  assert names == [
+      'arrays.npz', 'attention_distance.png', 'embedding_filters.png',
+      'position_embedding_similarity.png', 'rollout_00_photo0.png', 'rollout_01_photo1.png'
+  ]
   for name in names[1:]:
     _assert_png(os.path.join(outdir, name))
   with np.load(os.path.join(outdir, 'arrays.npz')) as arrays:

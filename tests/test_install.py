@@ -3,7 +3,6 @@ console scripts, and nothing of the repository on sys.path."""
 import os
 import subprocess
 
-
 from tests import data_fixtures
 from tests.conftest import ROOT, user_env
 
@@ -16,31 +15,36 @@ def _run(cmd, cwd, env, timeout=600):
 
 def test_package_is_one_namespace(wheel_venv, tmp_path):
   env = user_env(wheel_venv)
-  out = _run([str(wheel_venv / 'bin' / 'python'), '-c',
-              'import os, sys, vit_jax, vit_jax.configs, vit_jax.launch.sweep;'
-              'print(os.path.dirname(vit_jax.__file__));'
-              'print(vit_jax.configs.resolve("finetune:ViT-B_16,cifar10"))'], tmp_path, env)
+  out = _run([
+      str(wheel_venv / 'bin' / 'python'), '-c',
+      'import os, sys, vit_jax, vit_jax.configs, vit_jax.launch.sweep;'
+      'print(os.path.dirname(vit_jax.__file__));'
+      'print(vit_jax.configs.resolve("finetune:ViT-B_16,cifar10"))'
+  ], tmp_path, env)
   package_dir, config_file = out.stdout.split()
   assert package_dir.startswith(str(wheel_venv)) and not package_dir.startswith(ROOT)
   assert config_file == os.path.join(package_dir, 'configs', 'finetune.py:ViT-B_16,cifar10')
   site = os.path.dirname(package_dir)
   assert not {'configs', 'launch', 'tests', 'benchmarks'} & set(os.listdir(site))
-  for script in ('vit-train', 'vit-evaluate', 'vit-predict', 'vit-inspect', 'vit-sweep',
-                 'vit-tpu', 'vit-vtab'):
+  for script in ('vit-train', 'vit-evaluate', 'vit-predict', 'vit-inspect', 'vit-sweep', 'vit-tpu',
+                 'vit-vtab'):
     assert (wheel_venv / 'bin' / script).exists(), script
 
 
 def test_train_then_evaluate_from_elsewhere(wheel_venv, tmp_path):
   env = user_env(wheel_venv)
   data = data_fixtures.write_idx(str(tmp_path / 'idx'), num_train=256, num_test=64)
-  _run(['vit-train', '--config=quickstart', '--workdir=runs/tiny', f'--config.data_dir={data}',
-        '--config.total_steps=4', '--config.warmup_steps=1', '--config.batch_size=32',
-        '--config.eval_batch_size=32', '--config.log_every_steps=2',
-        '--config.checkpoint_every_steps=2', '--config.eval_every_steps=0',
-        '--config.model.num_layers=1'], tmp_path, env)
+  _run([
+      'vit-train', '--config=quickstart', '--workdir=runs/tiny', f'--config.data_dir={data}',
+      '--config.total_steps=4', '--config.warmup_steps=1', '--config.batch_size=32',
+      '--config.eval_batch_size=32', '--config.log_every_steps=2',
+      '--config.checkpoint_every_steps=2', '--config.eval_every_steps=0',
+      '--config.model.num_layers=1'
+  ], tmp_path, env)
   assert (tmp_path / 'runs' / 'tiny' / 'final.npz').exists()
-  out = _run(['vit-evaluate', '--workdir', 'runs/tiny', '--shots', '1', '--seeds', '0',
-              '--batch_size', '32'], tmp_path, env)
+  out = _run([
+      'vit-evaluate', '--workdir', 'runs/tiny', '--shots', '1', '--seeds', '0', '--batch_size', '32'
+  ], tmp_path, env)
   lines = out.stdout.strip().splitlines()
   assert lines[0].split() == ['mode', 'metric', 'value']
   assert lines[1].startswith('top1') and '(64 images)' in lines[1]

@@ -42,18 +42,22 @@ def ssh_prefix(worker='all'):
 
 
 def test_create():
-  assert build('create', '--accelerator_type', 'v3-8')[0] == (
-      GCLOUD + ['create', NAME, '--zone', ZONE, '--accelerator-type', 'v3-8',
-                '--version', 'tpu-ubuntu2204-base'])
-  cmd, wait = build('create', '--accelerator-type', 'v4-32', '--runtime_version',
-                    'tpu-vm-v4-base', '--api', 'node', '--spot', '--project', 'p',
-                    '--internal-ips')
-  assert cmd == GCLOUD + ['create', NAME, '--zone', ZONE, '--project', 'p', '--accelerator-type',
-                          'v4-32', '--version', 'tpu-vm-v4-base', '--spot', '--internal-ips']
-  assert wait.cmd == GCLOUD + ['describe', NAME, '--zone', ZONE, '--project', 'p',
-                               '--format=value(state)'] and wait.until == ('READY',)
-  assert build('create', '--accelerator_type', 'v5litepod-16', '--preemptible')[0][-3:] == [
-      '--version', 'v2-alpha-tpuv5-lite', '--preemptible']  # Preemptible: no queued resource.
+  assert build('create', '--accelerator_type', 'v3-8')[0] == (GCLOUD + [
+      'create', NAME, '--zone', ZONE, '--accelerator-type', 'v3-8', '--version',
+      'tpu-ubuntu2204-base'
+  ])
+  cmd, wait = build('create', '--accelerator-type', 'v4-32', '--runtime_version', 'tpu-vm-v4-base',
+                    '--api', 'node', '--spot', '--project', 'p', '--internal-ips')
+  assert cmd == GCLOUD + [
+      'create', NAME, '--zone', ZONE, '--project', 'p', '--accelerator-type', 'v4-32', '--version',
+      'tpu-vm-v4-base', '--spot', '--internal-ips'
+  ]
+  assert wait.cmd == GCLOUD + [
+      'describe', NAME, '--zone', ZONE, '--project', 'p', '--format=value(state)'
+  ] and wait.until == ('READY',)
+  assert build('create', '--accelerator_type', 'v5litepod-16',
+               '--preemptible')[0][-3:] == ['--version', 'v2-alpha-tpuv5-lite',
+                                            '--preemptible']  # Preemptible: no queued resource.
 
 
 @pytest.mark.parametrize('extra', [('--accelerator_type', 'v5litepod-8'),
@@ -63,8 +67,10 @@ def test_create():
 def test_create_queued_resource(extra):
   cmd, wait = build('create', *extra)
   accel = extra[1]
-  assert cmd[:13] == QUEUED + ['create', NAME, '--zone', ZONE, '--node-id', NAME,
-                               '--accelerator-type', accel, '--runtime-version']
+  assert cmd[:13] == QUEUED + [
+      'create', NAME, '--zone', ZONE, '--node-id', NAME, '--accelerator-type', accel,
+      '--runtime-version'
+  ]
   assert cmd[14:] == (['--spot'] if '--spot' in extra else [])
   assert wait.cmd == QUEUED + ['describe', NAME, '--zone', ZONE, '--format=value(state.state)']
   assert wait.until == ('ACTIVE',) and 'FAILED' in wait.fail
@@ -76,8 +82,9 @@ def test_v5e_is_v5litepod(capsys):
   a = args('create', '--accelerator_type', 'v5e-8')
   assert a.accelerator_type == 'v5litepod-8'
   assert tpu_vm.build_commands('create', a)[0][11] == 'v5litepod-8'
-  tpu_vm.main(['create', '--name', NAME, '--zone', 'us-west4-a', '--accelerator_type', 'v5e-8',
-               '--dry-run'])
+  tpu_vm.main([
+      'create', '--name', NAME, '--zone', 'us-west4-a', '--accelerator_type', 'v5e-8', '--dry-run'
+  ])
   err = capsys.readouterr().err
   assert 'v5e-8 is called v5litepod-8' in err and len(err.strip().splitlines()) == 1
 
@@ -93,17 +100,17 @@ def test_zone_warning():
   assert len(a.warnings) == 1 and 'us-east5-a' in a.warnings[0]
 
 
-@pytest.mark.parametrize('accel,devices', [('v2-8', 8), ('v3-32', 32), ('v4-8', 4),
-                                           ('v4-32', 16), ('v5p-8', 4), ('v5litepod-8', 8),
-                                           ('v6e-16', 16), ('x1', None)])
+@pytest.mark.parametrize('accel,devices', [('v2-8', 8), ('v3-32', 32), ('v4-8', 4), ('v4-32', 16),
+                                           ('v5p-8', 4), ('v5litepod-8', 8), ('v6e-16', 16),
+                                           ('x1', None)])
 def test_num_devices(accel, devices):
   assert tpu_vm.num_devices(accel) == devices
 
 
 @pytest.mark.parametrize('accel,hosts', [('v2-8', 1), ('v3-8', 1), ('v3-32', 4), ('v3-256', 32),
                                          ('v4-8', 1), ('v4-32', 4), ('v5p-16', 2),
-                                         ('v5litepod-8', 1), ('v5litepod-16', 4),
-                                         ('v6e-64', 16), ('tpu', None), (None, None)])
+                                         ('v5litepod-8', 1), ('v5litepod-16', 4), ('v6e-64', 16),
+                                         ('tpu', None), (None, None)])
 def test_num_hosts(accel, hosts):
   assert tpu_vm.num_hosts(accel) == hosts
 
@@ -113,8 +120,7 @@ def test_setup_copies_the_working_tree():
   tarball = tpu_vm.tarball_path(NAME)
   assert tar[:3] == ['tar', '-czf', tarball] and tar[-3:] == ['-C', tpu_vm.REPO_ROOT, '.']
   assert '--exclude=.venv' in tar and '--exclude=.git' in tar
-  assert scp == GCLOUD + ['scp', tarball, f'{NAME}:vit_jax.tar.gz', '--zone', ZONE,
-                          '--worker=all']
+  assert scp == GCLOUD + ['scp', tarball, f'{NAME}:vit_jax.tar.gz', '--zone', ZONE, '--worker=all']
   assert ssh[:-1] == ssh_prefix()
   script = ssh[-1]
   assert 'tar -xzf vit_jax.tar.gz -C vit_jax' in script
@@ -142,8 +148,7 @@ def test_setup_from_a_wheel_needs_repo_url(monkeypatch):
 def test_setup_from_git():
   [ssh] = build('setup', '--repo_url', 'https://github.com/me/vit_jax.git', '--branch', 'main')
   assert ssh[:-1] == ssh_prefix()
-  assert ('git clone --depth 1 --branch main https://github.com/me/vit_jax.git vit_jax'
-          in ssh[-1])
+  assert ('git clone --depth 1 --branch main https://github.com/me/vit_jax.git vit_jax' in ssh[-1])
   assert 'scp' not in ssh and 'tar -xzf' not in ssh[-1]
   _bash_syntax_ok(ssh[-1])
 
@@ -162,11 +167,14 @@ def test_run_quotes_the_training_command():
   assert a.warnings == []
   assert [c.what.split()[0] for c in checks] == ['TFDS', '--workdir']
   body = _body(cmd)
-  expected = ['python3', '-m', 'vit_jax.main', f'--config={CONFIG}', '--workdir=gs://b/w',
-              DATA, override]
+  expected = [
+      'python3', '-m', 'vit_jax.main', f'--config={CONFIG}', '--workdir=gs://b/w', DATA, override
+  ]
   assert body[:len(expected)] == expected
-  assert body[len(expected):] == ['>', '$HOME/vit_jax_logs/train.log', '2>&1;', 'echo', '$?',
-                                  '>', '$HOME/vit_jax_logs/train.status']
+  assert body[len(expected):] == [
+      '>', '$HOME/vit_jax_logs/train.log', '2>&1;', 'echo', '$?', '>',
+      '$HOME/vit_jax_logs/train.status'
+  ]
   assert tpu_vm.train_argv(CONFIG, 'gs://b/w') == expected[:5]
   assert commands(build('run', *run_args(override, '--skip_preflight'))) == [cmd]
 
@@ -187,8 +195,7 @@ def test_run_script_in_a_shell(tmp_path):
   override = "--config.pp.train_crop=it's \"a\" $test"
   [cmd] = commands(build('run', *run_args(override)))
   env = {**os.environ, 'HOME': str(tmp_path)}
-  out = subprocess.run(['bash', '-c', cmd[-1]], env=env, capture_output=True, text=True,
-                       check=True)
+  out = subprocess.run(['bash', '-c', cmd[-1]], env=env, capture_output=True, text=True, check=True)
   assert 'started' in out.stdout
   status = tmp_path / 'vit_jax_logs' / 'train.status'
   for _ in range(200):
@@ -198,8 +205,7 @@ def test_run_script_in_a_shell(tmp_path):
   cwd, safe_path, *argv = (tmp_path / 'argv').read_bytes().decode().rstrip('\0').split('\0')
   assert os.path.realpath(cwd) == os.path.realpath(tmp_path / 'vit_jax')
   assert safe_path == '1'  # The installed vit_jax, not ./vit_jax.
-  assert argv == ['-m', 'vit_jax.main', f'--config={CONFIG}', '--workdir=gs://b/w', DATA,
-                  override]
+  assert argv == ['-m', 'vit_jax.main', f'--config={CONFIG}', '--workdir=gs://b/w', DATA, override]
   assert (tmp_path / 'vit_jax_logs' / 'run.pid').read_text().strip().isdigit()
   assert status.read_text() == '3\n'
   check = subprocess.run(['bash', '-c', tpu_vm.status_script('train')], env=env,
@@ -285,9 +291,12 @@ def test_preflight_runs_its_checks(monkeypatch, capsys):
   assert tpu_vm.main(['preflight', '--name', NAME, '--zone', ZONE, *run_args()]) == 0
   assert capsys.readouterr().out.splitlines() == [
       'tpu_vm: preflight: TFDS cifar10 is prepared in gs://b/tfds',
-      'tpu_vm: preflight: --workdir gs://b/w is writable']
+      'tpu_vm: preflight: --workdir gs://b/w is writable'
+  ]
+
   def not_prepared(name, data_dir):
     raise tpu_vm.LaunchError(f'run `tfds build {name} --data_dir={data_dir}`')
+
   monkeypatch.setattr(tpu_vm, 'check_tfds', not_prepared)
   with pytest.raises(SystemExit, match='tfds build cifar10 --data_dir=gs://b/tfds'):
     tpu_vm.main(['all', '--name', NAME, '--zone', ZONE, *run_args()])
@@ -303,8 +312,9 @@ def test_readme_commands_build(monkeypatch, capsys):
   section = section[:section.index('\n## ', 1)].replace('\\\n', ' ')
   lines = [shlex.split(l) for l in section.splitlines() if l.startswith('vit-tpu ')]
   actions = {argv[1] for argv in lines}
-  assert actions >= {'preflight', 'create', 'setup', 'run', 'logs', 'stop', 'delete', 'all',
-                     'watch'}
+  assert actions >= {
+      'preflight', 'create', 'setup', 'run', 'logs', 'stop', 'delete', 'all', 'watch'
+  }
   monkeypatch.chdir('/')
   for argv in lines:
     assert tpu_vm.main(argv[1:] + ['--dry-run']) == 0, argv
@@ -320,8 +330,8 @@ def test_logs_stop_delete():
   assert cmd[:-1] == ssh_prefix('all') and 'kill -- -' in cmd[-1]
   _bash_syntax_ok(cmd[-1])
   assert build('delete', '--api', 'node') == [GCLOUD + ['delete', NAME, '--zone', ZONE]]
-  assert build('delete', '--accelerator_type', 'v3-8', '--yes') == [
-      GCLOUD + ['delete', NAME, '--zone', ZONE, '--quiet']]
+  assert build('delete', '--accelerator_type', 'v3-8',
+               '--yes') == [GCLOUD + ['delete', NAME, '--zone', ZONE, '--quiet']]
   [either] = build('delete')  # Which API made it is asked at run time.
   assert either.queued == QUEUED + ['delete', NAME, '--zone', ZONE, '--force']
   assert either.node == GCLOUD + ['delete', NAME, '--zone', ZONE]
@@ -342,13 +352,15 @@ def test_all_is_preflight_create_setup_run():
     build('all', *run_args('--config.batch_size=3'))
 
 
-DRY_RUN_ACTIONS = ('preflight', 'create', 'setup', 'run', 'logs', 'stop', 'delete', 'all',
-                   'resume', 'watch')
+DRY_RUN_ACTIONS = ('preflight', 'create', 'setup', 'run', 'logs', 'stop', 'delete', 'all', 'resume',
+                   'watch')
 
 
 def test_dry_run_prints_and_runs_nothing(monkeypatch, capsys):
+
   def forbidden(*a, **k):
     raise AssertionError('dry run executed a command')
+
   for fn in ('call', 'run', 'Popen', 'check_call', 'check_output'):
     monkeypatch.setattr(subprocess, fn, forbidden)
   monkeypatch.setattr(os, 'system', forbidden)
@@ -368,14 +380,18 @@ def test_dry_run_prints_and_runs_nothing(monkeypatch, capsys):
 
 def test_execute_stops_at_the_first_failure(capsys):
   calls = []
+
   def call(cmd):
     calls.append(cmd)
     return 0 if len(calls) == 1 else 3
+
   with pytest.raises(tpu_vm.LaunchError, match=r'failed \(exit 3\)'):
     tpu_vm.execute([['a'], ['b'], ['c']], call=call)
   assert calls == [['a'], ['b']]
+
   def missing(cmd):
     raise FileNotFoundError(cmd[0])
+
   with pytest.raises(tpu_vm.LaunchError, match='install the Google Cloud CLI'):
     tpu_vm.execute([['gcloud']], call=missing)
 
@@ -386,22 +402,26 @@ def test_execute_stops_at_the_first_failure(capsys):
     (['run', '--name', 'vit'], 'run needs --zone'),
     (['boot', '--name', 'vit', '--zone', 'z'], 'unknown action'),
     (['delete', '--name', 'My_TPU', '--zone', 'z'], 'lowercase letters'),
-    (['create', '--name', 'vit', '--zone', 'z', '--accelerator_type', 'v3-8', '--spot',
-      '--preemptible'], 'exclude each other'),
-    (['create', '--name', 'vit', '--zone', 'z', '--accelerator_type', 'v3-8', '--api', 'queued',
-      '--preemptible'], 'use --spot, or --api=node'),
+    ([
+        'create', '--name', 'vit', '--zone', 'z', '--accelerator_type', 'v3-8', '--spot',
+        '--preemptible'
+    ], 'exclude each other'),
+    ([
+        'create', '--name', 'vit', '--zone', 'z', '--accelerator_type', 'v3-8', '--api', 'queued',
+        '--preemptible'
+    ], 'use --spot, or --api=node'),
     (['create', '--name', 'vit', '--zone', 'z', '--accelerator_type', 'x9-8'], '--runtime_version'),
-    (['create', '--name', 'vit', '--zone', 'z', '--accelerator_type', 'v3-8', '--api', 'tpu'],
-     "invalid choice: 'tpu'"),
-    (['run', '--name', 'vit', '--zone', 'z', '--config=c', '--workdir=gs://b', '--lr=1'],
-     'unknown argument'),
-    (['run', '--name', 'vit', '--zone', 'z', '--config=quickstart:x', '--workdir=gs://b'],
-     "--config 'quickstart:x'"),
+    (['create', '--name', 'vit', '--zone', 'z', '--accelerator_type', 'v3-8', '--api', 'tpu'
+     ], "invalid choice: 'tpu'"),
+    (['run', '--name', 'vit', '--zone', 'z', '--config=c', '--workdir=gs://b', '--lr=1'
+     ], 'unknown argument'),
+    (['run', '--name', 'vit', '--zone', 'z', '--config=quickstart:x', '--workdir=gs://b'
+     ], "--config 'quickstart:x'"),
     (['logs', '--name', 'vit', '--zone', 'z', '--worker', 'first'], 'worker index'),
     (['logs', '--name', 'vit', '--zone', 'z', '--lines', 'many'], 'invalid int'),
     (['watch', '--name', 'vit', '--zone', 'z', '--poll', '0'], '--poll must be > 0'),
-    (['watch', '--name', 'vit', '--zone', 'z', '--config=c', '--workdir=gs://b'],
-     'watch needs --accelerator_type'),
+    (['watch', '--name', 'vit', '--zone', 'z', '--config=c', '--workdir=gs://b'
+     ], 'watch needs --accelerator_type'),
 ])
 def test_bad_arguments_give_one_line(argv, message, capsys):
   with pytest.raises(SystemExit) as e:
@@ -428,14 +448,14 @@ def fake_gcloud(tmp_path, monkeypatch):
   monkeypatch.setenv('FAKE_GCLOUD_STATE', str(state_file))
   monkeypatch.setenv('FAKE_GCLOUD_FINAL', str(final))
   # The workdir is gs://b/w; its final.npz is the file the fake's "done" creates.
-  monkeypatch.setattr(tpu_vm, 'path_exists', lambda p: p == 'gs://b/w/final.npz'
-                      and final.exists())
+  monkeypatch.setattr(tpu_vm, 'path_exists', lambda p: p == 'gs://b/w/final.npz' and final.exists())
 
   def write(**state):
     state_file.write_text(json.dumps(state))
 
   def read():
     return json.loads(state_file.read_text())
+
   return write, read
 
 
@@ -453,37 +473,43 @@ def _verbs(calls):
 
 
 FAKE_RUN = ('--accelerator_type', 'v3-8', f'--config={CONFIG}', '--workdir=gs://b/w', DATA,
-            '--repo_url', 'https://github.com/me/vit_jax.git', '--poll', '0.01',
-            '--skip_preflight')
+            '--repo_url', 'https://github.com/me/vit_jax.git', '--poll', '0.01', '--skip_preflight')
 
 
 def test_create_waits_for_the_queued_resource(fake_gcloud, capsys):
   write, read = fake_gcloud
-  write(create_states={'queued': ['WAITING_FOR_RESOURCES', 'WAITING_FOR_RESOURCES',
-                                  'PROVISIONING', 'ACTIVE']})
-  assert tpu_vm.main(['create', '--name', NAME, '--zone', 'us-east5-b', '--accelerator_type',
-                      'v6e-8', '--poll', '0.01']) == 0
+  write(create_states={
+      'queued': ['WAITING_FOR_RESOURCES', 'WAITING_FOR_RESOURCES', 'PROVISIONING', 'ACTIVE']
+  })
+  assert tpu_vm.main([
+      'create', '--name', NAME, '--zone', 'us-east5-b', '--accelerator_type', 'v6e-8', '--poll',
+      '0.01'
+  ]) == 0
   out = capsys.readouterr().out
-  progress = [l.split(': ')[2].split()[0] for l in out.splitlines()
-              if l.startswith('tpu_vm: queued resource vit:')]
+  progress = [
+      l.split(': ')[2].split()[0] for l in out.splitlines()
+      if l.startswith('tpu_vm: queued resource vit:')
+  ]
   assert progress == ['WAITING_FOR_RESOURCES', 'PROVISIONING', 'ACTIVE']
-  assert _verbs(read()['calls']) == ['queued-resources create'] + [
-      'queued-resources describe'] * 4
+  assert _verbs(read()['calls']) == ['queued-resources create'] + ['queued-resources describe'] * 4
   assert read()['nodes'] == {NAME: {'states': ['READY']}}
   # A queued resource that fails: one line, naming the describe command.
   write(create_states={'queued': ['WAITING_FOR_RESOURCES', 'FAILED']})
-  with pytest.raises(SystemExit, match='queued resource vit is FAILED: `gcloud compute tpus '
-                     'queued-resources describe'):
-    tpu_vm.main(['create', '--name', NAME, '--zone', 'us-east5-b', '--accelerator_type',
-                 'v6e-8', '--poll', '0.01'])
+  with pytest.raises(
+      SystemExit, match='queued resource vit is FAILED: `gcloud compute tpus '
+      'queued-resources describe'):
+    tpu_vm.main([
+        'create', '--name', NAME, '--zone', 'us-east5-b', '--accelerator_type', 'v6e-8', '--poll',
+        '0.01'
+    ])
 
 
 def test_all_creates_a_node_and_waits_for_ready(fake_gcloud, capsys):
   write, read = fake_gcloud
   write(create_states={'node': ['CREATING', 'CREATING', 'READY']})
   assert tpu_vm.main(['all', '--name', NAME, '--zone', ZONE, *FAKE_RUN]) == 0
-  assert _verbs(read()['calls']) == ['tpu-vm create'] + ['tpu-vm describe'] * 3 + [
-      'ssh:setup', 'ssh:start']
+  assert _verbs(
+      read()['calls']) == ['tpu-vm create'] + ['tpu-vm describe'] * 3 + ['ssh:setup', 'ssh:start']
   assert 'TPU VM vit: READY' in capsys.readouterr().out
 
 
@@ -491,8 +517,7 @@ def test_delete_finds_which_api_made_it(fake_gcloud):
   write, read = fake_gcloud
   write(queued={NAME: {'states': ['ACTIVE']}}, nodes={NAME: {'states': ['READY']}})
   tpu_vm.main(['delete', '--name', NAME, '--zone', ZONE, '--yes'])
-  assert read()['calls'][-1] == QUEUED[1:] + ['delete', NAME, '--zone', ZONE, '--force',
-                                              '--quiet']
+  assert read()['calls'][-1] == QUEUED[1:] + ['delete', NAME, '--zone', ZONE, '--force', '--quiet']
   assert read()['nodes'] == {} and read()['queued'] == {}
   write(nodes={NAME: {'states': ['READY']}})
   tpu_vm.main(['delete', '--name', NAME, '--zone', ZONE, '--yes'])
@@ -505,7 +530,8 @@ def test_resume_recreates_a_preempted_node(fake_gcloud, capsys):
   assert tpu_vm.main(['resume', '--name', NAME, '--zone', ZONE, *FAKE_RUN, '--api', 'node']) == 0
   assert _verbs(read()['calls']) == [
       'tpu-vm describe', 'tpu-vm delete', 'tpu-vm create', 'tpu-vm describe', 'tpu-vm describe',
-      'ssh:setup', 'ssh:start']
+      'ssh:setup', 'ssh:start'
+  ]
   assert 'vit is PREEMPTED: a preempted TPU VM cannot be restarted' in capsys.readouterr().out
   start = read()['calls'][-1]
   assert 'python3 -m vit_jax.main' in start[-1] and '--workdir=gs://b/w' in start[-1]
@@ -517,14 +543,17 @@ def test_resume_recreates_a_preempted_node(fake_gcloud, capsys):
 
 def test_watch_recovers_from_preemption_node(fake_gcloud, capsys):
   write, read = fake_gcloud
-  write(nodes={NAME: {'states': ['READY']}}, run_status=['running', 'preempt'],
-        on_start=[{'run_status': ['running', 'done']}])
+  write(nodes={NAME: {
+      'states': ['READY']
+  }}, run_status=['running', 'preempt'], on_start=[{
+      'run_status': ['running', 'done']
+  }])
   assert tpu_vm.main(['watch', '--name', NAME, '--zone', ZONE, *FAKE_RUN, '--api', 'node']) == 0
   assert _verbs(read()['calls']) == [
-      'tpu-vm describe', 'ssh:status', 'tpu-vm describe', 'ssh:status',
-      'tpu-vm describe', 'tpu-vm delete', 'tpu-vm create', 'tpu-vm describe', 'ssh:setup',
-      'ssh:start',
-      'tpu-vm describe', 'ssh:status', 'tpu-vm describe', 'ssh:status']
+      'tpu-vm describe', 'ssh:status', 'tpu-vm describe', 'ssh:status', 'tpu-vm describe',
+      'tpu-vm delete', 'tpu-vm create', 'tpu-vm describe', 'ssh:setup', 'ssh:start',
+      'tpu-vm describe', 'ssh:status', 'tpu-vm describe', 'ssh:status'
+  ]
   out = capsys.readouterr().out
   assert 'vit is PREEMPTED: recovery 1/20' in out
   assert 'the run finished: gs://b/w/final.npz (1 recoveries)' in out
@@ -532,16 +561,21 @@ def test_watch_recovers_from_preemption_node(fake_gcloud, capsys):
 
 def test_watch_recovers_from_preemption_queued(fake_gcloud, capsys):
   write, read = fake_gcloud
-  write(queued={NAME: {'states': ['ACTIVE']}}, nodes={NAME: {'states': ['READY']}},
-        run_status=['preempt'], on_start=[{'run_status': ['running', 'done']}],
-        create_states={'queued': ['WAITING_FOR_RESOURCES', 'PROVISIONING', 'ACTIVE']})
-  assert tpu_vm.main(['watch', '--name', NAME, '--zone', 'us-east5-b', *FAKE_RUN,
-                      '--accelerator_type', 'v6e-8']) == 0
+  write(queued={NAME: {
+      'states': ['ACTIVE']
+  }}, nodes={NAME: {
+      'states': ['READY']
+  }}, run_status=['preempt'], on_start=[{
+      'run_status': ['running', 'done']
+  }], create_states={'queued': ['WAITING_FOR_RESOURCES', 'PROVISIONING', 'ACTIVE']})
+  assert tpu_vm.main(
+      ['watch', '--name', NAME, '--zone', 'us-east5-b', *FAKE_RUN, '--accelerator_type',
+       'v6e-8']) == 0
   verbs = _verbs(read()['calls'])
   i = verbs.index('queued-resources delete')
   assert verbs[i - 1] == 'queued-resources describe'  # SUSPENDED
-  assert verbs[i:i + 5] == ['queued-resources delete', 'queued-resources create'] + [
-      'queued-resources describe'] * 3
+  assert verbs[i:i + 5] == ['queued-resources delete', 'queued-resources create'
+                           ] + ['queued-resources describe'] * 3
   assert verbs[i + 5:i + 7] == ['ssh:setup', 'ssh:start'] and read()['starts'] == 1
   out = capsys.readouterr().out
   assert 'vit is SUSPENDED: recovery 1/20' in out and 'the run finished' in out
@@ -549,8 +583,11 @@ def test_watch_recovers_from_preemption_queued(fake_gcloud, capsys):
 
 def test_watch_restarts_a_run_that_stopped_on_a_ready_vm(fake_gcloud, capsys):
   write, read = fake_gcloud
-  write(nodes={NAME: {'states': ['READY']}}, run_status=['none'],
-        on_start=[{'run_status': ['running', 'done']}])
+  write(nodes={NAME: {
+      'states': ['READY']
+  }}, run_status=['none'], on_start=[{
+      'run_status': ['running', 'done']
+  }])
   assert tpu_vm.main(['watch', '--name', NAME, '--zone', ZONE, *FAKE_RUN, '--api', 'node']) == 0
   verbs = _verbs(read()['calls'])
   assert 'tpu-vm delete' not in verbs and verbs.count('ssh:start') == 1
@@ -563,7 +600,8 @@ def test_watch_creates_a_missing_slice_without_counting_it(fake_gcloud, capsys):
   assert tpu_vm.main(['watch', '--name', NAME, '--zone', ZONE, *FAKE_RUN, '--spot']) == 0
   assert _verbs(read()['calls'])[:6] == [
       'queued-resources describe', 'queued-resources create', 'queued-resources describe',
-      'ssh:setup', 'ssh:start', 'queued-resources describe']
+      'ssh:setup', 'ssh:start', 'queued-resources describe'
+  ]
   out = capsys.readouterr().out
   assert 'vit does not exist: creating it' in out and '(0 recoveries)' in out
 
@@ -571,15 +609,17 @@ def test_watch_creates_a_missing_slice_without_counting_it(fake_gcloud, capsys):
 def test_watch_stops_on_a_failed_run_and_at_max_recoveries(fake_gcloud):
   write, read = fake_gcloud
   write(nodes={NAME: {'states': ['READY']}}, run_status=['running', 'exit 1'])
-  with pytest.raises(SystemExit, match='ended with exit 1 and the VM is READY, not a '
-                     'preemption: read vit-tpu logs'):
+  with pytest.raises(
+      SystemExit, match='ended with exit 1 and the VM is READY, not a '
+      'preemption: read vit-tpu logs'):
     tpu_vm.main(['watch', '--name', NAME, '--zone', ZONE, *FAKE_RUN, '--api', 'node'])
   assert _verbs(read()['calls']).count('ssh:status') == 3  # Ended: one more poll to be sure.
   # Preempted after every start: two recoveries, then it gives up.
   write(nodes={NAME: {'states': ['PREEMPTED']}}, run_status=['preempt'])
   with pytest.raises(SystemExit, match=r'2 recoveries are done \(--max_recoveries\)'):
-    tpu_vm.main(['watch', '--name', NAME, '--zone', ZONE, *FAKE_RUN, '--api', 'node',
-                 '--max_recoveries', '2'])
+    tpu_vm.main([
+        'watch', '--name', NAME, '--zone', ZONE, *FAKE_RUN, '--api', 'node', '--max_recoveries', '2'
+    ])
   assert read()['starts'] == 2
 
 

@@ -38,8 +38,8 @@ def _images(n=4, size=16, seed=0):
 def test_ordinary_parameter_tree_is_unchanged():
   for kw in ({}, {'representation_size': 16}, {'classifier': 'gap'}):
     model = _model(**kw)
-    params = jax.eval_shape(lambda m=model: m.init(
-        jax.random.PRNGKey(0), jnp.zeros((1, 16, 16, 3)))['params'])
+    params = jax.eval_shape(lambda m=model: m.init(jax.random.PRNGKey(0), jnp.zeros(
+        (1, 16, 16, 3)))['params'])
     top = set(params)
     assert not top & set(mp.PRETRAIN_ONLY)
     want = {'embedding', 'Transformer', 'head'} | ({'cls'} if 'classifier' not in kw else set())
@@ -55,19 +55,17 @@ def test_pretraining_tree_and_shapes(target, outputs):
   cfg = _cfg(target=target)
   model = _model(0)
   params = jax.eval_shape(lambda: mp.init_params(model, jax.random.PRNGKey(0), 16, cfg))
-  assert set(params) == {'embedding', 'cls', 'Transformer', 'mask_embedding',
-                         'masked_patch_head'}
+  assert set(params) == {'embedding', 'cls', 'Transformer', 'mask_embedding', 'masked_patch_head'}
   assert params['mask_embedding'].shape == (1, 1, 16)
   assert params['masked_patch_head']['kernel'].shape == (16, outputs)
   images = jax.ShapeDtypeStruct((4, 16, 16, 3), jnp.float32)
   corrupt = jax.eval_shape(lambda: mp.draw_corruption(jax.random.PRNGKey(1), 4, 16, cfg))
   assert corrupt[0].shape == corrupt[1].shape == (4, 16)
-  out = jax.eval_shape(lambda p, x, c: mp.apply(model, p, x, c, cfg, train=False),
-                       params, images, corrupt)
+  out = jax.eval_shape(lambda p, x, c: mp.apply(model, p, x, c, cfg, train=False), params, images,
+                       corrupt)
   assert out.shape == (4, 16, outputs)
   t = jax.eval_shape(lambda x: mp.targets(x, 4, cfg), images)
-  assert t.shape == {'mean_color': (4, 16), 'downsized': (4, 16, 16),
-                     'pixels': (4, 16, 48)}[target]
+  assert t.shape == {'mean_color': (4, 16), 'downsized': (4, 16, 16), 'pixels': (4, 16, 48)}[target]
   assert mp.without_pretraining_params(params).keys() == {'embedding', 'cls', 'Transformer'}
 
 
@@ -163,16 +161,19 @@ def _reference(v, p, target, bits=3, d=4):
           row.append(code(np.floor(patch.mean((0, 1)) * 2**bits / 256)))
         elif target == 'downsized':
           b = p // d
-          row.append([code(np.floor(patch[y * b:(y + 1) * b, x * b:(x + 1) * b].mean((0, 1))
-                                    * 2**bits / 256)) for y in range(d) for x in range(d)])
+          row.append([
+              code(
+                  np.floor(patch[y * b:(y + 1) * b, x * b:(x + 1) * b].mean(
+                      (0, 1)) * 2**bits / 256)) for y in range(d) for x in range(d)
+          ])
         else:
           row.append((patch / 127.5 - 1).ravel())
     out.append(row)
   return np.array(out)
 
 
-@pytest.mark.parametrize('target,p', [('mean_color', 4), ('mean_color', 8),
-                                      ('downsized', 8), ('pixels', 4)])
+@pytest.mark.parametrize('target,p', [('mean_color', 4), ('mean_color', 8), ('downsized', 8),
+                                      ('pixels', 4)])
 def test_targets_against_numpy(target, p):
   images, v = _images(3, 16, seed=p)
   got = np.asarray(mp.targets(jnp.asarray(images), p, _cfg(target=target)))
@@ -220,8 +221,8 @@ def test_loss_counts_only_corrupted_patches():
   t16 = rng.integers(0, 512, (2, 5, 16))
   loss16, _ = mp.prediction_loss(out16, t16, kind, 'downsized')
   lp = jax.nn.log_softmax(out16.reshape(2, 5, 16, 512))
-  want16 = -np.mean([np.mean(np.take_along_axis(lp[i, j], t16[i, j][:, None], -1))
-                     for i, j in picked])
+  want16 = -np.mean(
+      [np.mean(np.take_along_axis(lp[i, j], t16[i, j][:, None], -1)) for i, j in picked])
   np.testing.assert_allclose(loss16, want16, rtol=1e-5)
   y = rng.normal(size=(2, 5, 48)).astype(np.float32)
   t = rng.normal(size=(2, 5, 48)).astype(np.float32)
@@ -233,15 +234,15 @@ def test_loss_counts_only_corrupted_patches():
 # ---------------------------------------------------------------------- configs
 def test_named_configs_follow_the_paper():
   jft = mp_configs.get_config('ViT-B_16,jft300m')
-  assert (jft.objective, jft.model_name, jft.batch_size, jft.total_steps) == (
-      'masked_patches', 'ViT-B_16', 4096, 1_000_000)
-  assert (jft.optimizer, jft.base_lr, jft.warmup_steps, jft.lr_decay) == (
-      'adam', 2e-4, 10_000, 'cosine')
+  assert (jft.objective, jft.model_name, jft.batch_size,
+          jft.total_steps) == ('masked_patches', 'ViT-B_16', 4096, 1_000_000)
+  assert (jft.optimizer, jft.base_lr, jft.warmup_steps, jft.lr_decay) == ('adam', 2e-4, 10_000,
+                                                                          'cosine')
   # "1M steps (ca. 14 epochs)" of JFT-300M at batch 4096.
   assert round(jft.total_steps * jft.batch_size / jft.num_train_examples) == 14
   m = jft.masked_patches
-  assert (m.target, m.corrupt_rate, m.mask_prob, m.random_prob, m.bits) == (
-      'mean_color', 0.5, 0.8, 0.1, 3)
+  assert (m.target, m.corrupt_rate, m.mask_prob, m.random_prob, m.bits) == ('mean_color', 0.5, 0.8,
+                                                                            0.1, 3)
   assert 'representation_size' not in jft.model
   i21k = mp_configs.get_config('ViT-B_16,imagenet21k')
   assert (i21k.dataset, i21k.total_steps, i21k.base_lr) == ('imagenet21k', 100_000, 2e-4)
@@ -349,8 +350,7 @@ def test_train_step_same_on_one_and_eight_devices_and_with_accumulation():
   model = train.build_model(c, 0)
   from vit_jax import optim, sharding  # pylint: disable=g-import-not-at-top
   tx = optim.make_optimizer(c, 4)
-  params = jax.jit(lambda r: mp.init_params(model, r, 16, c.masked_patches))(
-      jax.random.PRNGKey(0))
+  params = jax.jit(lambda r: mp.init_params(model, r, 16, c.masked_patches))(jax.random.PRNGKey(0))
   images, _ = _images(16, 16)
   batch = {'image': images, 'label': np.zeros(16, np.int32)}
   out = {}
@@ -365,5 +365,5 @@ def test_train_step_same_on_one_and_eight_devices_and_with_accumulation():
     out[devices, accum] = (float(metrics['loss']), jax.device_get(new['params']))
   for key in ((8, 2),):
     np.testing.assert_allclose(out[key][0], out[1, 1][0], rtol=1e-5)
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6),
-                 out[key][1], out[1, 1][1])
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6), out[key][1],
+                 out[1, 1][1])

@@ -65,9 +65,8 @@ PARAM_COUNTS = {
 
 
 def _num_params(model, image_size=224):
-  shapes = jax.eval_shape(
-      lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, image_size, image_size, 3)),
-                         train=False))
+  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(
+      0), jnp.zeros((1, image_size, image_size, 3)), train=False))
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes['params']))
 
 
@@ -80,18 +79,19 @@ def test_param_count(name):
   assert _num_params(models.get_model(name, num_classes=1000)) == PARAM_COUNTS[name]
 
 
-@pytest.mark.parametrize('name,paper', [('ViT-B_16', 86e6), ('ViT-L_16', 307e6), ('ViT-H_14', 632e6)])
+@pytest.mark.parametrize('name,paper', [('ViT-B_16', 86e6), ('ViT-L_16', 307e6),
+                                        ('ViT-H_14', 632e6)])
 def test_table1_param_counts_within_1_percent(name, paper):
   n = _num_params(models.get_model(name, num_classes=1000))
   assert abs(n / paper - 1) < 0.01, (name, n)
 
 
 def test_required_names_exist():
-  required = ['ViT-Ti_16', 'ViT-S_16', 'ViT-S_32', 'ViT-B_8', 'ViT-B_16', 'ViT-B_32', 'ViT-L_16',
-              'ViT-L_32', 'ViT-H_14', 'R50+ViT-B_16', 'R50+ViT-L_32', 'R26+ViT-B_32',
-              'R26+ViT-S_32', 'R+ViT-Ti_16', 'R50x1', 'R50x2', 'R101x1', 'R152x1', 'R152x2',
-              'R200x3'] + [f'BiT-{d}-R{r}' for d in 'SM'
-                           for r in ('50x1', '50x3', '101x1', '101x3', '152x2', '152x4')]
+  required = [
+      'ViT-Ti_16', 'ViT-S_16', 'ViT-S_32', 'ViT-B_8', 'ViT-B_16', 'ViT-B_32', 'ViT-L_16',
+      'ViT-L_32', 'ViT-H_14', 'R50+ViT-B_16', 'R50+ViT-L_32', 'R26+ViT-B_32', 'R26+ViT-S_32',
+      'R+ViT-Ti_16', 'R50x1', 'R50x2', 'R101x1', 'R152x1', 'R152x2', 'R200x3'
+  ] + [f'BiT-{d}-R{r}' for d in 'SM' for r in ('50x1', '50x3', '101x1', '101x3', '152x2', '152x4')]
   assert not set(required) - set(models.VARIANTS)
 
 
@@ -102,8 +102,9 @@ def _images(n=2, size=32, seed=0):
 # Small members of each family, with overrides that keep them fast on CPU.
 FAMILIES = {
     'vit': ('ViT-Ti_16', dict(num_layers=2, patch_size=8), 32),
-    'vit_gap_prelogits': ('ViT-S_32', dict(num_layers=1, patch_size=8, classifier='gap',
-                                           representation_size=24), 32),
+    'vit_gap_prelogits': ('ViT-S_32',
+                          dict(num_layers=1, patch_size=8, classifier='gap',
+                               representation_size=24), 32),
     'hybrid': ('R26+ViT-S_32', dict(num_layers=1, resnet_layers=(1, 1)), 32),
     'hybrid_root_only': ('R+ViT-Ti_16', dict(num_layers=1), 64),
     'bit': ('BiT-M-R50x1', dict(resnet_layers=(1, 1, 1)), 32),
@@ -118,15 +119,18 @@ def test_forward_every_family(family):
   params = model.init(jax.random.PRNGKey(0), x, train=False)['params']
   # Heads start at zero; give them values so the logits depend on the input.
   params = flax.core.unfreeze(params)
-  params['head']['kernel'] = jax.random.normal(jax.random.PRNGKey(1), params['head']['kernel'].shape)
+  params['head']['kernel'] = jax.random.normal(jax.random.PRNGKey(1),
+                                               params['head']['kernel'].shape)
   logits = model.apply({'params': params}, x, train=False)
   assert logits.shape == (2, 7) and logits.dtype == jnp.float32
   assert bool(jnp.all(jnp.isfinite(logits)))
   assert not np.allclose(logits[0], logits[1])  # different images, different logits
   features = models.get_model(name, num_classes=0, **overrides).apply(
-      {'params': {k: v for k, v in params.items() if k != 'head'}}, x, train=False)
-  np.testing.assert_allclose(features @ params['head']['kernel'] + params['head']['bias'],
-                             logits, rtol=1e-4, atol=1e-4)
+      {'params': {
+          k: v for k, v in params.items() if k != 'head'
+      }}, x, train=False)
+  np.testing.assert_allclose(features @ params['head']['kernel'] + params['head']['bias'], logits,
+                             rtol=1e-4, atol=1e-4)
 
 
 def test_heads_and_class_token_start_at_zero():
@@ -134,7 +138,8 @@ def test_heads_and_class_token_start_at_zero():
   params = model.init(jax.random.PRNGKey(0), _images(), train=False)['params']
   assert not np.any(params['head']['kernel']) and not np.any(params['cls'])
   np.testing.assert_array_equal(params['head']['bias'], -10.0)
-  assert abs(float(jnp.std(params['Transformer']['posembed_input']['pos_embedding'])) - 0.02) < 0.004
+  assert abs(float(jnp.std(params['Transformer']['posembed_input']['pos_embedding']))
+             - 0.02) < 0.004
 
 
 def test_gap_classifier_has_no_class_token():
@@ -150,13 +155,15 @@ def test_dropout_only_when_training():
                           attention_dropout_rate=0.2)
   plain = models.get_model('ViT-Ti_16', num_classes=4, num_layers=2)
   params = drop.init(jax.random.PRNGKey(0), x, train=False)['params']
-  params['head']['kernel'] = jax.random.normal(jax.random.PRNGKey(1), params['head']['kernel'].shape)
+  params['head']['kernel'] = jax.random.normal(jax.random.PRNGKey(1),
+                                               params['head']['kernel'].shape)
   evaluated = drop.apply({'params': params}, x, train=False)
   np.testing.assert_array_equal(evaluated, plain.apply({'params': params}, x, train=False))
   rngs = lambda s: {'dropout': jax.random.PRNGKey(s)}
   trained = drop.apply({'params': params}, x, train=True, rngs=rngs(1))
   assert not np.allclose(trained, evaluated, atol=1e-3)
-  np.testing.assert_array_equal(trained, drop.apply({'params': params}, x, train=True, rngs=rngs(1)))
+  np.testing.assert_array_equal(trained, drop.apply({'params': params}, x, train=True,
+                                                    rngs=rngs(1)))
   assert not np.allclose(trained, drop.apply({'params': params}, x, train=True, rngs=rngs(2)))
 
 
@@ -168,7 +175,8 @@ def test_bfloat16_compute_keeps_float32_params(family):
   m16 = models.get_model(name, num_classes=3, dtype='bfloat16', **overrides)
   params = m16.init(jax.random.PRNGKey(0), x, train=False)['params']
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
-  params['head']['kernel'] = jax.random.normal(jax.random.PRNGKey(1), params['head']['kernel'].shape)
+  params['head']['kernel'] = jax.random.normal(jax.random.PRNGKey(1),
+                                               params['head']['kernel'].shape)
   y32 = m32.apply({'params': params}, x, train=False)
   y16 = m16.apply({'params': params}, x, train=False)
   assert y16.dtype == jnp.float32
@@ -180,8 +188,8 @@ def test_bfloat16_compute_keeps_float32_params(family):
 # Smaller still: the gradient of each is compiled twice.
 REMAT_CASES = {
     'vit': ('ViT-Ti_16', dict(num_layers=2, patch_size=8, dropout_rate=0.1), 32),
-    'hybrid': ('R26+ViT-S_32', dict(num_layers=1, resnet_layers=(1,), hidden_size=64,
-                                    mlp_dim=64, num_heads=2), 32),
+    'hybrid': ('R26+ViT-S_32',
+               dict(num_layers=1, resnet_layers=(1,), hidden_size=64, mlp_dim=64, num_heads=2), 32),
     'bit': ('BiT-M-R50x1', dict(resnet_layers=(1,)), 32),
 }
 
@@ -207,7 +215,8 @@ def test_remat_gives_same_values_and_gradients(family):
   plain = models.get_model(name, num_classes=3, **overrides)
   remat = plain.clone(remat=True)
   params = plain.init(jax.random.PRNGKey(0), x, train=False)['params']
-  params['head']['kernel'] = jax.random.normal(jax.random.PRNGKey(1), params['head']['kernel'].shape)
+  params['head']['kernel'] = jax.random.normal(jax.random.PRNGKey(1),
+                                               params['head']['kernel'].shape)
   assert jax.tree.structure(params) == jax.tree.structure(
       remat.init(jax.random.PRNGKey(0), x, train=False)['params'])
 
@@ -236,8 +245,8 @@ def test_image_size_not_divisible_names_the_fix():
 
 def test_hybrid_grid_is_one_sixteenth_of_the_image():
   model = models.get_model('R50+ViT-B_16', num_classes=10)
-  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 384, 384, 3)),
-                                             train=False))
+  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros(
+      (1, 384, 384, 3)), train=False))
   assert shapes['params']['Transformer']['posembed_input']['pos_embedding'].shape == (1, 577, 768)
   assert shapes['params']['embedding']['kernel'].shape == (1, 1, 1024, 768)
 
@@ -290,12 +299,14 @@ def test_bf16_dot_accumulates_in_float32_forward_and_backward():
     assert err < 1e-5, (name, err)
 
 
-@pytest.mark.parametrize('dims,shapes', [
-    ((((3,), (3,)), ((0, 2), (0, 2))), ((2, 5, 3, 4), (2, 6, 3, 4))),  # attention logits
-    ((((3,), (1,)), ((0, 1), (0, 2))), ((2, 3, 5, 6), (2, 6, 3, 4))),  # weights . values
-    ((((1, 2), (0, 1)), ((), ())), ((7, 3, 4), (3, 4, 5))),  # attention out projection
-    ((((0,), (0,)), ((), ())), ((7, 5), (7, 3))),
-])
+@pytest.mark.parametrize(
+    'dims,shapes',
+    [
+        ((((3,), (3,)), ((0, 2), (0, 2))), ((2, 5, 3, 4), (2, 6, 3, 4))),  # attention logits
+        ((((3,), (1,)), ((0, 1), (0, 2))), ((2, 3, 5, 6), (2, 6, 3, 4))),  # weights . values
+        ((((1, 2), (0, 1)), ((), ())), ((7, 3, 4), (3, 4, 5))),  # attention out projection
+        ((((0,), (0,)), ((), ())), ((7, 5), (7, 3))),
+    ])
 def test_bf16_dot_gradients_equal_lax_dot_general(dims, shapes):
   # Small integers are exact in bf16 and their sums in f32: the gradients must be equal.
   rng = np.random.default_rng(0)
@@ -322,7 +333,7 @@ def test_bf16_model_every_dot_is_bf16_with_float32_accumulation(family):
   x = _images(size=size)
   model = models.get_model(name, num_classes=3, dtype='bfloat16', **overrides)
   params = model.init(jax.random.PRNGKey(0), x, train=False)['params']
-  loss = lambda p: jnp.sum(model.apply({'params': p}, x, train=False) ** 2)
+  loss = lambda p: jnp.sum(model.apply({'params': p}, x, train=False)**2)
   eqns = list(_dot_generals(jax.make_jaxpr(jax.grad(loss))(params).jaxpr))
   assert len(eqns) >= 3
   for eqn in eqns:
@@ -330,15 +341,17 @@ def test_bf16_model_every_dot_is_bf16_with_float32_accumulation(family):
     assert eqn.outvars[0].aval.dtype == jnp.float32, eqn
 
 
-@pytest.mark.parametrize('policy', ['', 'nothing_saveable', 'dots_saveable',
-                                    'dots_with_no_batch_dims_saveable', True, False])
+@pytest.mark.parametrize(
+    'policy',
+    ['', 'nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable', True, False])
 def test_remat_policies_give_the_gradients_of_no_remat(policy):
   name, overrides, size = REMAT_CASES['vit']
   x = _images(size=size)
   plain = models.get_model(name, num_classes=3, **overrides)
   remat = models.get_model(name, num_classes=3, remat=policy, **overrides)
   params = plain.init(jax.random.PRNGKey(0), x, train=False)['params']
-  params['head']['kernel'] = jax.random.normal(jax.random.PRNGKey(1), params['head']['kernel'].shape)
+  params['head']['kernel'] = jax.random.normal(jax.random.PRNGKey(1),
+                                               params['head']['kernel'].shape)
 
   _assert_same_gradients(plain, remat, params, x)
   # The policy is really applied: remat shows in the gradient's jaxpr unless off.
@@ -347,6 +360,7 @@ def test_remat_policies_give_the_gradients_of_no_remat(policy):
 
 
 def test_unknown_remat_policy_names_the_choices():
-  with pytest.raises(ValueError, match=r"remat 'dots' is unknown: set --config.remat to one of "
-                                       r"'' \(off\), nothing_saveable, dots_saveable"):
+  with pytest.raises(
+      ValueError, match=r"remat 'dots' is unknown: set --config.remat to one of "
+      r"'' \(off\), nothing_saveable, dots_saveable"):
     models.get_model('ViT-Ti_16', num_classes=3, remat='dots')

@@ -27,12 +27,13 @@ def _free_port():
 
 
 def _args(workdir, idx_dir, total_steps=4):
-  return [sys.executable, '-m', 'vit_jax.main', '--config=configs/quickstart.py',
-          f'--workdir={workdir}', f'--config.data_dir={idx_dir}',
-          f'--config.total_steps={total_steps}', '--config.warmup_steps=1',
-          '--config.batch_size=16', '--config.eval_batch_size=16',
-          '--config.log_every_steps=1', '--config.eval_every_steps=0',
-          '--config.model.num_layers=1', '--config.model.dropout_rate=0.1']
+  return [
+      sys.executable, '-m', 'vit_jax.main', '--config=configs/quickstart.py',
+      f'--workdir={workdir}', f'--config.data_dir={idx_dir}', f'--config.total_steps={total_steps}',
+      '--config.warmup_steps=1', '--config.batch_size=16', '--config.eval_batch_size=16',
+      '--config.log_every_steps=1', '--config.eval_every_steps=0', '--config.model.num_layers=1',
+      '--config.model.dropout_rate=0.1'
+  ]
 
 
 def _reference_config(idx_dir):
@@ -50,12 +51,14 @@ def _env(devices):
 
 def _start_hosts(workdir, idx_dir, total_steps, heartbeat=100):
   address = f'127.0.0.1:{_free_port()}'
-  return [subprocess.Popen(
-      _args(workdir, idx_dir, total_steps) + [
-          f'--coordinator_address={address}', '--num_processes=2', f'--process_id={i}',
-          f'--heartbeat_timeout_seconds={heartbeat}'],
-      cwd=ROOT, env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-          for i in range(2)]
+  return [
+      subprocess.Popen(
+          _args(workdir, idx_dir, total_steps) + [
+              f'--coordinator_address={address}', '--num_processes=2', f'--process_id={i}',
+              f'--heartbeat_timeout_seconds={heartbeat}'
+          ], cwd=ROOT, env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i in range(2)
+  ]
 
 
 def _losses(workdir):

@@ -30,13 +30,20 @@ nbformat.write(nb, target)
 
 
 def _run(name, wheel_venv, tmp_path, **params):
-  overrides = {'TINY': True, 'OFFLINE': True, 'DATA_DIR': str(tmp_path / 'data'),
-               'WORKDIR': str(tmp_path / 'work'), **params}
+  overrides = {
+      'TINY': True,
+      'OFFLINE': True,
+      'DATA_DIR': str(tmp_path / 'data'),
+      'WORKDIR': str(tmp_path / 'work'),
+      **params
+  }
   executed = tmp_path / f'executed-{name}'
-  out = subprocess.run(
-      [str(wheel_venv / 'bin' / 'python'), '-c', _EXECUTE, os.path.join(ROOT, 'notebooks', name),
-       str(executed), json.dumps(overrides)],
-      cwd=tmp_path, env=user_env(wheel_venv), capture_output=True, text=True, timeout=900)
+  out = subprocess.run([
+      str(wheel_venv / 'bin' / 'python'), '-c', _EXECUTE,
+      os.path.join(ROOT, 'notebooks', name),
+      str(executed),
+      json.dumps(overrides)
+  ], cwd=tmp_path, env=user_env(wheel_venv), capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-4000:]
   with open(executed) as f:
     nb = json.load(f)
@@ -65,13 +72,13 @@ def test_inspect_notebook(wheel_venv, tmp_path):
 def test_unset_repo_url_stops_with_one_line(wheel_venv, tmp_path):
   """Where vit_jax is not installed and no checkout is near, the set-up cell says what to set."""
   venv = tmp_path / 'bare'
-  subprocess.run([str(wheel_venv / 'bin' / 'python'), '-m', 'venv', '--without-pip', str(venv)],
-                 check=True)
+  subprocess.run([str(wheel_venv / 'bin' / 'python'), '-m', 'venv', '--without-pip',
+                  str(venv)], check=True)
   with open(os.path.join(ROOT, 'notebooks', 'quickstart.ipynb')) as f:
     cells = [''.join(c['source']) for c in json.load(f)['cells'] if c['cell_type'] == 'code']
   params, setup = cells[0], cells[1]
-  out = subprocess.run([str(venv / 'bin' / 'python'), '-c', params + '\n' + setup],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+  out = subprocess.run([str(venv / 'bin' / 'python'), '-c', params + '\n' + setup], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
   assert out.returncode != 0
   assert out.stderr.strip().splitlines()[-1].startswith(
       'vit_jax is not installed: set REPO_URL in the first code cell')

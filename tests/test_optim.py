@@ -10,33 +10,43 @@ from vit_jax import optim
 
 def _config(**overrides):
   """The optimisation fields of configs/common.py, with overrides (kept local: no configs import)."""
-  c = ml_collections.ConfigDict(dict(
-      optimizer='adam', adam_b1=0.9, adam_b2=0.999, momentum=0.9, base_lr=0.1,
-      lr_decay='linear', end_lr=0.0, warmup_steps=100, total_steps=1100, num_epochs=-1.0,
-      num_train_examples=-1, batch_size=4096, accum_steps=1, weight_decay=0.0,
-      grad_clip_norm=1.0, loss='softmax_xent', lr_grid=()))
+  c = ml_collections.ConfigDict(
+      dict(optimizer='adam', adam_b1=0.9, adam_b2=0.999, momentum=0.9, base_lr=0.1,
+           lr_decay='linear', end_lr=0.0, warmup_steps=100, total_steps=1100, num_epochs=-1.0,
+           num_train_examples=-1, batch_size=4096, accum_steps=1, weight_decay=0.0,
+           grad_clip_norm=1.0, loss='softmax_xent', lr_grid=()))
   c.update(overrides)
   return c
 
 
 # Schedules: warm-up 100 steps to 0.1, decay over the 1000 steps after it.
-@pytest.mark.parametrize('step,expected', [
-    (0, 0.0), (50, 0.05), (100, 0.1),
-    (600, 0.01 + 0.09 * 0.5),  # Half-way: end_lr + (base - end) / 2.
-    (850, 0.01 + 0.09 * 0.25),
-    (1100, 0.01), (2000, 0.01),  # Stays at end_lr past the end.
-])
+@pytest.mark.parametrize(
+    'step,expected',
+    [
+        (0, 0.0),
+        (50, 0.05),
+        (100, 0.1),
+        (600, 0.01 + 0.09 * 0.5),  # Half-way: end_lr + (base - end) / 2.
+        (850, 0.01 + 0.09 * 0.25),
+        (1100, 0.01),
+        (2000, 0.01),  # Stays at end_lr past the end.
+    ])
 def test_linear_schedule(step, expected):
   schedule = optim.learning_rate_schedule(_config(end_lr=0.01), 1100)
   np.testing.assert_allclose(float(schedule(step)), expected, rtol=1e-6, atol=1e-9)
 
 
-@pytest.mark.parametrize('step,expected', [
-    (0, 0.0), (50, 0.05), (100, 0.1),
-    (350, 0.05 * (1 + np.sqrt(0.5))),  # Quarter: 0.5 * base * (1 + cos(pi/4)).
-    (600, 0.05),  # Half-way.
-    (1100, 0.0), (1500, 0.0),
-])
+@pytest.mark.parametrize(
+    'step,expected',
+    [
+        (0, 0.0),
+        (50, 0.05),
+        (100, 0.1),
+        (350, 0.05 * (1 + np.sqrt(0.5))),  # Quarter: 0.5 * base * (1 + cos(pi/4)).
+        (600, 0.05),  # Half-way.
+        (1100, 0.0),
+        (1500, 0.0),
+    ])
 def test_cosine_schedule(step, expected):
   schedule = optim.learning_rate_schedule(_config(lr_decay='cosine'), 1100)
   np.testing.assert_allclose(float(schedule(step)), expected, rtol=1e-6, atol=1e-8)
@@ -66,11 +76,17 @@ def test_total_steps():
 def _params():
   rng = np.random.RandomState(0)
   return {
-      'Dense_0': {'kernel': rng.randn(3, 2).astype(np.float32),
-                  'bias': rng.randn(2).astype(np.float32)},
-      'LayerNorm_0': {'scale': rng.randn(2).astype(np.float32),
-                      'bias': rng.randn(2).astype(np.float32)},
-      'embedding': {'kernel': rng.randn(2, 2).astype(np.float32)},
+      'Dense_0': {
+          'kernel': rng.randn(3, 2).astype(np.float32),
+          'bias': rng.randn(2).astype(np.float32)
+      },
+      'LayerNorm_0': {
+          'scale': rng.randn(2).astype(np.float32),
+          'bias': rng.randn(2).astype(np.float32)
+      },
+      'embedding': {
+          'kernel': rng.randn(2, 2).astype(np.float32)
+      },
       'pos_embedding': rng.randn(1, 2).astype(np.float32),
   }
 
@@ -81,12 +97,14 @@ def _grads(scale):
 
 
 def _flat(tree):
-  return {jax.tree_util.keystr(k): np.asarray(v)
-          for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return {
+      jax.tree_util.keystr(k): np.asarray(v)
+      for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
 
 
 def _clip(grads, max_norm):
-  norm = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads.values()))
+  norm = np.sqrt(sum(np.sum(g.astype(np.float64)**2) for g in grads.values()))
   if max_norm > 0 and norm >= max_norm:
     return {k: g * (max_norm / norm) for k, g in grads.items()}
   return grads
@@ -102,8 +120,8 @@ def _reference(kind, params, grads_list, lrs, wd, clip, b1=0.9, b2=0.999, mom=0.
     for k in p:
       if kind == 'adam':
         m[k] = b1 * m[k] + (1 - b1) * g[k]
-        v2[k] = b2 * v2[k] + (1 - b2) * g[k] ** 2
-        u = (m[k] / (1 - b1 ** t)) / (np.sqrt(v2[k] / (1 - b2 ** t)) + eps)
+        v2[k] = b2 * v2[k] + (1 - b2) * g[k]**2
+        u = (m[k] / (1 - b1**t)) / (np.sqrt(v2[k] / (1 - b2**t)) + eps)
       else:
         m[k] = g[k] + mom * m[k]
         u = m[k]
@@ -117,8 +135,7 @@ def _reference(kind, params, grads_list, lrs, wd, clip, b1=0.9, b2=0.999, mom=0.
 @pytest.mark.parametrize('grad_scale,clip', [(10.0, 1.0), (0.01, 1.0), (10.0, 0.0)])
 def test_two_steps_match_numpy(kind, grad_scale, clip):
   # No warm-up, linear decay over 4 steps: lr 0.1 then 0.075.
-  c = _config(optimizer=kind, warmup_steps=0, total_steps=4, weight_decay=0.3,
-              grad_clip_norm=clip)
+  c = _config(optimizer=kind, warmup_steps=0, total_steps=4, weight_decay=0.3, grad_clip_norm=clip)
   tx = optim.make_optimizer(c, 4)
   params = jax.tree.map(jnp.asarray, _params())
   state = tx.init(params)
@@ -127,8 +144,8 @@ def test_two_steps_match_numpy(kind, grad_scale, clip):
   for grads in grads_list:
     updates, state = step(jax.tree.map(jnp.asarray, grads), state, params)
     params = jax.tree.map(lambda p, u: p + u, params, updates)
-  expected = _reference(kind, _flat(_params()), [_flat(g) for g in grads_list],
-                        [0.1, 0.075], wd=0.3, clip=clip)
+  expected = _reference(kind, _flat(_params()), [_flat(g) for g in grads_list], [0.1, 0.075],
+                        wd=0.3, clip=clip)
   got = _flat(params)
   for k in expected:
     np.testing.assert_allclose(got[k], expected[k], rtol=2e-5, atol=1e-6, err_msg=k)
@@ -152,8 +169,10 @@ def test_state_moments_mirror_params():
   for kind in ('adam', 'sgd'):
     tx = optim.make_optimizer(_config(optimizer=kind, weight_decay=0.1), 1100)
     state = tx.init(params)
-    moments = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, dict))
-               if isinstance(s, dict)]
+    moments = [
+        s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, dict))
+        if isinstance(s, dict)
+    ]
     assert moments, kind
     for tree in moments:
       assert jax.tree.structure(tree) == jax.tree.structure(params)

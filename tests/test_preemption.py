@@ -12,24 +12,34 @@ import time
 
 import numpy as np
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOTAL = 14
-
 
 IDX_SIZES = (48, 16)  # (train, test) sizes of the idx_dir fixture
 
 
 def _start(workdir, idx_dir):
-  args = [sys.executable, '-m', 'vit_jax.main', '--config=configs/quickstart.py',
-          f'--workdir={workdir}', f'--config.data_dir={idx_dir}',
-          f'--config.total_steps={TOTAL}', '--config.warmup_steps=2',
-          '--config.batch_size=16', '--config.eval_batch_size=16',
-          '--config.log_every_steps=1', '--config.eval_every_steps=0',
-          '--config.checkpoint_every_steps=1', '--config.keep_checkpoints=2',
-          '--config.model.num_layers=1', '--config.model.dropout_rate=0.1',
-          # Inception crop + flip: augmentation randomness must resume exactly too.
-          '--config.pp.train_crop=inception', '--config.pp.flip=True']
+  args = [
+      sys.executable,
+      '-m',
+      'vit_jax.main',
+      '--config=configs/quickstart.py',
+      f'--workdir={workdir}',
+      f'--config.data_dir={idx_dir}',
+      f'--config.total_steps={TOTAL}',
+      '--config.warmup_steps=2',
+      '--config.batch_size=16',
+      '--config.eval_batch_size=16',
+      '--config.log_every_steps=1',
+      '--config.eval_every_steps=0',
+      '--config.checkpoint_every_steps=1',
+      '--config.keep_checkpoints=2',
+      '--config.model.num_layers=1',
+      '--config.model.dropout_rate=0.1',
+      # Inception crop + flip: augmentation randomness must resume exactly too.
+      '--config.pp.train_crop=inception',
+      '--config.pp.flip=True'
+  ]
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2')
   return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)

@@ -25,14 +25,18 @@ from tests.conftest import ROOT
 README = os.path.join(ROOT, 'README.md')
 USER_DATA = 'fashion'  # the user's Fashion-MNIST IDX folder, relative to their directory
 BIN = os.path.dirname(sys.executable)  # the venv's console scripts
-SMALL_RUN = ['--config.total_steps=6', '--config.warmup_steps=1', '--config.batch_size=32',
-             '--config.eval_batch_size=32', '--config.log_every_steps=3',
-             '--config.checkpoint_every_steps=3', '--config.eval_every_steps=0',
-             '--config.model.num_layers=1']
-SMALL_SWEEP = ['--set', 'config.total_steps=2', '--set', 'config.warmup_steps=1',
-               '--set', 'config.batch_size=16', '--set', 'config.eval_batch_size=16',
-               '--set', 'config.log_every_steps=1', '--set', 'config.model.num_layers=1',
-               '--set', 'config.train_split=train[:64]', '--set', 'config.eval_split=test[:32]']
+SMALL_RUN = [
+    '--config.total_steps=6', '--config.warmup_steps=1', '--config.batch_size=32',
+    '--config.eval_batch_size=32', '--config.log_every_steps=3',
+    '--config.checkpoint_every_steps=3', '--config.eval_every_steps=0',
+    '--config.model.num_layers=1'
+]
+SMALL_SWEEP = [
+    '--set', 'config.total_steps=2', '--set', 'config.warmup_steps=1', '--set',
+    'config.batch_size=16', '--set', 'config.eval_batch_size=16', '--set',
+    'config.log_every_steps=1', '--set', 'config.model.num_layers=1', '--set',
+    'config.train_split=train[:64]', '--set', 'config.eval_split=test[:32]'
+]
 
 
 def fenced_blocks(text):
@@ -43,8 +47,10 @@ def fenced_blocks(text):
 def shell_lines(body):
   """Commands of a shell block: continuations joined, comments and blank lines dropped."""
   joined = body.replace('\\\n', ' ')
-  return [shlex.split(line, comments=True) for line in joined.splitlines()
-          if shlex.split(line, comments=True)]
+  return [
+      shlex.split(line, comments=True) for line in joined.splitlines()
+      if shlex.split(line, comments=True)
+  ]
 
 
 def readme_commands():
@@ -81,8 +87,9 @@ def rule(argv):
     return 'parse', []  # its data is not here: the command line must parse and load
   if prog in ('vit-evaluate', 'vit-predict', 'vit-inspect'):
     if _flag(argv, 'dataset') not in (None, 'fashion_mnist_local'):
-      return 'run', ['--dataset', 'folder:photos', '--shots', '1', '--seeds', '0',
-                     '--batch_size', '4']  # a folder stands in for the TFDS set
+      return 'run', [
+          '--dataset', 'folder:photos', '--shots', '1', '--seeds', '0', '--batch_size', '4'
+      ]  # a folder stands in for the TFDS set
     return 'run', []
   if prog == 'vit-sweep':  # the quickstart's for real (on the user's data), others dry
     if _flag(argv, 'config') == 'quickstart':
@@ -120,11 +127,10 @@ def _write_published_vit_b16(path):
   import jax  # pylint: disable=import-outside-toplevel
   from vit_jax import checkpoint, models  # pylint: disable=import-outside-toplevel
   model = models.get_model('ViT-B_16', num_classes=1000)
-  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
-                                             np.zeros((1, 224, 224, 3), np.float32)))['params']
+  shapes = jax.eval_shape(
+      lambda: model.init(jax.random.PRNGKey(0), np.zeros((1, 224, 224, 3), np.float32)))['params']
   rng = np.random.default_rng(0)
-  params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(np.float32),
-                        shapes)
+  params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(np.float32), shapes)
   checkpoint.save_npz(str(path), params)
 
 

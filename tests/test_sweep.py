@@ -40,9 +40,10 @@ def test_parse_sweep(spec, expected):
   assert sweep.parse_sweep(spec) == expected
 
 
-@pytest.mark.parametrize('spec', ['config.base_lr', 'config.base_lr=0.1', 'config.base_lr=[]',
-                                  'config.base_lr=[0.1,,0.2]', 'config.base lr=[0.1]',
-                                  '=[0.1]', 'config.base_lr=(0.1,0.2)'])
+@pytest.mark.parametrize('spec', [
+    'config.base_lr', 'config.base_lr=0.1', 'config.base_lr=[]', 'config.base_lr=[0.1,,0.2]',
+    'config.base lr=[0.1]', '=[0.1]', 'config.base_lr=(0.1,0.2)'
+])
 def test_parse_sweep_errors(spec):
   with pytest.raises(sweep.SweepError, match='--sweep') as e:
     sweep.parse_sweep(spec)
@@ -51,12 +52,13 @@ def test_parse_sweep_errors(spec):
 
 def test_grid_product_and_names():
   config = sweep.load_config(FINETUNE)
-  grid = sweep.build_grid(config, ['config.base_lr=[0.01,0.03]',
-                                   'config.pp.train_crop=[resize,inception]'])
+  grid = sweep.build_grid(config,
+                          ['config.base_lr=[0.01,0.03]', 'config.pp.train_crop=[resize,inception]'])
   points = sweep.grid_points(grid)
   assert [name for name, _ in points] == [
       'base_lr=0.01,pp.train_crop=resize', 'base_lr=0.01,pp.train_crop=inception',
-      'base_lr=0.03,pp.train_crop=resize', 'base_lr=0.03,pp.train_crop=inception']
+      'base_lr=0.03,pp.train_crop=resize', 'base_lr=0.03,pp.train_crop=inception'
+  ]
   assert points[1][1] == [('base_lr', 0.01), ('pp.train_crop', 'inception')]
   assert sweep.point_name([('x', 'a/b c'), ('y', (1, 2))]) == 'x=a_b_c,y=_1,_2_'
   with pytest.raises(sweep.SweepError, match='swept twice'):
@@ -73,42 +75,47 @@ def test_default_grid_is_the_lr_grid_of_table4():
 
 
 def test_dry_run_argv_per_point(capsys):
-  sweep.main([f'--config={FINETUNE}', '--workdir=/tmp/sw', '--set', 'config.total_steps=100',
-              '--dry-run'])
+  sweep.main(
+      [f'--config={FINETUNE}', '--workdir=/tmp/sw', '--set', 'config.total_steps=100', '--dry-run'])
   lines = capsys.readouterr().out.splitlines()
-  assert [shlex.split(line) for line in lines] == [
-      [sys.executable, '-m', 'vit_jax.main', f'--config={FINETUNE}',
-       f'--workdir=/tmp/sw/base_lr={lr}', '--config.total_steps=100', f'--config.base_lr={lr}']
-      for lr in ('0.001', '0.003', '0.01', '0.03')]
+  assert [shlex.split(line) for line in lines] == [[
+      sys.executable, '-m', 'vit_jax.main', f'--config={FINETUNE}',
+      f'--workdir=/tmp/sw/base_lr={lr}', '--config.total_steps=100', f'--config.base_lr={lr}'
+  ] for lr in ('0.001', '0.003', '0.01', '0.03')]
   assert not os.path.exists('/tmp/sw/base_lr=0.001')
 
 
 def test_tpu_sweep_chains_the_points(capsys):
-  sweep.main(['--config=configs/finetune.py:R50+ViT-B_16,cifar10', '--workdir=gs://b/sw',
-              '--sweep', 'config.base_lr=[0.01,0.03]', '--tpu', 'vit', '--zone', 'z',
-              '--dry-run'])
+  sweep.main([
+      '--config=configs/finetune.py:R50+ViT-B_16,cifar10', '--workdir=gs://b/sw', '--sweep',
+      'config.base_lr=[0.01,0.03]', '--tpu', 'vit', '--zone', 'z', '--dry-run'
+  ])
   [line] = capsys.readouterr().out.splitlines()
   cmd = shlex.split(line)
-  assert cmd[:-1] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'vit', '--zone', 'z',
-                      '--worker=all', '--command']
+  assert cmd[:-1] == [
+      'gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'vit', '--zone', 'z', '--worker=all',
+      '--command'
+  ]
   words = shlex.split(cmd[-1])
   body = shlex.split(words[words.index('-c') + 1])
   for lr in ('0.01', '0.03'):
-    argv = ['python3', '-m', 'vit_jax.main', '--config=configs/finetune.py:R50+ViT-B_16,cifar10',
-            f'--workdir=gs://b/sw/base_lr={lr}', f'--config.base_lr={lr}']
+    argv = [
+        'python3', '-m', 'vit_jax.main', '--config=configs/finetune.py:R50+ViT-B_16,cifar10',
+        f'--workdir=gs://b/sw/base_lr={lr}', f'--config.base_lr={lr}'
+    ]
     i = body.index(argv[-2])
     assert body[i - 4:i + 2] == argv
     assert f'$HOME/vit_jax_logs/sweep-base_lr={lr}.log' in body
   with pytest.raises(SystemExit, match='--tpu needs --workdir=gs://'):
-    sweep.main([f'--config={FINETUNE}', '--workdir=/tmp/sw', '--tpu', 'vit', '--zone', 'z',
-                '--dry-run'])
+    sweep.main(
+        [f'--config={FINETUNE}', '--workdir=/tmp/sw', '--tpu', 'vit', '--zone', 'z', '--dry-run'])
 
 
 @pytest.mark.parametrize('argv,message', [
     (['--config=configs/quickstart.py', '--workdir=w'], 'no lr_grid'),
     (['--config=configs/nope.py', '--workdir=w'], 'no config file configs/nope.py'),
-    ([f'--config={FINETUNE}', '--workdir=w', '--sweep', 'config.base_lrr=[1]'],
-     'config.base_lrr is not a field'),
+    ([f'--config={FINETUNE}', '--workdir=w', '--sweep', 'config.base_lrr=[1]'
+     ], 'config.base_lrr is not a field'),
     ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.total_steps'], "--set"),
     ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.base_lr=0.1'], 'both --set and'),
     ([f'--config={FINETUNE}', '--workdir=w', '--tpu', 'vit'], '--tpu needs --zone'),
@@ -123,8 +130,12 @@ def test_bad_arguments_give_one_line(argv, message):
 
 def test_failing_point_does_not_stop_the_sweep(tmp_path, capsys):
   """A fake runner: points write event files like train.py, one point fails."""
-  finals = {'0.001': [(10, 0.50), (20, 0.70)], '0.003': [(10, 0.80), (20, 0.60)],
-            '0.01': [(10, 0.95)], '0.03': []}
+  finals = {
+      '0.001': [(10, 0.50), (20, 0.70)],
+      '0.003': [(10, 0.80), (20, 0.60)],
+      '0.01': [(10, 0.95)],
+      '0.03': []
+  }
   ran = []
 
   def runner(argv, log_path):
@@ -147,15 +158,31 @@ def test_failing_point_does_not_stop_the_sweep(tmp_path, capsys):
   out = capsys.readouterr().out
   with open(os.path.join(workdir, 'summary.csv')) as f:
     rows = list(csv.DictReader(f))
-  assert rows == [
-      {'point': 'base_lr=0.001', 'status': 'ok', 'final_accuracy': '0.7',
-       'best_accuracy': '0.7', 'steps': '20'},
-      {'point': 'base_lr=0.003', 'status': 'ok', 'final_accuracy': '0.6',
-       'best_accuracy': '0.8', 'steps': '20'},
-      {'point': 'base_lr=0.01', 'status': 'failed (exit 1)', 'final_accuracy': '0.95',
-       'best_accuracy': '0.95', 'steps': '10'},
-      {'point': 'base_lr=0.03', 'status': 'failed (exit OSError: no such interpreter)',
-       'final_accuracy': '', 'best_accuracy': '', 'steps': ''}]
+  assert rows == [{
+      'point': 'base_lr=0.001',
+      'status': 'ok',
+      'final_accuracy': '0.7',
+      'best_accuracy': '0.7',
+      'steps': '20'
+  }, {
+      'point': 'base_lr=0.003',
+      'status': 'ok',
+      'final_accuracy': '0.6',
+      'best_accuracy': '0.8',
+      'steps': '20'
+  }, {
+      'point': 'base_lr=0.01',
+      'status': 'failed (exit 1)',
+      'final_accuracy': '0.95',
+      'best_accuracy': '0.95',
+      'steps': '10'
+  }, {
+      'point': 'base_lr=0.03',
+      'status': 'failed (exit OSError: no such interpreter)',
+      'final_accuracy': '',
+      'best_accuracy': '',
+      'steps': ''
+  }]
   with open(os.path.join(workdir, 'summary.md')) as f:
     md = f.read()
   assert '| base_lr=0.001 | ok | 0.7000 | 0.7000 | 20 |' in md
@@ -165,8 +192,7 @@ def test_failing_point_does_not_stop_the_sweep(tmp_path, capsys):
   assert md in out  # The table is printed too.
 
   # Summarize again later: statuses come from the points' sweep_status files.
-  sweep.main([f'--config={FINETUNE}', f'--workdir={workdir}', '--summarize-only'],
-             runner=None)
+  sweep.main([f'--config={FINETUNE}', f'--workdir={workdir}', '--summarize-only'], runner=None)
   with open(os.path.join(workdir, 'summary.md')) as f:
     assert f.read() == md
 
@@ -178,13 +204,17 @@ def test_summary_without_status_files(tmp_path):
   write_accuracy(tmp_path / 'base_lr=0.03', [(100, 0.4), (200, 0.2)])
   write_accuracy(tmp_path / 'base_lr=0.03', [(200, 0.5)])  # Resumed: re-evaluated at 200.
   rows, winner = sweep.summarize(str(tmp_path), points)
-  assert [(r['status'], r['final_accuracy'], r['best_accuracy'], r['steps']) for r in rows] == [
-      ('done', pytest.approx(0.3), pytest.approx(0.3), 100),
-      ('done', pytest.approx(0.5), pytest.approx(0.5), 200), ('not run', None, None, None)]
+  assert [(r['status'], r['final_accuracy'], r['best_accuracy'], r['steps']) for r in rows
+         ] == [('done', pytest.approx(0.3), pytest.approx(0.3), 100),
+               ('done', pytest.approx(0.5), pytest.approx(0.5), 200), ('not run', None, None, None)]
   assert winner == 'base_lr=0.03'
-  assert sweep.summarize(str(tmp_path / 'none'), points[2:]) == (
-      [{'point': 'base_lr=0.1', 'status': 'not run', 'final_accuracy': None,
-        'best_accuracy': None, 'steps': None}], None)
+  assert sweep.summarize(str(tmp_path / 'none'), points[2:]) == ([{
+      'point': 'base_lr=0.1',
+      'status': 'not run',
+      'final_accuracy': None,
+      'best_accuracy': None,
+      'steps': None
+  }], None)
 
 
 def test_real_local_sweep(tmp_path, monkeypatch, capsys):
@@ -192,16 +222,18 @@ def test_real_local_sweep(tmp_path, monkeypatch, capsys):
   data = data_fixtures.write_idx(str(tmp_path / 'data'), num_train=64, num_test=32)
   monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=1')
   workdir = str(tmp_path / 'sw')
-  sweep.main(['--config=configs/quickstart.py', f'--workdir={workdir}',
-              '--sweep', 'config.base_lr=[0.001,0.003]',
-              '--set', 'config.total_steps=4', '--set', 'config.warmup_steps=1',
-              '--set', 'config.batch_size=16', '--set', 'config.eval_batch_size=16',
-              '--set', f'config.data_dir={data}', '--set', 'config.model.num_layers=1'])
+  sweep.main([
+      '--config=configs/quickstart.py', f'--workdir={workdir}', '--sweep',
+      'config.base_lr=[0.001,0.003]', '--set', 'config.total_steps=4', '--set',
+      'config.warmup_steps=1', '--set', 'config.batch_size=16', '--set',
+      'config.eval_batch_size=16', '--set', f'config.data_dir={data}', '--set',
+      'config.model.num_layers=1'
+  ])
   out = capsys.readouterr().out
   with open(os.path.join(workdir, 'summary.csv')) as f:
     rows = list(csv.DictReader(f))
-  assert [(r['point'], r['status'], r['steps']) for r in rows] == [
-      ('base_lr=0.001', 'ok', '4'), ('base_lr=0.003', 'ok', '4')]
+  assert [(r['point'], r['status'], r['steps']) for r in rows] == [('base_lr=0.001', 'ok', '4'),
+                                                                   ('base_lr=0.003', 'ok', '4')]
   for r in rows:
     assert 0.0 <= float(r['final_accuracy']) == float(r['best_accuracy']) <= 1.0
   with open(os.path.join(workdir, 'summary.md')) as f:

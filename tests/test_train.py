@@ -26,7 +26,6 @@ from vit_jax import xla_cpu_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
 IDX_SIZES = (96, 40)  # (train, test) sizes of the idx_dir fixture
 
 
@@ -118,10 +117,11 @@ def test_polyak_average_is_exported_and_resumes_bit_identically(idx_dir, tmp_pat
   # The iterates of a run without averaging (the average never changes the training).
   config = _config(idx_dir, total_steps=4, checkpoint_every_steps=1)
   plain = str(tmp_path / 'plain')
-  iterates = [train.train_and_evaluate(config, plain, stop_after_steps=k)['params']
-              for k in range(1, 5)]
+  iterates = [
+      train.train_and_evaluate(config, plain, stop_after_steps=k)['params'] for k in range(1, 5)
+  ]
   decay = 0.5
-  weights = np.array([(1 - decay) * decay ** (3 - i) for i in range(4)])
+  weights = np.array([(1 - decay) * decay**(3 - i) for i in range(4)])
   weights /= weights.sum()  # the average is divided by its total weight
   expected = jax.tree.map(lambda *xs: sum(w * np.asarray(x) for w, x in zip(weights, xs)),
                           *iterates)
@@ -169,11 +169,11 @@ def test_the_loop_reports_its_speed_and_traces_on_request(idx_dir, tmp_path, cap
   assert second['examples_seen'] == 2 * 16
   assert second['epoch'] == pytest.approx(2 * 16 / IDX_SIZES[0])
   assert second['core_hours'] > first['core_hours'] > 0
-  assert second['img_per_sec_per_core'] == pytest.approx(
-      second['steps_per_sec'] * 16 / jax.device_count())
+  assert second['img_per_sec_per_core'] == pytest.approx(second['steps_per_sec'] * 16
+                                                         / jax.device_count())
   step_flops = 3 * 16 * flops.forward_flops('ViT-Ti_16', 28, 10, **config.model)
-  assert second['mfu'] == pytest.approx(
-      step_flops * second['steps_per_sec'] / (peak * jax.device_count()))
+  assert second['mfu'] == pytest.approx(step_flops * second['steps_per_sec'] /
+                                        (peak * jax.device_count()))
   assert all(s['data/skipped_images'] == 0 for s in scalars.at.values())
   n = sum(x.size for x in jax.tree.leaves(out['params']))
   assert f'ViT-Ti_16: {n:,} parameters; ' in caplog.text
@@ -204,7 +204,6 @@ def test_sigmoid_loss_with_negative_head_bias(idx_dir, tmp_path):
       [-np.log(0.75)], rtol=1e-6)
 
 
-
 def _log_sigmoid(x):
   return -np.logaddexp(0.0, -x)
 
@@ -222,17 +221,21 @@ def test_multi_hot_loss_matches_numpy(kind):
     want = -np.sum(y * _log_sigmoid(logits) + (1 - y) * _log_sigmoid(-logits), -1)
   else:
     log_p = logits - np.log(np.sum(np.exp(logits), -1, keepdims=True))
-    want = np.array([-np.mean(log_p[i, [c for c in s if c < 5]]) if any(c < 5 for c in s)
-                     else 0.0 for i, s in enumerate(sets)])
+    want = np.array([
+        -np.mean(log_p[i, [c for c in s if c < 5]]) if any(c < 5 for c in s) else 0.0
+        for i, s in enumerate(sets)
+    ])
   got = train.per_example_loss(logits.astype(np.float32), hot, kind)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   # Integer labels (every single-label run, the quickstart's included): bit for bit the
   # loss as written before multi-hot targets, jitted as the train step jits it.
   labels, logits = np.array([1, 0, 4, 2]), logits.astype(np.float32)
   onehot = lambda y: jax.nn.one_hot(y, logits.shape[-1])
-  before = {'sigmoid_xent': lambda z, y: jnp.sum(
-                optax.sigmoid_binary_cross_entropy(z, onehot(y)), axis=-1),
-            'softmax_xent': lambda z, y: -jnp.sum(onehot(y) * jax.nn.log_softmax(z), axis=-1)}
+  before = {
+      'sigmoid_xent': lambda z, y: jnp.sum(optax.sigmoid_binary_cross_entropy(z, onehot(y)), axis=-1
+                                          ),
+      'softmax_xent': lambda z, y: -jnp.sum(onehot(y) * jax.nn.log_softmax(z), axis=-1)
+  }
   now = jax.jit(lambda z, y: train.per_example_loss(z, y, kind))(logits, labels)
   np.testing.assert_array_equal(now, jax.jit(before[kind])(logits, labels))
   hot = np.eye(6, dtype=np.float32)[labels]
@@ -267,8 +270,9 @@ def test_multi_label_training_and_set_top1(tmp_path, caplog):
                               eval_split=None, batch_size=16)
   with data_fixtures.mock_real(40):
     table = evaluate_cli.run(cli)
-  assert table.splitlines()[1].split() == ['top1', 'validation', 'ReaL', f'{want:.4f}', '(38',
-                                           'images', 'with', 'a', 'ReaL', 'label)']
+  assert table.splitlines()[1].split() == [
+      'top1', 'validation', 'ReaL', f'{want:.4f}', '(38', 'images', 'with', 'a', 'ReaL', 'label)'
+  ]
 
 
 def test_imagenet_training_with_real_evaluation(tmp_path, caplog):
@@ -276,8 +280,7 @@ def test_imagenet_training_with_real_evaluation(tmp_path, caplog):
   scored on the ReaL sets at each evaluation, as numpy recomputes it."""
   from tests import data_fixtures  # pylint: disable=g-import-not-at-top
   config = _config('', dataset='imagenet2012_real', label_key='original_label',
-                   train_split='validation', eval_split='validation', total_steps=2,
-                   eval_real=True)
+                   train_split='validation', eval_split='validation', total_steps=2, eval_real=True)
   with data_fixtures.mock_real(40), caplog.at_level(logging.INFO):
     out = train.train_and_evaluate(config, str(tmp_path / 'real'))
   images = np.stack([data_fixtures.id_image(i) for i in range(40)])
@@ -294,9 +297,10 @@ def test_imagenet_training_with_real_evaluation(tmp_path, caplog):
   assert (again['real_accuracy'], again['real_examples']) == (out['real_accuracy'], 38)
   with pytest.raises(train.ConfigError, match='eval_real scores a head of the 1000 ImageNet'):
     with data_fixtures.mock_real(40):
-      train.train_and_evaluate(_config('', dataset='imagenet2012_real', label_key='original_label',
-                                       train_split='validation', eval_split='validation',
-                                       num_classes=1001, eval_real=True), str(tmp_path / 'bad'))
+      train.train_and_evaluate(
+          _config('', dataset='imagenet2012_real', label_key='original_label',
+                  train_split='validation', eval_split='validation', num_classes=1001,
+                  eval_real=True), str(tmp_path / 'bad'))
 
 
 def test_fine_tuning_starts_from_the_checkpoint(idx_dir, tmp_path):
@@ -347,10 +351,11 @@ def _main(args, env_extra=None):
 
 def test_quickstart_command_end_to_end_shortened(idx_dir, tmp_path):
   workdir = str(tmp_path / 'quick')
-  proc = _main(['--config=configs/quickstart.py', f'--workdir={workdir}',
-                f'--config.data_dir={idx_dir}', '--config.total_steps=20',
-                '--config.warmup_steps=5', '--config.batch_size=32',
-                '--config.eval_every_steps=10', '--config.checkpoint_every_steps=10'])
+  proc = _main([
+      '--config=configs/quickstart.py', f'--workdir={workdir}', f'--config.data_dir={idx_dir}',
+      '--config.total_steps=20', '--config.warmup_steps=5', '--config.batch_size=32',
+      '--config.eval_every_steps=10', '--config.checkpoint_every_steps=10'
+  ])
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert 'Final test top-1 accuracy' in proc.stderr
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['10', '20']
@@ -363,14 +368,16 @@ def test_quickstart_command_end_to_end_shortened(idx_dir, tmp_path):
   assert rundir.recorded_cpu_flags(workdir) == xla_cpu_flags.FLAGS_BY_DTYPE['float32']
   assert rundir.recorded_cpu_flags(str(tmp_path / 'new')) is None
   params = checkpoint.load_npz(os.path.join(workdir, 'final.npz'))
-  model = models.get_model('ViT-Ti_16', num_classes=10, patch_size=4, hidden_size=64,
-                           mlp_dim=128, num_heads=4, num_layers=4)
+  model = models.get_model('ViT-Ti_16', num_classes=10, patch_size=4, hidden_size=64, mlp_dim=128,
+                           num_heads=4, num_layers=4)
   assert model.apply({'params': params}, np.zeros((1, 28, 28, 3), np.float32)).shape == (1, 10)
 
 
 def test_cli_bad_override_is_one_line(idx_dir, tmp_path):
-  proc = _main(['--config=configs/quickstart.py', f'--workdir={tmp_path / "w"}',
-                f'--config.data_dir={idx_dir}', '--config.image_size=30'])
+  proc = _main([
+      '--config=configs/quickstart.py', f'--workdir={tmp_path / "w"}',
+      f'--config.data_dir={idx_dir}', '--config.image_size=30'
+  ])
   assert proc.returncode != 0
   last_line = proc.stderr.strip().splitlines()[-1]
   assert last_line.startswith('vit_jax: image_size 30 is not divisible by patch size 4'), last_line

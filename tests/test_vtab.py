@@ -26,16 +26,18 @@ NUM_EXAMPLES = 24
 def reference_label(task, ex):
   """The label of a numpy example as google-research/task_adaptation defines it, restated
   here from its data/*.py independently of vit_jax/vtab.py."""
+
   def last_below(thresholds, value):  # reduce_max(where(thresholds - value < 0))
     return max(i for i, t in enumerate(thresholds) if t < value)
+
   objects = ex.get('objects')
   if task == 'clevr_count':  # clevr.py _count_preprocess_fn
     return len(objects['size']) - 3
   if task == 'clevr_distance':  # clevr.py _closest_object_preprocess_fn
     return last_below([0.0, 8.0, 8.5, 9.0, 9.5, 10.0, 100.0], objects['pixel_coords'][:, 2].min())
   if task == 'kitti_distance':  # kitti.py _closest_vehicle_distance_pp
-    z = [loc[2] for loc, kind in zip(objects['location'], objects['type'])
-         if kind in (0, 1, 2)]  # Car, Van, Truck.
+    z = [loc[2] for loc, kind in zip(objects['location'], objects['type']) if kind in (0, 1, 2)
+        ]  # Car, Van, Truck.
     return last_below([-100.0, 8.0, 20.0, 999.0], min(z + [1000.0]))
   if task == 'dsprites_location':  # dsprites.py, label_x_position, num_classes=16
     return int(np.float32(ex['label_x_position']) // np.float32(32 / 16))
@@ -49,37 +51,49 @@ def reference_label(task, ex):
 
 
 def _objects(**columns):
-  return {k: np.asarray(v, np.float32 if k in ('pixel_coords', 'location') else np.int64)
-          for k, v in columns.items()}
+  return {
+      k: np.asarray(v, np.float32 if k in ('pixel_coords', 'location') else np.int64)
+      for k, v in columns.items()
+  }
 
 
 def hand_made(task):
   """Examples that reach every class and sit on each side of every threshold."""
   if task == 'clevr_count':  # CLEVR scenes hold 3 to 10 objects.
-    return [{'objects': _objects(size=[0] * n, pixel_coords=[[0, 0, 9.0]] * n)}
-            for n in range(3, 11)]
+    return [{
+        'objects': _objects(size=[0] * n, pixel_coords=[[0, 0, 9.0]] * n)
+    } for n in range(3, 11)]
   if task == 'clevr_distance':
     depths = [0.5, 40.0] + [t + d for t in (8.0, 8.5, 9.0, 9.5, 10.0) for d in (-0.01, 0, 0.01)]
-    return [{'objects': _objects(size=[0, 1], pixel_coords=[[1, 2, d], [3, 4, d + 0.25]])}
-            for d in depths]
+    return [{
+        'objects': _objects(size=[0, 1], pixel_coords=[[1, 2, d], [3, 4, d + 0.25]])
+    } for d in depths]
   if task == 'kitti_distance':
     rows = []
     for z in (-99.0, 998.0) + tuple(t + d for t in (8.0, 20.0) for d in (-0.01, 0, 0.01)):
       # A pedestrian (3) nearer than the vehicle must not count; types 0-2 are vehicles.
       for kind in (0, 1, 2):
-        rows.append({'objects': _objects(type=[3, kind, 6], location=[
-            [0, 0, z / 2], [1, 1, z], [0, 0, z + 1]])})
+        rows.append({
+            'objects': _objects(type=[3, kind, 6], location=[[0, 0, z / 2], [1, 1, z],
+                                                             [0, 0, z + 1]])
+        })
     rows.append({'objects': _objects(type=[3, 4, 5, 6, 7], location=[[0, 0, 5.0]] * 5)})
     rows.append({'objects': _objects(type=np.zeros([0]), location=np.zeros([0, 3]))})
     return rows
   if task == 'dsprites_location':
-    return [{'label_x_position': np.int64(x), 'image': np.zeros([2, 2, 1], np.uint8)}
-            for x in range(32)]
+    return [{
+        'label_x_position': np.int64(x),
+        'image': np.zeros([2, 2, 1], np.uint8)
+    } for x in range(32)]
   if task == 'dsprites_orientation':
-    return [{'label_orientation': np.int64(x), 'image': np.zeros([2, 2, 1], np.uint8)}
-            for x in range(40)]
-  feature, classes = {'smallnorb_azimuth': ('label_azimuth', 18),
-                      'smallnorb_elevation': ('label_elevation', 9)}[task]
+    return [{
+        'label_orientation': np.int64(x),
+        'image': np.zeros([2, 2, 1], np.uint8)
+    } for x in range(40)]
+  feature, classes = {
+      'smallnorb_azimuth': ('label_azimuth', 18),
+      'smallnorb_elevation': ('label_elevation', 9)
+  }[task]
   return [{feature: np.int64(x)} for x in range(classes)]
 
 
@@ -146,6 +160,7 @@ def _arrays(tree):
 def _mock_as_dataset(edit):
   """A TFDS `_as_dataset` that encodes the mock examples of the builder's real features
   after `edit(i, example, rng)` and decodes them as TFDS does, decoders included."""
+
   def as_dataset(self, split, decoders=None, read_config=None, **kwargs):
     del split, read_config, kwargs
     features = self.info.features
@@ -159,6 +174,7 @@ def _mock_as_dataset(edit):
                                  features.get_serialized_info())
     ds = tf.data.Dataset.from_generator(generate, output_signature=spec)
     return ds.map(functools.partial(features.decode_example, decoders=decoders))
+
   return as_dataset
 
 
@@ -191,17 +207,15 @@ def test_derived_label_through_the_input_pipeline(task):
   if task.startswith('dsprites'):  # 0/1 pixels scaled to 0/255, as task_adaptation does.
     images = np.concatenate([b['image'][b['mask']] for b in batches])
     pixels = np.stack([ex['image'] for ex in raw]).astype(np.float32) * 255
-    np.testing.assert_allclose(images, np.broadcast_to(pixels / 127.5 - 1, images.shape),
-                               atol=1e-6)
+    np.testing.assert_allclose(images, np.broadcast_to(pixels / 127.5 - 1, images.shape), atol=1e-6)
     assert {-1.0, 1.0} <= set(np.unique(images))
 
 
 def test_other_dataset_of_a_derived_task_config_keeps_its_labels():
   """A few-shot evaluator reads another dataset with the run's config: its own labels."""
-  assert vtab.derives_label('clevr_count', 'clevr') and vtab.derives_label('kitti_distance',
-                                                                          'kitti:3.1.0')
-  assert not vtab.derives_label('clevr_count', 'dmlab') and not vtab.derives_label('dmlab',
-                                                                                   'dmlab')
+  assert vtab.derives_label('clevr_count', 'clevr') and vtab.derives_label(
+      'kitti_distance', 'kitti:3.1.0')
+  assert not vtab.derives_label('clevr_count', 'dmlab') and not vtab.derives_label('dmlab', 'dmlab')
   c = finetune.get_config('ViT-B_16,vtab/clevr_count')
   c.dataset, c.train_split, c.eval_split, c.image_size = 'dmlab', 'train', 'train', 16
   with tfds.testing.mock_data(num_examples=8):
@@ -224,10 +238,12 @@ if os.environ.get('VIT_TEST_TFDS_MOCK_EXAMPLES'):
       num_examples=int(os.environ['VIT_TEST_TFDS_MOCK_EXAMPLES']), max_value=2)
   MOCK.__enter__()
 """
-TINY = ['--config.image_size=32', '--config.total_steps=2',
-        '--config.warmup_steps=1', '--config.batch_size=8', '--config.eval_batch_size=8',
-        '--config.pretrained_path=', '--config.log_every_steps=1', '--config.shuffle_buffer=8',
-        '--config.train_split=train', '--config.eval_split=test']  # VTAB slices pass 16 examples.
+TINY = [
+    '--config.image_size=32', '--config.total_steps=2', '--config.warmup_steps=1',
+    '--config.batch_size=8', '--config.eval_batch_size=8', '--config.pretrained_path=',
+    '--config.log_every_steps=1', '--config.shuffle_buffer=8', '--config.train_split=train',
+    '--config.eval_split=test'
+]  # VTAB slices pass 16 examples.
 RUN_TASKS = ('dtd', 'dsprites_location', 'smallnorb_elevation')  # natural + 2 structured
 
 
@@ -244,8 +260,10 @@ def test_vtab_runner_on_mock_tasks(tmp_path):
   shim = tmp_path / 'shim'
   shim.mkdir()
   (shim / 'sitecustomize.py').write_text(MOCK_SITECUSTOMIZE)
-  command = shlex.join([sys.executable, '-m', 'vit_jax.launch.vtab', '--model=ViT-Ti_16',
-                        '--workdir=runs/vtab', f'--tasks={",".join(RUN_TASKS)}', *TINY])
+  command = shlex.join([
+      sys.executable, '-m', 'vit_jax.launch.vtab', '--model=ViT-Ti_16', '--workdir=runs/vtab',
+      f'--tasks={",".join(RUN_TASKS)}', *TINY
+  ])
   first = _vtab_shell(command, tmp_path, shim)
   assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
   workdir = tmp_path / 'runs' / 'vtab'
@@ -260,8 +278,8 @@ def test_vtab_runner_on_mock_tasks(tmp_path):
   assert list(rows) == list(RUN_TASKS)
   for task in RUN_TASKS:
     assert rows[task]['accuracy'] == pytest.approx(finals[task], abs=1e-4)
-    assert (rows[task]['steps'], rows[task]['status'], rows[task]['group']) == (
-        2, 'ok', vtab.VTAB[task].group)
+    assert (rows[task]['steps'], rows[task]['status'],
+            rows[task]['group']) == (2, 'ok', vtab.VTAB[task].group)
   structured = [finals['dsprites_location'], finals['smallnorb_elevation']]
   m = results['means']
   assert m['natural'] == {'mean': pytest.approx(finals['dtd'], abs=1e-4), 'tasks': 1, 'of': 1}
@@ -283,12 +301,12 @@ def test_vtab_runner_on_mock_tasks(tmp_path):
 
 
 def test_vtab_runner_dry_run_and_bad_arguments(capsys):
-  vtab_launch.main(['--model=ViT-B_16', '--workdir=/tmp/v', '--dry-run',
-                    '--config.total_steps=10'])
+  vtab_launch.main(['--model=ViT-B_16', '--workdir=/tmp/v', '--dry-run', '--config.total_steps=10'])
   lines = capsys.readouterr().out.splitlines()
-  assert [shlex.split(line) for line in lines] == [
-      [sys.executable, '-m', 'vit_jax.main', f'--config=finetune:ViT-B_16,vtab/{t}',
-       f'--workdir=/tmp/v/{t}', '--config.total_steps=10'] for t in vtab.VTAB]
+  assert [shlex.split(line) for line in lines] == [[
+      sys.executable, '-m', 'vit_jax.main', f'--config=finetune:ViT-B_16,vtab/{t}',
+      f'--workdir=/tmp/v/{t}', '--config.total_steps=10'
+  ] for t in vtab.VTAB]
   for argv, message in [(['--tasks=dtd,nope'], 'nope is not a VTAB-1k task'),
                         (['--config.total_stepz=1'], "no field 'total_stepz'"),
                         (['--bogus'], "unknown argument '--bogus'")]:

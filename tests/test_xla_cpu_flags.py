@@ -18,7 +18,9 @@ def test_flags_added_to_empty_or_unrelated_xla_flags():
   assert xla_cpu_flags.flags_to_add('', '0.10.2') == list(xla_cpu_flags.FLAGS)
   env = {'XLA_FLAGS': '--xla_force_host_platform_device_count=8'}
   assert xla_cpu_flags.apply(env) == list(xla_cpu_flags.FLAGS)
-  assert env['XLA_FLAGS'].split() == ['--xla_force_host_platform_device_count=8', *xla_cpu_flags.FLAGS]
+  assert env['XLA_FLAGS'].split() == [
+      '--xla_force_host_platform_device_count=8', *xla_cpu_flags.FLAGS
+  ]
   assert xla_cpu_flags.apply(env) == []  # idempotent
   assert env['XLA_FLAGS'].count(NAME) == 1
 
@@ -192,10 +194,14 @@ print(json.dumps({{'flags': os.environ.get('XLA_FLAGS', '')}}))
 
 
 def _grads(xla_flags, path, dtype='float32'):
-  env = {**os.environ, xla_cpu_flags.OPT_OUT: '0', 'TF_CPP_MIN_LOG_LEVEL': '2',
-         'XLA_FLAGS': xla_flags}
-  proc = subprocess.run([sys.executable, '-c', _GRADS.format(repo=REPO), str(path), dtype], env=env,
-                        capture_output=True, text=True, timeout=300, check=False)
+  env = {
+      **os.environ, xla_cpu_flags.OPT_OUT: '0',
+      'TF_CPP_MIN_LOG_LEVEL': '2',
+      'XLA_FLAGS': xla_flags
+  }
+  proc = subprocess.run(
+      [sys.executable, '-c', _GRADS.format(repo=REPO),
+       str(path), dtype], env=env, capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   flags = json.loads(proc.stdout.strip().splitlines()[-1])['flags']
   with np.load(path) as f:

@@ -48,7 +48,8 @@ def _read_npz(path):
       raise ValueError(
           f'{path} holds pickled (object) arrays, which are never loaded: re-export it '
           'with numeric arrays only (e.g. checkpoint.save_npz)') from None
-    raise ValueError(f'{path} is not a readable .npz file ({e}): check the path and download') from None
+    raise ValueError(
+        f'{path} is not a readable .npz file ({e}): check the path and download') from None
 
 
 def _is_bit(flat):
@@ -87,7 +88,10 @@ def _bit_key_to_file(key):
     return f'resnet/{block}/{unit}/a/proj/standardized_conv2d/kernel'
   tf_layer = {v: k for k, pair in _BIT_LAYERS.items() for v in pair}[layer]
   if layer.startswith('gn'):
-    return f'resnet/{block}/{unit}/{tf_layer}/group_norm/' + {'scale': 'gamma', 'bias': 'beta'}[name]
+    return f'resnet/{block}/{unit}/{tf_layer}/group_norm/' + {
+        'scale': 'gamma',
+        'bias': 'beta'
+    }[name]
   return f'resnet/{block}/{unit}/{tf_layer}/standardized_conv2d/kernel'
 
 
@@ -178,8 +182,7 @@ def interpolate_posemb(posemb, num_tokens, has_class_token):
 
 def _target_shapes(model, image_size):
   images = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
-  variables = jax.eval_shape(
-      lambda x: model.init(jax.random.PRNGKey(0), x, train=False), images)
+  variables = jax.eval_shape(lambda x: model.init(jax.random.PRNGKey(0), x, train=False), images)
   return flax.traverse_util.flatten_dict(variables['params'], sep='/')
 
 
@@ -195,9 +198,12 @@ def load_pretrained(path_or_params, model, num_classes, image_size, *, reset_hea
   Logs one line saying what changed. Any other mismatch raises naming the key, both
   shapes and the likely cause.
   """
-  params = load_npz(path_or_params) if isinstance(path_or_params, (str, os.PathLike)) else path_or_params
-  flat = {k: np.asarray(v) for k, v in
-          flax.traverse_util.flatten_dict(jax.device_get(params), sep='/').items()}
+  params = load_npz(path_or_params) if isinstance(path_or_params,
+                                                  (str, os.PathLike)) else path_or_params
+  flat = {
+      k: np.asarray(v)
+      for k, v in flax.traverse_util.flatten_dict(jax.device_get(params), sep='/').items()
+  }
   model = model.clone(num_classes=num_classes)
   target = _target_shapes(model, image_size)
   changes = []
@@ -211,8 +217,9 @@ def load_pretrained(path_or_params, model, num_classes, image_size, *, reset_hea
     raise ValueError(
         f'Checkpoint key {unexpected[0]} (and {len(unexpected) - 1} more) has no place in the '
         'model: the checkpoint is of another architecture; pick the model name matching the file')
-  changes += [f'{name} dropped' for name in droppable
-              if any(k.split('/')[0] == name for k in dropped)]
+  changes += [
+      f'{name} dropped' for name in droppable if any(k.split('/')[0] == name for k in dropped)
+  ]
   missing = [k for k in target if k not in flat and not k.startswith('head/')]
   if missing:
     raise ValueError(
@@ -224,8 +231,8 @@ def load_pretrained(path_or_params, model, num_classes, image_size, *, reset_hea
     if key.startswith('head/'):
       old = flat.get(key)
       if reset_head or old is None or old.shape != spec.shape:
-        out[key] = (np.zeros(spec.shape, np.float32) if key.endswith('kernel')
-                    else np.full(spec.shape, head_bias_init, np.float32))
+        out[key] = (np.zeros(spec.shape, np.float32) if key.endswith('kernel') else np.full(
+            spec.shape, head_bias_init, np.float32))
         continue
       out[key] = old
       continue
@@ -240,8 +247,8 @@ def load_pretrained(path_or_params, model, num_classes, image_size, *, reset_hea
       g1 = int(np.sqrt(spec.shape[1] - has_cls))
       changes.append(f'pos_embedding {g0}x{g0} -> {g1}x{g1} grid')
     elif value.shape != spec.shape:
-      cause = ('patch size or hidden size differs' if key.startswith('embedding')
-               else 'a different model variant')
+      cause = ('patch size or hidden size differs'
+               if key.startswith('embedding') else 'a different model variant')
       raise ValueError(f'{key}: checkpoint {value.shape} vs model {spec.shape}: {cause}; '
                        'pick the model matching the file')
     out[key] = value.astype(spec.dtype)
@@ -319,8 +326,10 @@ def save_train_state(manager, step, state, force=False):
 
 
 def _flat_shapes(tree):
-  return {'/'.join(re.findall(r"\['?([^'\]]+)'?\]", jax.tree_util.keystr(k))): tuple(v.shape)
-          for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+  return {
+      '/'.join(re.findall(r"\['?([^'\]]+)'?\]", jax.tree_util.keystr(k))): tuple(v.shape)
+      for k, v in jax.tree_util.tree_leaves_with_path(tree)
+  }
 
 
 def check_fits(manager, step, abstract_state):
@@ -385,8 +394,9 @@ def restore_train_state(manager, abstract_state, *, move_bad=True):
         moved = True
       except Exception as e:  # pylint: disable=broad-except
         where = f'left in place (cannot rename: {_one_line(e)})'
-    logging.warning('Checkpoint of step %d in %s cannot be restored (%s): %s; trying the '
-                    'previous one', step, directory, error, where)
+    logging.warning(
+        'Checkpoint of step %d in %s cannot be restored (%s): %s; trying the '
+        'previous one', step, directory, error, where)
   manager.reload()
   return None
 

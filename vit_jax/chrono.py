@@ -44,20 +44,19 @@ def setup_text(num_params, flops_per_step, peak_flops_per_device, peak_source):
   """The start-up facts, e.g. '141,066 parameters; 1.53 GFLOP per step; peak 23.5 GFLOP/s
   per device (measured)'; says why MFU will be missing."""
   parts = [f'{num_params:,} parameters']
-  parts.append('FLOPs per step not counted for this objective (no MFU)' if flops_per_step is None
-               else f'{_si(flops_per_step)}FLOP per step')
+  parts.append('FLOPs per step not counted for this objective (no MFU)' if flops_per_step is
+               None else f'{_si(flops_per_step)}FLOP per step')
   parts.append(f'no peak FLOP/s known for {peak_source} (no MFU; set '
-               '--config.peak_flops_per_device)' if peak_flops_per_device is None else
-               f'peak {_si(peak_flops_per_device)}FLOP/s per device ({peak_source})')
+               '--config.peak_flops_per_device)' if peak_flops_per_device is
+               None else f'peak {_si(peak_flops_per_device)}FLOP/s per device ({peak_source})')
   return '; '.join(parts)
 
 
 class Chrono:
   """Measures training speed and progress; see the module docstring."""
 
-  def __init__(self, *, total_steps, global_batch, num_train_examples,
-               num_devices, flops_per_step=None, peak_flops_per_device=None,
-               clock=time.perf_counter):
+  def __init__(self, *, total_steps, global_batch, num_train_examples, num_devices,
+               flops_per_step=None, peak_flops_per_device=None, clock=time.perf_counter):
     if total_steps <= 0 or global_batch <= 0 or num_devices <= 0:
       raise ValueError(f'total_steps ({total_steps}), global_batch ({global_batch}) and '
                        f'num_devices ({num_devices}) must be positive')
@@ -105,8 +104,11 @@ class Chrono:
     first_step_done, MFU a FLOP count and a peak, epoch a training-set size."""
     now = self._clock()
     examples = step * self.global_batch
-    scalars = {'progress': step / self.total_steps, 'examples_seen': float(examples),
-               'core_hours': self.num_devices * (now - self._created) / 3600}
+    scalars = {
+        'progress': step / self.total_steps,
+        'examples_seen': float(examples),
+        'core_hours': self.num_devices * (now - self._created) / 3600
+    }
     if self.num_train_examples and self.num_train_examples > 0:
       scalars['epoch'] = examples / self.num_train_examples
     if self.compile_seconds is not None and not self._compile_reported:
@@ -117,14 +119,13 @@ class Chrono:
       steps = step - self._last[1]
       if seconds > 0:
         scalars['steps_per_sec'] = steps / seconds
-        scalars['img_per_sec_per_core'] = (steps * self.global_batch / seconds
-                                           / self.num_devices)
+        scalars['img_per_sec_per_core'] = (steps * self.global_batch / seconds / self.num_devices)
         if self.flops_per_step and self.peak_flops_per_device:
-          scalars['mfu'] = (steps * self.flops_per_step / seconds
-                            / (self.peak_flops_per_device * self.num_devices))
+          scalars['mfu'] = (steps * self.flops_per_step / seconds /
+                            (self.peak_flops_per_device * self.num_devices))
       start_time, start_step = self._timing_start
-      scalars['eta_seconds'] = ((now - start_time) / (step - start_step)
-                                * (self.total_steps - step))
+      scalars['eta_seconds'] = ((now - start_time) / (step - start_step) *
+                                (self.total_steps - step))
       self._last = (now, step)
       self._paused_since_last = 0.0
     return scalars

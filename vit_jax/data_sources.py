@@ -47,15 +47,15 @@ IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.gif', '.bmp', '.webp')
 def _shard_ranges(spec: str, sizes: dict[str, int], index: int,
                   count: int) -> list[tuple[str, int, int]]:
   """[(split, start, stop)] of part `index` of `count` of `spec`, as TFDS does."""
-  infos = {k: types.SimpleNamespace(num_examples=v, shard_lengths=[v])
-           for k, v in sizes.items()}
+  infos = {k: types.SimpleNamespace(num_examples=v, shard_lengths=[v]) for k, v in sizes.items()}
   part = tfds.even_splits(spec, n=count)[index]
   try:
     absolute = part.to_absolute(infos)
   except ValueError as e:
     raise ValueError(f'Split {spec!r}: {e}') from None
-  return [(a.splitname, a.from_ or 0, sizes[a.splitname] if a.to is None
-           else a.to) for a in absolute]
+  return [
+      (a.splitname, a.from_ or 0, sizes[a.splitname] if a.to is None else a.to) for a in absolute
+  ]
 
 
 def _length(ranges: list[tuple[str, int, int]]) -> int:
@@ -114,12 +114,11 @@ class _LocalSource(Source):
     items, labels = tf.constant(items), tf.constant(labels)
     n = len(labels)
     return Shard(
-        records=tf.data.Dataset.range(n),
-        size=n,
-        max_size=max(_length(h) for h in hosts),
-        shuffle_buffer=max(n, 1),
-        load=lambda i: {'image': self.load_item(tf.gather(items, i)),
-                        'label': tf.gather(labels, i)})
+        records=tf.data.Dataset.range(n), size=n, max_size=max(_length(h) for h in hosts),
+        shuffle_buffer=max(n, 1), load=lambda i: {
+            'image': self.load_item(tf.gather(items, i)),
+            'label': tf.gather(labels, i)
+        })
 
   def load_item(self, item: tf.Tensor) -> tf.Tensor:
     return item
@@ -127,9 +126,8 @@ class _LocalSource(Source):
 
 def _read_idx(path: str, magic: int) -> np.ndarray:
   if not os.path.exists(path):
-    raise FileNotFoundError(
-        f'Fashion-MNIST file {path} is missing: run `apt-get install '
-        'dataset-fashion-mnist` or point --config.data_dir at the IDX files.')
+    raise FileNotFoundError(f'Fashion-MNIST file {path} is missing: run `apt-get install '
+                            'dataset-fashion-mnist` or point --config.data_dir at the IDX files.')
   with gzip.open(path, 'rb') as f:
     data = f.read()
   ndim = magic & 0xFF
@@ -175,18 +173,20 @@ class _IdxSource(_LocalSource):
 
 class _FolderSource(_LocalSource):
   """<root>/<split>/<class>/<image>; images are read and decoded lazily."""
+
   def __init__(self, root: str):
     self.root = root
     if not tf.io.gfile.isdir(root):
       raise FileNotFoundError(f'Folder dataset {root} not found: expected '
                               '<dir>/<split>/<class>/<image> (dataset=folder:<dir>).')
-    self.splits = sorted(d.rstrip('/') for d in tf.io.gfile.listdir(root)
-                         if tf.io.gfile.isdir(os.path.join(root, d)))
+    self.splits = sorted(
+        d.rstrip('/') for d in tf.io.gfile.listdir(root)
+        if tf.io.gfile.isdir(os.path.join(root, d)))
     classes = set()
     for split in self.splits:
-      classes.update(d.rstrip('/') for d in tf.io.gfile.listdir(
-          os.path.join(root, split)) if tf.io.gfile.isdir(
-              os.path.join(root, split, d)))
+      classes.update(
+          d.rstrip('/') for d in tf.io.gfile.listdir(os.path.join(root, split))
+          if tf.io.gfile.isdir(os.path.join(root, split, d)))
     self.classes = sorted(classes)
     if not self.classes:
       raise ValueError(f'Folder dataset {root} has no class folders: expected '
@@ -201,8 +201,10 @@ class _FolderSource(_LocalSource):
       folder = os.path.join(self.root, split, name)
       if not tf.io.gfile.isdir(folder):
         continue
-      found = [f for f in sorted(tf.io.gfile.listdir(folder))
-               if not f.startswith('.') and f.lower().endswith(IMAGE_EXTENSIONS)]
+      found = [
+          f for f in sorted(tf.io.gfile.listdir(folder))
+          if not f.startswith('.') and f.lower().endswith(IMAGE_EXTENSIONS)
+      ]
       if not found:  # would still count as a class: a head unit never trained
         raise ValueError(f'class folder {folder} holds no images '
                          f'({"/".join(IMAGE_EXTENSIONS)}): add its images or '
@@ -221,17 +223,16 @@ class _FolderSource(_LocalSource):
 
 class _TfdsSource(Source):
   """A TFDS dataset; images stay encoded until after shuffling."""
+
   def __init__(self, name: str, data_dir: str, label_key: str = 'label', vtab_task: str = ''):
     self.name = name
     try:
       self.builder = tfds.builder(name, data_dir=data_dir or None)
     except tfds.core.registered.DatasetNotFoundError:
       raise ValueError(f"dataset {name!r} is not a TFDS dataset: set --config.dataset "
-                       "to a TFDS name, 'folder:<dir>' or 'fashion_mnist_local'"
-                       ) from None
+                       "to a TFDS name, 'folder:<dir>' or 'fashion_mnist_local'") from None
     # The data_dir root, as a user would pass it to `tfds build --data_dir`.
-    self.data_dir = data_dir or os.path.dirname(os.path.dirname(
-        self.builder.data_dir))
+    self.data_dir = data_dir or os.path.dirname(os.path.dirname(self.builder.data_dir))
     # A VTAB-1k task whose label is computed from other features (vit_jax/vtab.py); not
     # for another dataset read with the same config (a few-shot evaluator's).
     self.vtab_task = vtab_task if vtab.derives_label(vtab_task, name) else ''
@@ -251,9 +252,8 @@ class _TfdsSource(Source):
     self.class_names = tuple(classes.names)
 
   def _read(self, split) -> tf.data.Dataset:
-    ds = self.builder.as_dataset(
-        split=split, shuffle_files=False,
-        decoders={'image': tfds.decode.SkipDecoding()})
+    ds = self.builder.as_dataset(split=split, shuffle_files=False,
+                                 decoders={'image': tfds.decode.SkipDecoding()})
     if self.vtab_task:
       return ds.map(functools.partial(vtab.example, self.vtab_task))
     return ds.map(lambda ex: {'image': ex['image'], 'label': self._label(ex[self.label_key])})

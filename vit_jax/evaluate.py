@@ -136,8 +136,8 @@ def fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes, shots=DEFAUL
     accs = []
     for seed in seeds:
       idx = draw(k, seed)
-      fit_x, eval_x = (standardised(train_x[idx], test_x) if standardise
-                       else (train_x[idx], test_x))
+      fit_x, eval_x = (standardised(train_x[idx], test_x) if standardise else
+                       (train_x[idx], test_x))
       w, b = fit_linear(fit_x, train_y[idx], num_classes, l2_reg)
       accs.append(float(np.mean(np.argmax(predict(w, b, eval_x), -1) == test_y)))
     out[k] = {'mean': float(np.mean(accs)), 'std': float(np.std(accs)), 'per_seed': accs}
@@ -236,16 +236,18 @@ def extract_features(model, params, config, split, batch_size):
   mesh = sharding.make_mesh(config)
   _check_batch(batch_size, mesh)
   cfg = data_config(config, split=split)
-  return _run_batches(
-      apply_fn(model), params, input_pipeline.eval_batches(cfg, global_batch=batch_size), mesh)
+  return _run_batches(apply_fn(model), params,
+                      input_pipeline.eval_batches(cfg, global_batch=batch_size), mesh)
 
 
 def top1_step(model):
   """(params, global batch) -> {'correct', 'count'} of the batch (top1_hits); to be jitted."""
+
   def step(params, batch):
     logits = model.apply({'params': params}, batch['image'], train=False)
     correct, counted = top1_hits(logits, batch['label'], batch['mask'])
     return {'correct': jnp.sum(correct), 'count': jnp.sum(counted)}
+
   return step
 
 
@@ -275,8 +277,8 @@ def top1_accuracy(model, params, config, split, batch_size):
   _check_batch(batch_size, mesh)
   cfg = data_config(config, split=split)
   cfg.eval_batch_size = batch_size
-  step = jax.jit(top1_step(model), in_shardings=(sharding.replicated(mesh),
-                                                 sharding.data_sharding(mesh)),
+  step = jax.jit(top1_step(model),
+                 in_shardings=(sharding.replicated(mesh), sharding.data_sharding(mesh)),
                  out_shardings=sharding.replicated(mesh))
   return accuracy_over_split(step, params, cfg, sharding.data_sharding(mesh))
 
@@ -292,8 +294,8 @@ def dataset_label(dataset):
 def fewshot_tasks(config):
   """[(label, dataset, train_split, eval_split)] of config.fewshot_datasets (empty: the
   run's dataset and splits); the label names the dataset in metrics and tables."""
-  entries = tuple(config.fewshot_datasets) or (
-      (config.dataset, config.train_split, config.eval_split),)
+  entries = tuple(
+      config.fewshot_datasets) or ((config.dataset, config.train_split, config.eval_split),)
   tasks = []
   for entry in entries:
     if isinstance(entry, str) or len(entry) != 3:
@@ -309,8 +311,7 @@ def fewshot_tasks(config):
 
 def validate_fewshot(config):
   """Start-up check of the few-shot fields (one line naming the fix)."""
-  old = [k for k in ('fewshot_dataset', 'fewshot_train_split', 'fewshot_eval_split')
-         if k in config]
+  old = [k for k in ('fewshot_dataset', 'fewshot_train_split', 'fewshot_eval_split') if k in config]
   if old:
     raise ValueError(f'{", ".join(old)}: replaced by fewshot_datasets, a tuple of (dataset, '
                      'k-shot pool split, held-out split): set e.g. --config.fewshot_datasets='
@@ -333,8 +334,10 @@ class FewShotEvaluator:
 
   def __init__(self, config, model):
     fn = apply_fn(model)
-    self.tasks = {label: _FewShotTask(config, fn, dataset, train_split, eval_split)
-                  for label, dataset, train_split, eval_split in fewshot_tasks(config)}
+    self.tasks = {
+        label: _FewShotTask(config, fn, dataset, train_split, eval_split)
+        for label, dataset, train_split, eval_split in fewshot_tasks(config)
+    }
 
   def results(self, params):
     """{label: fewshot_accuracy(...) of that dataset}."""
@@ -342,10 +345,11 @@ class FewShotEvaluator:
 
   def __call__(self, params):
     results = self.results(params)
-    metrics = {f'fewshot/{label}/{k}shot': r['mean'] for label, per_k in results.items()
-               for k, r in per_k.items()}
-    metrics.update({f'fewshot/mean/{k}shot': acc
-                    for k, acc in mean_over_datasets(results).items()})
+    metrics = {
+        f'fewshot/{label}/{k}shot': r['mean'] for label, per_k in results.items()
+        for k, r in per_k.items()
+    }
+    metrics.update({f'fewshot/mean/{k}shot': acc for k, acc in mean_over_datasets(results).items()})
     return metrics
 
 
@@ -380,9 +384,9 @@ class _FewShotTask:
     self._eval_batches = None
     if nbytes <= float(config.fewshot_cache_mb) * 2**20:
       self._eval_batches = list(self._read(self._eval_cfg))
-    logging.info('FewShotEvaluator: %s %s -> %s, %d-way, shots %s, seeds %s, l2_reg %g%s',
-                 dataset, train_split, eval_split, self.num_classes, self.shots, self.seeds,
-                 self.l2_reg, ', standardised' if self.standardise else '')
+    logging.info('FewShotEvaluator: %s %s -> %s, %d-way, shots %s, seeds %s, l2_reg %g%s', dataset,
+                 train_split, eval_split, self.num_classes, self.shots, self.seeds, self.l2_reg,
+                 ', standardised' if self.standardise else '')
 
   def _read(self, cfg):
     return input_pipeline.eval_batches(cfg, global_batch=self.batch_size)
@@ -400,8 +404,9 @@ class _FewShotTask:
     labels, masks = np.concatenate(labels), np.concatenate(masks)
     self._pool_labels = labels[masks]
     row_of = np.cumsum(masks) - 1  # stream position -> valid-row index
-    self._draws = {(k, s): sample_k_shot(self._pool_labels, k, s)
-                   for k in self.shots for s in self.seeds}
+    self._draws = {
+        (k, s): sample_k_shot(self._pool_labels, k, s) for k in self.shots for s in self.seeds
+    }
     keep = np.zeros(len(labels), bool)
     keep[np.flatnonzero(masks)[np.concatenate(list(self._draws.values()))]] = True
     # The gathered stream is batch-major: [batch, host, local row].
@@ -424,10 +429,12 @@ class _FewShotTask:
       part = slice(i * local, (i + 1) * local)
       im, lb, rw = images[part], kept_labels[part], kept_rows[part]
       pad = local - len(lb)
-      out.append({'image': np.concatenate([im, np.zeros((pad, *im.shape[1:]), im.dtype)]),
-                  'label': np.concatenate([lb, np.zeros(pad, lb.dtype)]),
-                  'row': np.concatenate([rw, np.zeros(pad, rw.dtype)]),
-                  'mask': np.arange(local) < len(lb)})
+      out.append({
+          'image': np.concatenate([im, np.zeros((pad, *im.shape[1:]), im.dtype)]),
+          'label': np.concatenate([lb, np.zeros(pad, lb.dtype)]),
+          'row': np.concatenate([rw, np.zeros(pad, rw.dtype)]),
+          'mask': np.arange(local) < len(lb)
+      })
     return out
 
   def __call__(self, params):
@@ -438,6 +445,5 @@ class _FewShotTask:
     eval_batches = self._eval_batches or self._read(self._eval_cfg)
     test_x, test_y = _run_batches(self._fn, params, eval_batches, self.mesh)
     return fewshot_accuracy(train_x, train_y, test_x, test_y, self.num_classes, self.shots,
-                            self.seeds, self.l2_reg,
-                            draw=lambda k, seed: position[self._draws[(k, seed)]],
-                            standardise=self.standardise)
+                            self.seeds, self.l2_reg, draw=lambda k, seed: position[self._draws[
+                                (k, seed)]], standardise=self.standardise)

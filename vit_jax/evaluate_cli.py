@@ -36,8 +36,9 @@ def cli_config(**fields):
 def _define_flags():
   """The CLI's flags, defined only when run as a program (importing defines none)."""
   model_flags.define_flags()
-  flags.DEFINE_string('dataset', None, "TFDS name, 'folder:<dir>' or 'fashion_mnist_local' "
-                      '(default: the run\'s, else fashion_mnist_local).')
+  flags.DEFINE_string(
+      'dataset', None, "TFDS name, 'folder:<dir>' or 'fashion_mnist_local' "
+      '(default: the run\'s, else fashion_mnist_local).')
   flags.DEFINE_string('data_dir', None, 'TFDS data_dir or the folder of the IDX files '
                       '(default: the run\'s).')
   flags.DEFINE_enum('eval_crop', None, ['resize', 'central'], 'Evaluation crop (default: the '
@@ -48,15 +49,16 @@ def _define_flags():
                       'run\'s, else train).')
   flags.DEFINE_string('eval_split', None, 'Held-out split, top-1 and few-shot (default: the '
                       'run\'s, else test).')
-  flags.DEFINE_list('fewshot_datasets', None, 'Datasets of the few-shot evaluation, each read '
-                    'with --train_split and --eval_split; several give per-dataset rows and '
-                    'their mean (default: --dataset).')
+  flags.DEFINE_list(
+      'fewshot_datasets', None, 'Datasets of the few-shot evaluation, each read '
+      'with --train_split and --eval_split; several give per-dataset rows and '
+      'their mean (default: --dataset).')
   flags.DEFINE_list('shots', [str(k) for k in evaluate.DEFAULT_SHOTS], 'Shots per class.')
-  flags.DEFINE_bool('standardise', _DEFAULTS.fewshot_standardise, 'Standardise the features '
-                    'by the k-shot set\'s mean and deviation before the fit (see fewshot_standardise '
-                    'in configs/common.py).')
-  flags.DEFINE_list('seeds', [str(s) for s in evaluate.DEFAULT_SEEDS],
-                    'Seeds of the k-shot draws.')
+  flags.DEFINE_bool(
+      'standardise', _DEFAULTS.fewshot_standardise, 'Standardise the features '
+      'by the k-shot set\'s mean and deviation before the fit (see fewshot_standardise '
+      'in configs/common.py).')
+  flags.DEFINE_list('seeds', [str(s) for s in evaluate.DEFAULT_SEEDS], 'Seeds of the k-shot draws.')
   flags.DEFINE_float('l2_reg', evaluate.DEFAULT_L2_REG,
                      'Ridge regulariser of the few-shot regression.')
   flags.DEFINE_integer('batch_size', 64, 'Global evaluation batch size.')
@@ -90,16 +92,16 @@ def run(flags_):
                rc.get('label_key', 'label') if dataset == rc.get('dataset') else 'label')
   config = cli_config(
       dataset=dataset, data_dir=get('data_dir', _DEFAULTS.data_dir), label_key=label_key,
-      image_size=image_size,
-      pp=dict(eval_crop=_setting(flags_, 'eval_crop', run_config, pp.get('eval_crop'),
-                                 _DEFAULTS.pp.eval_crop),
-              central_crop_fraction=pp.get('central_crop_fraction',
-                                           _DEFAULTS.pp.central_crop_fraction)))
+      image_size=image_size, pp=dict(
+          eval_crop=_setting(flags_, 'eval_crop', run_config, pp.get('eval_crop'),
+                             _DEFAULTS.pp.eval_crop),
+          central_crop_fraction=pp.get('central_crop_fraction',
+                                       _DEFAULTS.pp.central_crop_fraction)))
   eval_split = (getattr(flags_, 'eval_split', None) or evaluate.REAL_SPLIT) if real else get(
       'eval_split', _DEFAULTS.eval_split)
   train_split = get('train_split', _DEFAULTS.train_split)
-  mode = getattr(flags_, 'mode', None) or (
-      'top1' if real else 'all' if run_config is not None else 'fewshot')
+  mode = getattr(flags_, 'mode',
+                 None) or ('top1' if real else 'all' if run_config is not None else 'fewshot')
   if real and mode != 'top1':
     raise ValueError(f'{evaluate.REAL_DATASET} holds only the ReaL labels of ImageNet\'s '
                      'validation images, for top-1: use --mode top1')
@@ -126,13 +128,11 @@ def _fewshot_rows(flags_, model, params, config, train_split, eval_split):
   for dataset in getattr(flags_, 'fewshot_datasets', None) or [config.dataset]:
     cfg = evaluate.data_config(config, dataset=dataset, split=eval_split)
     num_classes = input_pipeline.get_info(cfg).num_classes
-    train_x, train_y = evaluate.extract_features(model, params, cfg, train_split,
-                                                 flags_.batch_size)
+    train_x, train_y = evaluate.extract_features(model, params, cfg, train_split, flags_.batch_size)
     test_x, test_y = evaluate.extract_features(model, params, cfg, eval_split, flags_.batch_size)
     label = evaluate.dataset_label(dataset)
-    results[label] = evaluate.fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes,
-                                               shots, seeds, flags_.l2_reg,
-                                               standardise=standardise)
+    results[label] = evaluate.fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes, shots,
+                                               seeds, flags_.l2_reg, standardise=standardise)
     for k, r in results[label].items():
       per_seed = ' '.join(f'{a:.4f}' for a in r['per_seed'])
       rows.append(('fewshot', f'{label} {k}-shot', f'{r["mean"]:.4f} ± {r["std"]:.4f}  '

@@ -112,12 +112,10 @@ def _encoder(tokens, hidden, mlp_dim, num_layers):
 def _stem(fields, image_size, count_padding):
   """(FLOPs, size, channels) of the convolutional part before pooling/patching."""
   if fields['family'] == 'bit':
-    return _bit_body(image_size, fields['resnet_layers'], fields['resnet_width'],
-                     count_padding)
+    return _bit_body(image_size, fields['resnet_layers'], fields['resnet_width'], count_padding)
   if fields['resnet_layers'] is None:
     return 0, image_size, 3
-  return _hybrid_stem(image_size, fields['resnet_layers'], fields['resnet_width'],
-                      count_padding)
+  return _hybrid_stem(image_size, fields['resnet_layers'], fields['resnet_width'], count_padding)
 
 
 def feature_map_size(name, image_size=224, **overrides):
@@ -125,8 +123,7 @@ def feature_map_size(name, image_size=224, **overrides):
   return _stem(variants.get_variant(name, **overrides), image_size, False)[1]
 
 
-def forward_flops(name, image_size=224, num_classes=1000, *, count_padding=False,
-                  **overrides):
+def forward_flops(name, image_size=224, num_classes=1000, *, count_padding=False, **overrides):
   """FLOPs of one forward pass of one image_size x image_size image.
 
   `overrides` are variant fields (patch_size, num_layers, resnet_layers, ...) as in

@@ -87,8 +87,7 @@ def get_info(config) -> DatasetInfo:
   if n_train is None or n_train <= 0:
     n_train = src.count(config.train_split)
   return DatasetInfo(num_classes=src.num_classes, num_train_examples=n_train,
-                     num_eval_examples=src.count(config.eval_split),
-                     multi_label=src.multi_label)
+                     num_eval_examples=src.count(config.eval_split), multi_label=src.multi_label)
 
 
 def class_names(config) -> tuple[str, ...]:
@@ -106,8 +105,7 @@ class Batches:
   training loop reports it as 'data/skipped_images'.
   """
 
-  def __init__(self, ds: tf.data.Dataset, stage: str,
-               finish: Callable[[dict], dict] | None = None):
+  def __init__(self, ds: tf.data.Dataset, stage: str, finish: Callable[[dict], dict] | None = None):
     self._ds, self._stage, self._finish = ds, stage, finish
     self._numpy = None  # Started by the first next(), not here.
     self.skipped = 0
@@ -151,17 +149,15 @@ def _decode_batches(ds: tf.data.Dataset, fn, local: int, fallback: dict,
   ds = ds.batch(local, drop_remainder=drop_remainder)
 
   def decode(q, records):
-    good = tf.data.Dataset.from_tensor_slices((q, records)).map(
-        lambda q, r: (q, fn(q, r)), num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=True).ignore_errors().batch(local)
-    none = tf.data.Dataset.from_tensors((tf.zeros([0], tf.int64),
-                                         _empty(fallback)))
+    good = tf.data.Dataset.from_tensor_slices(
+        (q, records)).map(lambda q, r: (q, fn(q, r)), num_parallel_calls=tf.data.AUTOTUNE,
+                          deterministic=True).ignore_errors().batch(local)
+    none = tf.data.Dataset.from_tensors((tf.zeros([0], tf.int64), _empty(fallback)))
     return good.concatenate(none).take(1).map(
         lambda kept, ex: _place(kept % local, ex, local, fallback,
                                 tf.shape(q)[0]))
 
-  return ds.interleave(decode, cycle_length=2, num_parallel_calls=2,
-                       deterministic=True)
+  return ds.interleave(decode, cycle_length=2, num_parallel_calls=2, deterministic=True)
 
 
 def _empty(example: dict) -> dict:
@@ -170,18 +166,19 @@ def _empty(example: dict) -> dict:
 
 def _place(rows, ex, local, fallback, num_records):
   """Scatters the decoded examples `ex` into rows `rows` of a full batch."""
+
   def scatter():
-    return {k: tf.tensor_scatter_nd_update(
-        tf.tile(v[None], [local] + [1] * v.shape.rank), rows[:, None], ex[k])
-            for k, v in fallback.items()}
+    return {
+        k: tf.tensor_scatter_nd_update(tf.tile(v[None], [local] + [1] * v.shape.rank),
+                                       rows[:, None], ex[k]) for k, v in fallback.items()
+    }
 
   # The usual case, a full batch decoded, needs no copy.
   full = tf.shape(rows)[0] == local
   out = tf.cond(full, lambda: {k: ex[k] for k in fallback}, scatter)
   for k, v in fallback.items():
     out[k].set_shape([local, *v.shape])
-  out['mask'] = tf.scatter_nd(rows[:, None], tf.ones_like(rows, tf.bool),
-                              [local])
+  out['mask'] = tf.scatter_nd(rows[:, None], tf.ones_like(rows, tf.bool), [local])
   out['skipped'] = tf.cast(num_records - tf.shape(rows)[0], tf.int32)
   return out
 
@@ -193,17 +190,15 @@ def _options(ds: tf.data.Dataset) -> tf.data.Dataset:
 
 
 def _shuffle_seed(seed: int, epoch: tf.Tensor, host: int) -> tf.Tensor:
-  key = tf.stack([tf.constant(seed, tf.int64),
-                  epoch * _MAX_HOSTS + tf.constant(host, tf.int64)])
-  return tf.random.stateless_uniform([], key, minval=None, maxval=None,
-                                     dtype=tf.int64)
+  key = tf.stack([tf.constant(seed, tf.int64), epoch * _MAX_HOSTS + tf.constant(host, tf.int64)])
+  return tf.random.stateless_uniform([], key, minval=None, maxval=None, dtype=tf.int64)
 
 
 def _fallback(config) -> dict[str, tf.Tensor]:
   size = config.image_size
   source = data_sources.source(config)
-  label = (tf.zeros([source.num_classes], tf.float32) if source.multi_label
-           else tf.constant(0, tf.int32))
+  label = (tf.zeros([source.num_classes], tf.float32) if source.multi_label else tf.constant(
+      0, tf.int32))
   return {'image': tf.zeros([size, size, 3], tf.float32), 'label': label}
 
 
@@ -213,8 +208,7 @@ def _label(label: tf.Tensor) -> tf.Tensor:
 
 
 def train_batches(config, *, global_batch: int, start_step: int = 0,
-                  process_index: int | None = None,
-                  process_count: int | None = None) -> Batches:
+                  process_index: int | None = None, process_count: int | None = None) -> Batches:
   """Infinite training batches of this host, starting at step `start_step`.
 
   Yields {'image': float32 [L, S, S, 3] in [-1, 1], 'label': int32 [L]} with
@@ -242,8 +236,8 @@ def train_batches(config, *, global_batch: int, start_step: int = 0,
   first_epoch, offset = divmod(start, shard.size)
 
   def epoch(e):
-    return shard.records.shuffle(
-        shard.shuffle_buffer, seed=_shuffle_seed(config.seed, e, stream_host))
+    return shard.records.shuffle(shard.shuffle_buffer,
+                                 seed=_shuffle_seed(config.seed, e, stream_host))
 
   ds = tf.data.Dataset.range(first_epoch, np.iinfo(np.int64).max)
   ds = ds.flat_map(epoch).skip(offset)  # Skip before any read or decode.
@@ -258,11 +252,12 @@ def train_batches(config, *, global_batch: int, start_step: int = 0,
       pos = (q // local) * global_batch + host * local + q % local
     ex = shard.load(record)
     seed = tf.stack([tf.constant(config.seed, tf.int64), pos])
-    return {'image': preprocessing.preprocess_train(ex['image'], seed, config),
-            'label': _label(ex['label'])}
+    return {
+        'image': preprocessing.preprocess_train(ex['image'], seed, config),
+        'label': _label(ex['label'])
+    }
 
-  ds = _decode_batches(ds, example, local, _fallback(config),
-                       drop_remainder=True)
+  ds = _decode_batches(ds, example, local, _fallback(config), drop_remainder=True)
   return Batches(_options(ds.prefetch(2)), 'training', _fill_undecodable_rows)
 
 
@@ -302,8 +297,10 @@ def eval_batches(config, *, global_batch: int, process_index: int | None = None,
   def example(q, record):
     del q
     ex = shard.load(record)
-    return {'image': preprocessing.preprocess_eval(ex['image'], config),
-            'label': _label(ex['label'])}
+    return {
+        'image': preprocessing.preprocess_eval(ex['image'], config),
+        'label': _label(ex['label'])
+    }
 
   fallback = _fallback(config)
   ds = shard.records.take(shard.size).enumerate()
@@ -318,8 +315,7 @@ def eval_batches(config, *, global_batch: int, process_index: int | None = None,
 def to_global(batch: dict[str, np.ndarray],
               sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
   """Host-local batch -> global jax.Arrays, batch dimension over `sharding`."""
-  return jax.tree.map(
-      lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
+  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
 
 
 def prefetch_to_mesh(iterator, sharding: jax.sharding.Sharding,

@@ -54,8 +54,9 @@ def attention_maps(model, params, images):
                  key=lambda k: int(_BLOCK.match(k).group(1)))
   if not names:
     raise ValueError('The model sows no attention weights: use a ViT (not a BiT ResNet)')
-  return np.stack([np.asarray(blocks[n]['MultiHeadDotProductAttention_1']
-                              ['attention_weights'][0]) for n in names])
+  return np.stack([
+      np.asarray(blocks[n]['MultiHeadDotProductAttention_1']['attention_weights'][0]) for n in names
+  ])
 
 
 def has_class_token(params):
@@ -234,8 +235,7 @@ def filters_figure(components, ratio=None, cols=7):
   plt = _pyplot()
   n = len(components)
   rows = -(-n // cols)
-  fig, axes = plt.subplots(rows, cols, figsize=(1.2 * cols, 1.2 * rows + 0.4),
-                           squeeze=False)
+  fig, axes = plt.subplots(rows, cols, figsize=(1.2 * cols, 1.2 * rows + 0.4), squeeze=False)
   for i, ax in enumerate(axes.flat):
     ax.axis('off')
     if i < n:
@@ -262,8 +262,8 @@ def posemb_figure(similarity):
   im = ax.imshow(mosaic, vmin=-1, vmax=1, cmap='viridis', interpolation='nearest')
   ticks = [i * (gh + gap) + gh / 2 - 0.5 for i in range(gh)]
   ax.set_yticks(ticks, [str(i + 1) for i in range(gh)], fontsize=6)
-  ax.set_xticks([j * (gw + gap) + gw / 2 - 0.5 for j in range(gw)],
-                [str(j + 1) for j in range(gw)], fontsize=6)
+  ax.set_xticks([j * (gw + gap) + gw / 2 - 0.5 for j in range(gw)], [str(j + 1) for j in range(gw)],
+                fontsize=6)
   ax.set_xlabel('Input patch column')
   ax.set_ylabel('Input patch row')
   ax.set_title('Position embedding similarity')
@@ -348,8 +348,7 @@ def inspect_model(model, params, image_size, images=None, names=None, outdir='.'
     names = names or [f'image{i}' for i in range(len(images))]
     for i, name in enumerate(names):
       stem = os.path.splitext(os.path.basename(name))[0]
-      save(rollout_figure(images[i:i + 1], masks[i:i + 1], [stem]),
-           f'rollout_{i:02d}_{stem}.png')
+      save(rollout_figure(images[i:i + 1], masks[i:i + 1], [stem]), f'rollout_{i:02d}_{stem}.png')
     save(attention_distance_figure(dist, image_size), 'attention_distance.png')
   np.savez(os.path.join(outdir, 'arrays.npz'), **arrays)
   written.append(os.path.join(outdir, 'arrays.npz'))
@@ -359,8 +358,9 @@ def inspect_model(model, params, image_size, images=None, names=None, outdir='.'
 def _define_flags():
   """The CLI's flags, defined only when run as a program (importing defines none)."""
   model_flags.define_flags()
-  flags.DEFINE_list('images', [], 'Image files (comma-separated; more may follow as '
-                    'arguments: --images a.jpg b.png).')
+  flags.DEFINE_list(
+      'images', [], 'Image files (comma-separated; more may follow as '
+      'arguments: --images a.jpg b.png).')
   flags.DEFINE_integer('num_components', 28, 'Principal components of the filters shown.')
   flags.DEFINE_string('outdir', 'inspect', 'Folder the PNGs (and arrays.npz) go to.')
   return flags.FLAGS

@@ -25,21 +25,23 @@ from vit_jax import xla_cpu_flags
 
 config_flags.DEFINE_config_file(
     'config', None, 'A packaged config (quickstart, finetune:<model>,<dataset>, '
-    'pretrain:<model>,<dataset>) or a config file, with its argument after ":".',
-    lock_config=True)
+    'pretrain:<model>,<dataset>) or a config file, with its argument after ":".', lock_config=True)
 flags.DEFINE_string('workdir', None, 'Checkpoints, TensorBoard logs and the log go here.')
 flags.DEFINE_string('coordinator_address', os.environ.get('JAX_COORDINATOR_ADDRESS'),
                     'host:port of process 0, for runs on several hosts outside Cloud TPU.')
-flags.DEFINE_integer('num_processes', int(os.environ.get('JAX_NUM_PROCESSES', 0)) or None,
+flags.DEFINE_integer('num_processes',
+                     int(os.environ.get('JAX_NUM_PROCESSES', 0)) or None,
                      'Number of processes (hosts).')
 flags.DEFINE_integer('process_id', int(os.environ.get('JAX_PROCESS_ID', -1)),
                      'This process\'s index, 0 .. num_processes-1.')
-flags.DEFINE_integer('heartbeat_timeout_seconds', 100,
-                     'On several hosts: a process silent this long is declared dead and the '
-                     'others exit with an error instead of waiting forever.')
-flags.DEFINE_enum('distributed', 'auto', ['auto', 'on', 'off'],
-                  'jax.distributed.initialize(): auto = with --coordinator_address or on a '
-                  'Cloud TPU VM.')
+flags.DEFINE_integer(
+    'heartbeat_timeout_seconds', 100,
+    'On several hosts: a process silent this long is declared dead and the '
+    'others exit with an error instead of waiting forever.')
+flags.DEFINE_enum(
+    'distributed', 'auto', ['auto', 'on', 'off'],
+    'jax.distributed.initialize(): auto = with --coordinator_address or on a '
+    'Cloud TPU VM.')
 flags.DEFINE_string('local_log_dir', '/tmp/vit_jax_logs',
                     'Where the readable log goes when --workdir is not a local path.')
 flags.mark_flags_as_required(['config', 'workdir'])
@@ -70,8 +72,8 @@ class _QuietLibraries:
   _NOISY = ('/orbax/', '/jax/_src/', '/clu/metric_writers/')
 
   def filter(self, record):
-    return record.levelno > logging.converter.STANDARD_INFO or not any(
-        part in record.pathname for part in self._NOISY)
+    return record.levelno > logging.converter.STANDARD_INFO or not any(part in record.pathname
+                                                                       for part in self._NOISY)
 
 
 def _config_value_index(argv):

@@ -95,8 +95,9 @@ def validate(config):
                      'pre-training (it starts from scratch): set --config.pretrained_path= or '
                      '--config.objective=classification')
   if m.target not in TARGETS:
-    fail('target', 'is unknown: set --config.masked_patches.target to '
-         + ' or '.join(repr(t) for t in TARGETS))
+    fail(
+        'target', 'is unknown: set --config.masked_patches.target to '
+        + ' or '.join(repr(t) for t in TARGETS))
   if not 0 < m.corrupt_rate <= 1:
     fail('corrupt_rate', 'must be in (0, 1]: set --config.masked_patches.corrupt_rate '
          '(the paper uses 0.5)')
@@ -116,9 +117,10 @@ def validate(config):
                      'ViT (the targets are pixel patches): set --config.model_name=ViT-...')
   p = fields['patch_size']
   if m.target == 'downsized' and (m.downsize < 1 or p % m.downsize):
-    fail('downsize', f'does not divide the patch size {p}: set '
-         '--config.masked_patches.downsize to a divisor of it (paper: 4 for 16x16 patches)')
-  n = (config.image_size // p) ** 2
+    fail(
+        'downsize', f'does not divide the patch size {p}: set '
+        '--config.masked_patches.downsize to a divisor of it (paper: 4 for 16x16 patches)')
+  n = (config.image_size // p)**2
   if n < 2:
     raise ValueError(f'image_size {config.image_size} gives {n} patch of size {p}: masked patch '
                      'prediction needs 2 or more; set a larger --config.image_size')
@@ -193,7 +195,7 @@ def _units(images):
 
 def _classes(units, bits):
   """Colour class of [..., 3] values in _units: r * 4**bits + g * 2**bits + b."""
-  levels = 2 ** int(bits)
+  levels = 2**int(bits)
   q = jnp.floor(units * (levels / (256.0 * _STEPS)))  # a power of 2: exact
   q = jnp.clip(q, 0, levels - 1).astype(jnp.int32)
   return (q[..., 0] * levels + q[..., 1]) * levels + q[..., 2]
@@ -208,9 +210,9 @@ def quantize(images, bits):
 def num_outputs(cfg, patch_size, channels=3):
   """Outputs of the prediction head per patch."""
   if cfg.target == 'mean_color':
-    return 2 ** (channels * int(cfg.bits))
+    return 2**(channels * int(cfg.bits))
   if cfg.target == 'downsized':
-    return cfg.downsize ** 2 * 2 ** (channels * int(cfg.bits))
+    return cfg.downsize**2 * 2**(channels * int(cfg.bits))
   return patch_size * patch_size * channels
 
 
@@ -276,14 +278,13 @@ def apply(model, params, images, corrupt, cfg, *, train, rng=None):
 def loss_fn(model, params, images, corrupt, cfg, *, rng=None, train=True):
   """(loss, metrics) of one (micro-)batch; `corrupt` from corruption_for_step."""
   outputs = apply(model, params, images, corrupt, cfg, train=train, rng=rng)
-  return prediction_loss(outputs, targets(images, _patch_size(model), cfg), corrupt[0],
-                         cfg.target)
+  return prediction_loss(outputs, targets(images, _patch_size(model), cfg), corrupt[0], cfg.target)
 
 
 def init_params(model, rng, image_size, cfg, channels=3):
   """The pre-training parameters: the ordinary ViT tree (class token, encoder; no head or
   pre-logits) plus `mask_embedding` and `masked_patch_head`."""
-  n = (image_size // _patch_size(model)) ** 2
+  n = (image_size // _patch_size(model))**2
   zeros = jnp.zeros((1, n), jnp.int32)
   images = jnp.zeros((1, image_size, image_size, channels), jnp.float32)
   return model.init(rng, images, train=False, corrupt=(zeros, zeros),

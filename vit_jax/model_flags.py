@@ -14,13 +14,15 @@ import numpy as np
 
 def define_flags():
   """Defines the model flags on absl's global FLAGS (only when a program runs)."""
-  flags.DEFINE_string('workdir', None, 'A finished vit-train run: reads its config.json and '
-                      'final.npz (model, resolution and dataset come from the run).')
+  flags.DEFINE_string(
+      'workdir', None, 'A finished vit-train run: reads its config.json and '
+      'final.npz (model, resolution and dataset come from the run).')
   flags.DEFINE_string('checkpoint', None, 'A published-format .npz file (instead of --workdir).')
   flags.DEFINE_string('model', 'ViT-B_16', 'With --checkpoint: a name from '
                       'vit_jax.models.VARIANTS.')
-  flags.DEFINE_string('model_overrides', '', 'With --checkpoint: variant overrides, '
-                      'name=value,... (e.g. num_layers=2,hidden_size=32).')
+  flags.DEFINE_string(
+      'model_overrides', '', 'With --checkpoint: variant overrides, '
+      'name=value,... (e.g. num_layers=2,hidden_size=32).')
   flags.DEFINE_integer('image_size', None, 'With --checkpoint: the resolution (default 224).')
 
 
@@ -53,9 +55,12 @@ def load(flags_):
     config, image_size = None, flags_.image_size or 224
     model, params = checkpoint.load_model(flags_.checkpoint, flags_.model, image_size,
                                           **parse_overrides(flags_.model_overrides))
-  bad = [k for k, v in flax.traverse_util.flatten_dict(params, sep='/').items()
-         if not np.all(np.isfinite(np.asarray(v)))]
+  bad = [
+      k for k, v in flax.traverse_util.flatten_dict(params, sep='/').items()
+      if not np.all(np.isfinite(np.asarray(v)))
+  ]
   if bad:
-    print(f'warning: {len(bad)} parameter arrays hold NaN or Inf (e.g. {bad[0]}): the run '
-          'diverged and every output below is meaningless', file=sys.stderr)
+    print(
+        f'warning: {len(bad)} parameter arrays hold NaN or Inf (e.g. {bad[0]}): the run '
+        'diverged and every output below is meaningless', file=sys.stderr)
   return config, model, params, image_size

@@ -170,8 +170,8 @@ def validate(config, num_train_examples: Optional[int] = None) -> None:
     if not 0 <= config[field] < 1:
       fail(f'{field} {config[field]} must be in [0, 1): set --config.{field}')
 
-  known = config.total_steps > 0 or config.num_train_examples > 0 or (
-      num_train_examples is not None and num_train_examples > 0)
+  known = config.total_steps > 0 or config.num_train_examples > 0 or (num_train_examples is not None
+                                                                      and num_train_examples > 0)
   if known:
     steps = total_steps(config, num_train_examples)
     if config.warmup_steps >= steps:

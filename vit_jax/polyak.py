@@ -37,8 +37,10 @@ def init(params):
 def update(average, params, decay):
   """The average after one more iterate `params`."""
   mix = lambda old, new: decay * old + (1 - decay) * new
-  return {'sum': jax.tree.map(mix, average['sum'], params),
-          'weight': mix(average['weight'], jnp.float32(1))}
+  return {
+      'sum': jax.tree.map(mix, average['sum'], params),
+      'weight': mix(average['weight'], jnp.float32(1))
+  }
 
 
 def averaged(average, params):

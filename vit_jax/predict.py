@@ -29,8 +29,9 @@ def image_files(items):
   out = []
   for item in items:
     if os.path.isdir(item):
-      found = sorted(os.path.join(d, f) for d, _, files in os.walk(item) for f in files
-                     if f.lower().endswith(data_sources.IMAGE_EXTENSIONS))
+      found = sorted(
+          os.path.join(d, f) for d, _, files in os.walk(item) for f in files
+          if f.lower().endswith(data_sources.IMAGE_EXTENSIONS))
       if not found:
         raise ValueError(f'{item} holds no image files '
                          f'({", ".join(data_sources.IMAGE_EXTENSIONS)})')
@@ -83,8 +84,10 @@ def class_names(run_config, labels_file, num_classes):
 
 def predict(model, params, images, batch_size=32):
   apply = jax.jit(lambda p, x: model.apply({'params': p}, x, train=False))
-  return np.concatenate([np.asarray(apply(params, images[i:i + batch_size]))
-                         for i in range(0, len(images), batch_size)])
+  return np.concatenate([
+      np.asarray(apply(params, images[i:i + batch_size]))
+      for i in range(0, len(images), batch_size)
+  ])
 
 
 def format_predictions(files, order, probs, names):
@@ -103,9 +106,11 @@ def run(flags_, items):
     raise ValueError('The checkpoint has no classification head: use vit-evaluate --mode '
                      'fewshot for its features')
   pp = (run_config or {}).get('pp', {})
-  config = ml_collections.ConfigDict(dict(
-      image_size=image_size, pp=dict(eval_crop=pp.get('eval_crop', 'resize'),
-                                     central_crop_fraction=pp.get('central_crop_fraction', 0.875))))
+  config = ml_collections.ConfigDict(
+      dict(
+          image_size=image_size,
+          pp=dict(eval_crop=pp.get('eval_crop', 'resize'),
+                  central_crop_fraction=pp.get('central_crop_fraction', 0.875))))
   files = image_files(items)
   names = class_names(run_config, flags_.labels, model.num_classes)
   order, probs = top_k(predict(model, params, load_images(files, config)), flags_.top_k)
@@ -114,8 +119,9 @@ def run(flags_, items):
 
 def _define_flags():
   model_flags.define_flags()
-  flags.DEFINE_string('labels', None, 'A text file of class names, one per line (for a '
-                      'published checkpoint; a run knows its dataset\'s names).')
+  flags.DEFINE_string(
+      'labels', None, 'A text file of class names, one per line (for a '
+      'published checkpoint; a run knows its dataset\'s names).')
   flags.DEFINE_integer('top_k', 5, 'Classes shown per image.')
 
 

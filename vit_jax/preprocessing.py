@@ -20,8 +20,8 @@ def _to_rgb(image: tf.Tensor) -> tf.Tensor:
     return image
   if channels is not None:
     return image[..., :3]
-  return tf.cond(tf.shape(image)[-1] == 1,
-                 lambda: tf.tile(image, [1, 1, 3]), lambda: image[..., :3])
+  return tf.cond(
+      tf.shape(image)[-1] == 1, lambda: tf.tile(image, [1, 1, 3]), lambda: image[..., :3])
 
 
 def _decode(image: tf.Tensor) -> tf.Tensor:
@@ -35,19 +35,13 @@ def _decode(image: tf.Tensor) -> tf.Tensor:
 
 def _crop_box(shape: tf.Tensor, seed: tf.Tensor, min_area: float):
   begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
-      tf.cast(shape, tf.int32),
-      bounding_boxes=tf.constant([0.0, 0.0, 1.0, 1.0], shape=[1, 1, 4]),
-      seed=seed,
-      min_object_covered=0.0,
-      aspect_ratio_range=(3 / 4, 4 / 3),
-      area_range=(min_area, 1.0),
-      max_attempts=10,
-      use_image_if_no_bounding_boxes=True)
+      tf.cast(shape, tf.int32), bounding_boxes=tf.constant([0.0, 0.0, 1.0, 1.0], shape=[1, 1, 4]),
+      seed=seed, min_object_covered=0.0, aspect_ratio_range=(3 / 4, 4 / 3),
+      area_range=(min_area, 1.0), max_attempts=10, use_image_if_no_bounding_boxes=True)
   return begin, size
 
 
-def inception_crop(image: tf.Tensor, seed: tf.Tensor,
-                   min_area: float = 0.05) -> tf.Tensor:
+def inception_crop(image: tf.Tensor, seed: tf.Tensor, min_area: float = 0.05) -> tf.Tensor:
   """Random crop of area [min_area, 1] and aspect [3/4, 4/3] -> uint8 [h,w,3].
 
   `image` is uint8 [H,W,C] or encoded bytes; JPEG bytes are decoded only inside
@@ -87,8 +81,7 @@ def preprocess_train(image: tf.Tensor, seed: tf.Tensor, config) -> tf.Tensor:
     config: reads image_size, pp.train_crop, pp.inception_min_area, pp.flip.
   """
   seed = tf.convert_to_tensor(seed)
-  crop_seed, flip_seed = tf.unstack(
-      tf.random.experimental.stateless_split(seed, 2))
+  crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
   if config.pp.train_crop == 'inception':
     image = inception_crop(image, crop_seed, config.pp.inception_min_area)
   elif config.pp.train_crop == 'resize':

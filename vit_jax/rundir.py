@@ -17,12 +17,11 @@ from vit_jax import paths
 # workdir's config.json when a run resumes. Every other field must match, unless it
 # is named in config.resume_changes. (accum_steps: the same mean gradient; mesh_data,
 # fsdp, remat: the same step on another layout; data_dir: the same data, moved.)
-_FREE_FIELDS = ('log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
-                'keep_checkpoints', 'prefetch', 'eval_batch_size', 'eval_split', 'mesh_data',
-                'fsdp', 'remat', 'accum_steps', 'data_dir', 'on_nonfinite', 'resume_changes',
-                'lr_grid', 'pp.eval_crop', 'pp.central_crop_fraction', 'peak_flops_per_device')
+_FREE_FIELDS = ('log_every_steps', 'eval_every_steps', 'checkpoint_every_steps', 'keep_checkpoints',
+                'prefetch', 'eval_batch_size', 'eval_split', 'mesh_data', 'fsdp', 'remat',
+                'accum_steps', 'data_dir', 'on_nonfinite', 'resume_changes', 'lr_grid',
+                'pp.eval_crop', 'pp.central_crop_fraction', 'peak_flops_per_device')
 _FREE_PREFIXES = ('fewshot_', 'profile_')
-
 
 CPU_FLAGS_FILE = 'xla_cpu_flags.json'  # the XLA:CPU flags the run started with
 
@@ -99,8 +98,8 @@ def check_resume_config(config, workdir):
     return
 
   def free(key):
-    return (key in _FREE_FIELDS or key.startswith(_FREE_PREFIXES) or
-            any(key == a or key.startswith(a + '.') for a in allowed))
+    return (key in _FREE_FIELDS or key.startswith(_FREE_PREFIXES)
+            or any(key == a or key.startswith(a + '.') for a in allowed))
 
   changed = [k for k in sorted(old) if k in new and old[k] != new[k] and not free(k)]
   if changed:
@@ -136,9 +135,12 @@ class WorkdirLock:
     self.held = False
 
   def _info(self):
-    return {'host': socket.gethostname(), 'pid': os.getpid(),
-            'proc_start': _proc_start(os.getpid()),
-            'started': time.strftime('%Y-%m-%d %H:%M:%S %Z')}
+    return {
+        'host': socket.gethostname(),
+        'pid': os.getpid(),
+        'proc_start': _proc_start(os.getpid()),
+        'started': time.strftime('%Y-%m-%d %H:%M:%S %Z')
+    }
 
   def _read(self):
     try:
@@ -178,8 +180,9 @@ class WorkdirLock:
     try:
       if paths.is_remote(self.path):
         if tf.io.gfile.exists(self.path):
-          logging.warning('The workdir may be in use by %s; object stores cannot lock: make '
-                          'sure no other run uses it', self._holder_text(self._read()))
+          logging.warning(
+              'The workdir may be in use by %s; object stores cannot lock: make '
+              'sure no other run uses it', self._holder_text(self._read()))
         with tf.io.gfile.GFile(self.path, 'w') as f:
           f.write(data)
         self.held = True

@@ -25,10 +25,9 @@ def mesh_size(config, devices=None, hosts=None):
   n = devices if config.mesh_data == -1 else config.mesh_data
   if n < 1 or n > devices or devices % n:
     divisors = [d for d in range(1, devices + 1) if devices % d == 0]
-    raise ValueError(
-        f'mesh_data {config.mesh_data} does not fit the {devices} devices: set '
-        f'--config.mesh_data to -1 (all) or a divisor of {devices} '
-        f'({", ".join(map(str, divisors))})')
+    raise ValueError(f'mesh_data {config.mesh_data} does not fit the {devices} devices: set '
+                     f'--config.mesh_data to -1 (all) or a divisor of {devices} '
+                     f'({", ".join(map(str, divisors))})')
   if n < devices and hosts > 1:
     raise ValueError('mesh_data must be -1 on several hosts: set --config.mesh_data=-1')
   return n

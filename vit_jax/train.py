@@ -43,7 +43,6 @@ from vit_jax import vtab
 
 DTYPES = ('float32', 'bfloat16')
 
-
 ConfigError = errors.ConfigError  # raised by train_and_evaluate; main prints it as one line
 TrainingError = errors.TrainingError
 
@@ -127,12 +126,13 @@ def make_train_step(model, tx, schedule, config, mesh):
   masked = masked_patches.is_masked(config)
 
   def grads(params, images, labels, rng, corrupt=None):
+
     def loss(p):
       if masked:  # self-supervised (vit_jax/masked_patches.py): labels unused
-        return masked_patches.loss_fn(model, p, images, corrupt, config.masked_patches,
-                                      rng=rng)[0]
+        return masked_patches.loss_fn(model, p, images, corrupt, config.masked_patches, rng=rng)[0]
       logits = model.apply({'params': p}, images, train=True, rngs={'dropout': rng})
       return jnp.mean(per_example_loss(logits, labels, config.loss))
+
     return jax.value_and_grad(loss)(params)
 
   def step(state, batch, rng):
@@ -156,9 +156,8 @@ def make_train_step(model, tx, schedule, config, mesh):
         return jax.tree.map(jnp.add, carry, (loss_j, g_j)), None
 
       zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-      (loss, g), _ = jax.lax.scan(
-          body, zeros, (jnp.arange(accum), split(batch['image']), split(batch['label']),
-                        jax.tree.map(split, corrupt)))
+      (loss, g), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), split(
+          batch['image']), split(batch['label']), jax.tree.map(split, corrupt)))
       loss, g = jax.tree.map(lambda x: x / accum, (loss, g))
     updates, opt_state = tx.update(g, state['opt_state'], params)
     new_params = optax.apply_updates(params, updates)
@@ -179,7 +178,8 @@ def make_train_step(model, tx, schedule, config, mesh):
           'first_bad': jnp.where(first, state['step'] + 1, guard['first_bad']),
           'loss': jnp.where(first, loss, guard['loss']),
           'grad_norm': jnp.where(first, grad_norm, guard['grad_norm']),
-          'skipped': guard['skipped'] + (~finite).astype(jnp.int32)}
+          'skipped': guard['skipped'] + (~finite).astype(jnp.int32)
+      }
     return new_state, metrics
 
   return step
@@ -257,8 +257,8 @@ def _initial_params(config, model, num_classes, param_shardings):
 
 
 def _abstract(tree, shardings):
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      tree, shardings)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      shardings)
 
 
 def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None):
@@ -301,8 +301,8 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None):
 
 
 def _guard_message(guard, config, last_saved):
-  kept = (f'the checkpoint of step {last_saved} is kept' if last_saved
-          else 'no checkpoint was written')
+  kept = (f'the checkpoint of step {last_saved} is kept'
+          if last_saved else 'no checkpoint was written')
   fixes = [f'a lower --config.base_lr (now {config.base_lr:g})']
   if not config.grad_clip_norm:
     fixes.append('--config.grad_clip_norm=1')
@@ -346,6 +346,7 @@ def _quiet_closed_loop(excepthook, unraisablehook):
   """sys.excepthook and sys.unraisablehook without the 'Event loop is closed' tracebacks
   that tensorstore's callbacks print once orbax has closed the event loop of a failed
   write (the loop reports the failure itself, in one line)."""
+
   def on_exception(kind, value, tb):
     if not _closed_loop(value):
       excepthook(kind, value, tb)
@@ -385,8 +386,11 @@ def create_train_state(config, model, tx, mesh, num_classes, manager=None):
   opt_sh = sharding.tree_shardings(abstract_opt, mesh, config.fsdp)
   guard_sh = {k: replicated for k in ('first_bad', 'loss', 'grad_norm', 'skipped')}
   saved_sh = {'step': replicated, 'params': param_sh, 'opt_state': opt_sh}
-  abstract_saved = {'step': jax.ShapeDtypeStruct((), jnp.int32), 'params': abstract_params,
-                    'opt_state': abstract_opt}
+  abstract_saved = {
+      'step': jax.ShapeDtypeStruct((), jnp.int32),
+      'params': abstract_params,
+      'opt_state': abstract_opt
+  }
   if polyak.enabled(config):
     saved_sh['polyak'] = {'sum': param_sh, 'weight': replicated}
     abstract_saved['polyak'] = jax.eval_shape(polyak.init, abstract_params)
@@ -395,18 +399,25 @@ def create_train_state(config, model, tx, mesh, num_classes, manager=None):
     state = checkpoint.restore_train_state(manager, _abstract(abstract_saved, saved_sh))
   if state is None:
     params = _initial_params(config, model, num_classes, param_sh)
-    state = {'step': jax.device_put(jnp.int32(0), replicated), 'params': params,
-             'opt_state': jax.jit(tx.init, out_shardings=opt_sh)(params)}
+    state = {
+        'step': jax.device_put(jnp.int32(0), replicated),
+        'params': params,
+        'opt_state': jax.jit(tx.init, out_shardings=opt_sh)(params)
+    }
     if polyak.enabled(config):
       state['polyak'] = jax.jit(polyak.init, out_shardings=saved_sh['polyak'])(params)
   state['guard'] = jax.device_put(
-      {'first_bad': jnp.int32(0), 'loss': jnp.float32(0), 'grad_norm': jnp.float32(0),
-       'skipped': jnp.int32(0)}, guard_sh)
+      {
+          'first_bad': jnp.int32(0),
+          'loss': jnp.float32(0),
+          'grad_norm': jnp.float32(0),
+          'skipped': jnp.int32(0)
+      }, guard_sh)
   return state, {**saved_sh, 'guard': guard_sh}
 
 
-def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
-           stop_after_steps, writer):
+def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model, stop_after_steps,
+           writer):
   _quiet_library_noise()
   mesh = sharding.make_mesh(config)
   batch_sharding = sharding.data_sharding(mesh)
@@ -430,34 +441,39 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   rundir.write_config(config, workdir)
   flops_per_step = flops.step_flops(config, num_classes)
   peak, peak_source = device_peaks.resolve_peak(config.dtype, config.peak_flops_per_device)
-  logging.info('%s: %s', config.model_name, chrono_lib.setup_text(
-      sum(x.size for x in jax.tree.leaves(state['params'])), flops_per_step, peak, peak_source))
+  logging.info(
+      '%s: %s', config.model_name,
+      chrono_lib.setup_text(sum(x.size for x in jax.tree.leaves(state['params'])), flops_per_step,
+                            peak, peak_source))
 
   abstract_batch = {
       'image': jax.ShapeDtypeStruct((config.batch_size, config.image_size, config.image_size, 3),
                                     jnp.float32),
-      'label': (jax.ShapeDtypeStruct((config.batch_size, info.num_classes), jnp.float32)
-                if info.multi_label else jax.ShapeDtypeStruct((config.batch_size,), jnp.int32))}
+      'label': (jax.ShapeDtypeStruct(
+          (config.batch_size,
+           info.num_classes), jnp.float32) if info.multi_label else jax.ShapeDtypeStruct(
+               (config.batch_size,), jnp.int32))
+  }
   t_build = time.perf_counter()
   train_step, config = _fitting_train_step(
       config, model, tx, schedule, mesh, (state_sh, batch_sharding, replicated),
-      (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state), abstract_batch,
-       jax.ShapeDtypeStruct((2,), jnp.uint32)))
+      (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                    state), abstract_batch, jax.ShapeDtypeStruct((2,), jnp.uint32)))
   build_seconds = time.perf_counter() - t_build  # ahead-of-time compilation, if any
-  eval_step = jax.jit(masked_patches.make_eval_step(model, config) if masked_patches.is_masked(
-      config) else make_eval_step(model), in_shardings=(param_sh, batch_sharding),
-                      out_shardings=replicated)
+  eval_step = jax.jit(
+      masked_patches.make_eval_step(model, config) if masked_patches.is_masked(config) else
+      make_eval_step(model), in_shardings=(param_sh, batch_sharding), out_shardings=replicated)
   # The parameters evaluated and exported: the Polyak average when config.polyak_decay is set.
   eval_params = (jax.jit(lambda s: polyak.averaged(s['polyak'], s['params']),
                          out_shardings=param_sh)
                  if polyak.enabled(config) else lambda s: s['params'])
   try:
     if writer is None:
-      writer = metric_writers.create_default_writer(workdir,
-                                                    just_logging=jax.process_index() > 0)
+      writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
     if start == 0:
-      writer.write_hparams({k: v for k, v in config.to_dict().items()
-                            if isinstance(v, (int, float, str, bool))})
+      writer.write_hparams({
+          k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool))
+      })
   except (OSError, tf.errors.OpError) as e:
     raise ConfigError(f'cannot write the metrics to {workdir}: {errors.one_line(e)}: free space or '
                       'fix permissions, or use another --workdir') from None
@@ -465,21 +481,20 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   train_data = input_pipeline.train_batches(config, global_batch=config.batch_size,
                                             start_step=start)
   batches = input_pipeline.prefetch_to_mesh(
-      _checked_labels(train_data, num_classes, config.train_split), batch_sharding,
-      config.prefetch)
+      _checked_labels(train_data, num_classes, config.train_split), batch_sharding, config.prefetch)
   fewshot = evaluate_lib.FewShotEvaluator(config, model) if config.fewshot_every_steps else None
   real = _real_config(config, num_classes)
   rng = jax.device_put(jax.random.PRNGKey(config.seed), replicated)
-  chrono = chrono_lib.Chrono(
-      total_steps=total_steps, global_batch=config.batch_size,
-      num_train_examples=info.num_train_examples, num_devices=jax.device_count(),
-      flops_per_step=flops_per_step, peak_flops_per_device=peak)
+  chrono = chrono_lib.Chrono(total_steps=total_steps, global_batch=config.batch_size,
+                             num_train_examples=info.num_train_examples,
+                             num_devices=jax.device_count(), flops_per_step=flops_per_step,
+                             peak_flops_per_device=peak)
   profile = trace.StepTrace(os.path.join(workdir, 'profile'), config.profile_first_step,
                             config.profile_steps)
   last = total_steps if stop_after_steps is None else min(stop_after_steps, total_steps)
   result = {'step': start}
-  metric, unit = (('masked-patch accuracy', 'patches') if masked_patches.is_masked(config)
-                  else ('top-1 accuracy', 'examples'))
+  metric, unit = (('masked-patch accuracy', 'patches') if masked_patches.is_masked(config) else
+                  ('top-1 accuracy', 'examples'))
   stop_on_nonfinite = config.get('on_nonfinite', 'stop') == 'stop'
   # Cheap checks: the guard of the previous step is read only once it is ready (no
   # stall); a forced read (a sync) comes before every log line, evaluation and save.
@@ -548,13 +563,19 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
         check_guard(guard)
         if int(guard['skipped']) > reported_skips:
           reported_skips = int(guard['skipped'])
-          logging.warning('%d step(s) so far had a non-finite loss or gradient; their updates '
-                          'were skipped (on_nonfinite=skip)', reported_skips)
+          logging.warning(
+              '%d step(s) so far had a non-finite loss or gradient; their updates '
+              'were skipped (on_nonfinite=skip)', reported_skips)
         speed = chrono.report(step)
         logging.info('step %d/%d  loss %.4f  lr %.3g  %s', step, total_steps, metrics['loss'],
                      metrics['lr'], chrono.log_text(speed))
-        writer.write_scalars(step, {**{k: float(v) for k, v in metrics.items()}, **speed,
-                                    'data/skipped_images': train_data.skipped})
+        writer.write_scalars(
+            step, {
+                **{
+                    k: float(v) for k, v in metrics.items()
+                },
+                **speed, 'data/skipped_images': train_data.skipped
+            })
         result.update(step=step, loss=float(metrics['loss']))
       evaluating = _due(step, config.eval_every_steps) or step == total_steps
       fewshot_due = fewshot and (_due(step, config.fewshot_every_steps) or step == total_steps)
@@ -565,14 +586,13 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
         if evaluating:
           with chrono.paused():
             accuracy, n = evaluate(eval_step, params, config, batch_sharding, num_classes)
-          logging.info('step %d  %s %s %.4f (%d %s%s)', step, config.eval_split, metric,
-                       accuracy, n, unit, ', Polyak average' if polyak.enabled(config) else '')
+          logging.info('step %d  %s %s %.4f (%d %s%s)', step, config.eval_split, metric, accuracy,
+                       n, unit, ', Polyak average' if polyak.enabled(config) else '')
           writer.write_scalars(step, {'accuracy': accuracy})
           result.update(accuracy=accuracy)
           if real:
             with chrono.paused():
-              result.update(_evaluate_real(eval_step, params, real, batch_sharding, step,
-                                           writer))
+              result.update(_evaluate_real(eval_step, params, real, batch_sharding, step, writer))
         if fewshot_due:
           with chrono.paused():
             scores = fewshot(params)
@@ -604,16 +624,14 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       params = eval_params(state)
       result['accuracy'], _ = evaluate(eval_step, params, config, batch_sharding, num_classes)
       if real:
-        result.update(_evaluate_real(eval_step, params, real, batch_sharding, total_steps,
-                                     writer))
+        result.update(_evaluate_real(eval_step, params, real, batch_sharding, total_steps, writer))
     if finished:
       # Collective under FSDP or on several hosts; only process 0 writes the file.
       params = multihost_utils.process_allgather(eval_params(state), tiled=True)
       if jax.process_index() == 0:
         checkpoint.save_npz(os.path.join(workdir, 'final.npz'), params)
-      logging.info('Final %s %s: %.4f after %d steps (parameters: %s)',
-                   config.eval_split, metric, result['accuracy'], total_steps,
-                   os.path.join(workdir, 'final.npz'))
+      logging.info('Final %s %s: %.4f after %d steps (parameters: %s)', config.eval_split, metric,
+                   result['accuracy'], total_steps, os.path.join(workdir, 'final.npz'))
   except (OSError, tf.errors.OpError) as e:
     raise TrainingError(f'cannot write to {workdir}: {errors.one_line(e)}: free space or fix '
                         'permissions, then run the same command to resume') from None
@@ -642,8 +660,8 @@ def _step_memory(compiled):
   m = compiled.memory_analysis()
   if m is None:
     return None
-  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes -
-          m.alias_size_in_bytes + m.generated_code_size_in_bytes)
+  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+          - m.alias_size_in_bytes + m.generated_code_size_in_bytes)
 
 
 def _memory_message(config, need, limit):
@@ -681,9 +699,10 @@ def _fitting_train_step(config, model, tx, schedule, mesh, in_shardings, abstrac
     need = _step_memory(compiled)
     if limit is None or need is None or need <= limit:
       if config.accum_steps == 0:
-        logging.info('accum_steps 0: %d micro-batch(es) of %d per step%s', accum, batch // accum,
-                     '' if limit is None or need is None else
-                     f' fit ({need / 2**20:.1f} of {limit / 2**20:.1f} MiB per device)')
+        logging.info(
+            'accum_steps 0: %d micro-batch(es) of %d per step%s', accum, batch // accum,
+            '' if limit is None or need is None else
+            f' fit ({need / 2**20:.1f} of {limit / 2**20:.1f} MiB per device)')
       return compiled, c
   raise TrainingError(_memory_message(c, need, limit))
 
@@ -733,8 +752,9 @@ class _Preemption:
   def _on_signal(self, signum, frame):
     del frame
     if signum == signal.SIGINT and self.requested is not None:
-      os.write(2, b'vit_jax: second Ctrl-C: stopped at once, without saving this step '
-                  b'(the last complete checkpoint is kept)\n')
+      os.write(
+          2, b'vit_jax: second Ctrl-C: stopped at once, without saving this step '
+          b'(the last complete checkpoint is kept)\n')
       os._exit(130)  # pylint: disable=protected-access
     if self.requested is None:
       if signum == signal.SIGINT:
@@ -753,4 +773,3 @@ class _Preemption:
     for sig, previous in self._previous.items():
       signal.signal(sig, previous)
     self._previous = {}
-

@@ -21,8 +21,7 @@ import collections
 
 GROUPS = ('natural', 'specialized', 'structured')  # Figure 2 / Table 9 of the paper.
 
-Task = collections.namedtuple(
-    'Task', 'tfds_name num_classes train800 val200 test flip group')
+Task = collections.namedtuple('Task', 'tfds_name num_classes train800 val200 test flip group')
 
 # task -> Task. Splits: train800 = 'train[:800]'; val200 = the first 200 of
 # task_adaptation's 'val' split, which is a TFDS split or a slice at
@@ -33,44 +32,40 @@ Task = collections.namedtuple(
 # test; clevr: TFDS validation). flip: False where a
 # mirror image changes the label (x position, orientation, azimuth).
 VTAB = {
-    'caltech101': Task('caltech101', 102, 'train[:800]', 'train[2754:2954]', 'test',
-                       True, 'natural'),
-    'cifar100': Task('cifar100', 100, 'train[:800]', 'train[45000:45200]', 'test', True,
-                     'natural'),
+    'caltech101': Task('caltech101', 102, 'train[:800]', 'train[2754:2954]', 'test', True,
+                       'natural'),
+    'cifar100': Task('cifar100', 100, 'train[:800]', 'train[45000:45200]', 'test', True, 'natural'),
     'dtd': Task('dtd', 47, 'train[:800]', 'validation[:200]', 'test', True, 'natural'),
-    'oxford_flowers102': Task('oxford_flowers102', 102, 'train[:800]', 'validation[:200]',
-                              'test', True, 'natural'),
-    'oxford_iiit_pet': Task('oxford_iiit_pet', 37, 'train[:800]', 'train[2944:3144]',
-                            'test', True, 'natural'),
+    'oxford_flowers102': Task('oxford_flowers102', 102, 'train[:800]', 'validation[:200]', 'test',
+                              True, 'natural'),
+    'oxford_iiit_pet': Task('oxford_iiit_pet', 37, 'train[:800]', 'train[2944:3144]', 'test', True,
+                            'natural'),
     'sun397': Task('sun397', 397, 'train[:800]', 'validation[:200]', 'test', True,
                    'natural'),  # TFDS's default config, 'tfds', as task_adaptation's.
-    'svhn': Task('svhn_cropped', 10, 'train[:800]', 'train[65931:66131]', 'test', True,
-                 'natural'),
-    'patch_camelyon': Task('patch_camelyon', 2, 'train[:800]', 'validation[:200]', 'test',
-                           True, 'specialized'),
-    'eurosat': Task('eurosat/rgb', 10, 'train[:800]', 'train[16200:16400]',
-                    'train[21600:]', True, 'specialized'),
-    'resisc45': Task('resisc45', 45, 'train[:800]', 'train[18900:19100]', 'train[25200:]',
-                     True, 'specialized'),
-    'diabetic_retinopathy': Task('diabetic_retinopathy_detection/btgraham-300', 5,
-                                 'train[:800]', 'validation[:200]', 'test', True,
-                                 'specialized'),
-    'clevr_count': Task('clevr', 8, 'train[:800]', 'train[63000:63200]', 'validation',
-                        True, 'structured'),
-    'clevr_distance': Task('clevr', 6, 'train[:800]', 'train[63000:63200]', 'validation',
-                           True, 'structured'),
-    'dmlab': Task('dmlab', 6, 'train[:800]', 'validation[:200]', 'test', True,
-                  'structured'),
+    'svhn': Task('svhn_cropped', 10, 'train[:800]', 'train[65931:66131]', 'test', True, 'natural'),
+    'patch_camelyon': Task('patch_camelyon', 2, 'train[:800]', 'validation[:200]', 'test', True,
+                           'specialized'),
+    'eurosat': Task('eurosat/rgb', 10, 'train[:800]', 'train[16200:16400]', 'train[21600:]', True,
+                    'specialized'),
+    'resisc45': Task('resisc45', 45, 'train[:800]', 'train[18900:19100]', 'train[25200:]', True,
+                     'specialized'),
+    'diabetic_retinopathy': Task('diabetic_retinopathy_detection/btgraham-300', 5, 'train[:800]',
+                                 'validation[:200]', 'test', True, 'specialized'),
+    'clevr_count': Task('clevr', 8, 'train[:800]', 'train[63000:63200]', 'validation', True,
+                        'structured'),
+    'clevr_distance': Task('clevr', 6, 'train[:800]', 'train[63000:63200]', 'validation', True,
+                           'structured'),
+    'dmlab': Task('dmlab', 6, 'train[:800]', 'validation[:200]', 'test', True, 'structured'),
     'dsprites_location': Task('dsprites', 16, 'train[:800]', 'train[589824:590024]',
                               'train[663552:]', False, 'structured'),
     'dsprites_orientation': Task('dsprites', 16, 'train[:800]', 'train[589824:590024]',
                                  'train[663552:]', False, 'structured'),
     'kitti_distance': Task('kitti', 4, 'train[:800]', 'validation[:200]', 'test', True,
                            'structured'),
-    'smallnorb_azimuth': Task('smallnorb', 18, 'train[:800]', 'test[:200]', 'test[50%:]',
-                              False, 'structured'),
-    'smallnorb_elevation': Task('smallnorb', 9, 'train[:800]', 'test[:200]', 'test[50%:]',
-                                True, 'structured'),
+    'smallnorb_azimuth': Task('smallnorb', 18, 'train[:800]', 'test[:200]', 'test[50%:]', False,
+                              'structured'),
+    'smallnorb_elevation': Task('smallnorb', 9, 'train[:800]', 'test[:200]', 'test[50%:]', True,
+                                'structured'),
 }
 # The paper's VTAB-1k fine-tuning (Table 4): 2500 steps at LR 0.01; warm-up: our choice.
 VTAB_STEPS, VTAB_LR, VTAB_WARMUP = 2500, 0.01, 200
@@ -90,15 +85,16 @@ KITTI_NO_VEHICLE_DISTANCE = 1000.0
 # original_classes / num_classes values (floor of label / that factor, in float32):
 # label_x_position 32 -> 16, label_orientation 40 -> 16. Its images hold 0 and 1, scaled
 # to 0 and 255 there ("image needs to ... be in [0, 255)").
-DSPRITES_BINNED = {'dsprites_location': ('label_x_position', 32),
-                   'dsprites_orientation': ('label_orientation', 40)}
+DSPRITES_BINNED = {
+    'dsprites_location': ('label_x_position', 32),
+    'dsprites_orientation': ('label_orientation', 40)
+}
 DSPRITES_PIXEL_SCALE = 255
 # smallnorb.py: the TFDS class feature itself (label_azimuth 18 classes, label_elevation 9).
-SMALLNORB_FEATURE = {'smallnorb_azimuth': 'label_azimuth',
-                     'smallnorb_elevation': 'label_elevation'}
+SMALLNORB_FEATURE = {'smallnorb_azimuth': 'label_azimuth', 'smallnorb_elevation': 'label_elevation'}
 
-DERIVED_LABEL_TASKS = ('clevr_count', 'clevr_distance', *DSPRITES_BINNED,
-                       'kitti_distance', *SMALLNORB_FEATURE)
+DERIVED_LABEL_TASKS = ('clevr_count', 'clevr_distance', *DSPRITES_BINNED, 'kitti_distance',
+                       *SMALLNORB_FEATURE)
 
 
 def derives_label(task, tfds_name):
@@ -116,8 +112,7 @@ def class_names(task):
   if task == 'clevr_count':
     return tuple(f'{n + CLEVR_MIN_OBJECTS} objects' for n in range(VTAB[task].num_classes))
   if task in ('clevr_distance', 'kitti_distance'):
-    edges = (CLEVR_DEPTH_THRESHOLDS if task == 'clevr_distance'
-             else KITTI_DISTANCE_THRESHOLDS)
+    edges = (CLEVR_DEPTH_THRESHOLDS if task == 'clevr_distance' else KITTI_DISTANCE_THRESHOLDS)
     names = tuple(f'nearest in ({a:g}, {b:g}]' for a, b in zip(edges, edges[1:]))
     return names if task == 'clevr_distance' else names + ('no vehicle',)
   if task in DSPRITES_BINNED:
@@ -144,8 +139,7 @@ def example(task, features):
   if task == 'clevr_count':
     label = tf.size(features['objects']['size']) - CLEVR_MIN_OBJECTS
   elif task == 'clevr_distance':
-    label = _bin(tf.reduce_min(features['objects']['pixel_coords'][:, 2]),
-                 CLEVR_DEPTH_THRESHOLDS)
+    label = _bin(tf.reduce_min(features['objects']['pixel_coords'][:, 2]), CLEVR_DEPTH_THRESHOLDS)
   elif task == 'kitti_distance':
     objects = features['objects']
     z = tf.boolean_mask(objects['location'][:, 2], objects['type'] < KITTI_VEHICLE_TYPES)

@@ -45,8 +45,11 @@ PROBED_DTYPES = ('float32',)  # dtypes whose choice depends on the host
 # jaxlib major.minor versions in which the flags above exist (checked by the tests).
 KNOWN_JAXLIB = ('0.10',)
 OPT_OUT = 'VIT_JAX_XLA_CPU_FLAGS'
-MODES = {'auto': 'measure float32 once per host', '1': 'the fixed table, no probe',
-         '0': "add nothing: XLA's defaults"}
+MODES = {
+    'auto': 'measure float32 once per host',
+    '1': 'the fixed table, no probe',
+    '0': "add nothing: XLA's defaults"
+}
 MARGIN = 0.03  # a probe ratio within 1 +- MARGIN is a tie: the fixed table stays
 # Timings taken beside other work are not evidence: above this load per core, no probe.
 BUSY_LOAD = 0.5
@@ -132,8 +135,8 @@ def pending(environ=None, dtype='float32'):
   if environ is os.environ and _backend_started():
     return []
   wanted, _ = choose(environ, dtype) if _known(_jaxlib_version()) else ((), '')
-  return flags_to_add(environ.get('XLA_FLAGS', ''), _jaxlib_version(), environ.get(OPT_OUT),
-                      dtype, wanted)
+  return flags_to_add(environ.get('XLA_FLAGS', ''), _jaxlib_version(), environ.get(OPT_OUT), dtype,
+                      wanted)
 
 
 def apply(environ=None, dtype='float32', recorded=None):
@@ -160,13 +163,12 @@ def apply(environ=None, dtype='float32', recorded=None):
   else:
     wanted, why = choose(environ, dtype)
   last_flags = tuple(wanted)
-  added = flags_to_add(environ.get('XLA_FLAGS', ''), version, environ.get(OPT_OUT), dtype,
-                       wanted)
+  added = flags_to_add(environ.get('XLA_FLAGS', ''), version, environ.get(OPT_OUT), dtype, wanted)
   if added:
     environ['XLA_FLAGS'] = ' '.join([environ.get('XLA_FLAGS', ''), *added]).strip()
   kept = [f.split('=')[0] for f in wanted if f not in added]  # XLA_FLAGS names them already
-  last_choice = (f'XLA:CPU flags for {dtype}: {" ".join(added) or "none added"}; {why}'
-                 + (f'; XLA_FLAGS already sets {" ".join(kept)}' if kept else ''))
+  last_choice = (f'XLA:CPU flags for {dtype}: {" ".join(added) or "none added"}; {why}' +
+                 (f'; XLA_FLAGS already sets {" ".join(kept)}' if kept else ''))
   logging.info('%s', last_choice)
   return added
 
@@ -183,8 +185,13 @@ def host_key():
         info.setdefault(name.strip(), value.strip())
   except OSError:
     pass
-  cpu = ' '.join(filter(None, [info.get('model name', ''), info.get('cpu family', ''),
-                               info.get('model', ''), info.get('stepping', '')]))
+  cpu = ' '.join(
+      filter(None, [
+          info.get('model name', ''),
+          info.get('cpu family', ''),
+          info.get('model', ''),
+          info.get('stepping', '')
+      ]))
   return f'{cpu or "unknown cpu"} | {_cores()} cores | jaxlib {_jaxlib_version()}'
 
 
@@ -259,9 +266,11 @@ def probe(rounds=4, steps=2, timeout=60.0):
   its flags (None when the probe failed or tied), and per round the speed ratio off/on of
   the fastest step of each side (the fastest step is the one least disturbed by other
   processes on a shared host)."""
-  base = [f for f in os.environ.get('XLA_FLAGS', '').split()
-          if f.split('=')[0] not in ('--xla_force_host_platform_device_count',
-                                     YNNPACK_OFF.split('=')[0])]
+  base = [
+      f for f in os.environ.get('XLA_FLAGS', '').split()
+      if f.split('=')[0] not in ('--xla_force_host_platform_device_count',
+                                 YNNPACK_OFF.split('=')[0])
+  ]
   sides = {'on': base, 'off': base + [YNNPACK_OFF]}
   entry = {'date': datetime.date.today().isoformat(), 'flags': None}
   procs = {}
@@ -304,5 +313,7 @@ def verdict(off_over_on):
     return {'verdict': 'YNNPACK off', 'flags': [YNNPACK_OFF]}
   if median <= 1 - MARGIN:
     return {'verdict': "YNNPACK on (XLA's default)", 'flags': []}
-  return {'flags': None,
-          'error': f'a tie (YNNPACK off/on median {median:.2f}, within {MARGIN:.0%})'}
+  return {
+      'flags': None,
+      'error': f'a tie (YNNPACK off/on median {median:.2f}, within {MARGIN:.0%})'
+  }

@@ -28,7 +28,8 @@ def get_model(name, num_classes, **overrides):
     options['remat'] = remat.policy_name(options['remat'])
   if isinstance(options.get('dtype'), str):
     if options['dtype'] not in _DTYPES:
-      raise ValueError(f'dtype {options["dtype"]!r} is not supported: use one of {", ".join(_DTYPES)}')
+      raise ValueError(
+          f'dtype {options["dtype"]!r} is not supported: use one of {", ".join(_DTYPES)}')
     options['dtype'] = _DTYPES[options['dtype']]
   fields = get_variant(name, **overrides)
   family = fields.pop('family')
@@ -43,5 +44,7 @@ def from_config(config, num_classes):
                    head_bias_init=config.head_bias_init, **config.model)
 
 
-__all__ = ['VARIANTS', 'from_config', 'get_model', 'get_variant', 'pixels_per_token',
-           'VisionTransformer', 'BiTResNet']
+__all__ = [
+    'VARIANTS', 'from_config', 'get_model', 'get_variant', 'pixels_per_token', 'VisionTransformer',
+    'BiTResNet'
+]

@@ -29,12 +29,12 @@ class PreActUnit(nn.Module):
 
   @nn.compact
   def __call__(self, x):
+
     def conv(f, k, s, name):
       pad = [(k // 2, k // 2)] * 2  # symmetric, as the published BiT models
-      return StdConv(f, (k, k), s, pad, eps=_WS_EPS, eps_in_sqrt=True, dtype=self.dtype,
-                     name=name)
-    gn_relu = lambda y, name: nn.relu(
-        nn.GroupNorm(epsilon=_GN_EPS, dtype=self.dtype, name=name)(y))
+      return StdConv(f, (k, k), s, pad, eps=_WS_EPS, eps_in_sqrt=True, dtype=self.dtype, name=name)
+
+    gn_relu = lambda y, name: nn.relu(nn.GroupNorm(epsilon=_GN_EPS, dtype=self.dtype, name=name)(y))
     out = gn_relu(x, 'gn1')
     residual = x
     if x.shape[-1] != self.features * 4 or tuple(self.strides) != (1, 1):

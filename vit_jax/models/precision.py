@@ -23,8 +23,8 @@ COMPUTE_DTYPE = jnp.bfloat16
 
 
 def _dot(lhs, rhs, dimension_numbers):
-  return lax.dot_general(lhs.astype(COMPUTE_DTYPE), rhs.astype(COMPUTE_DTYPE),
-                         dimension_numbers, preferred_element_type=jnp.float32)
+  return lax.dot_general(lhs.astype(COMPUTE_DTYPE), rhs.astype(COMPUTE_DTYPE), dimension_numbers,
+                         preferred_element_type=jnp.float32)
 
 
 def _grads(g, lhs, rhs, dimension_numbers):
@@ -68,8 +68,7 @@ _dot = jax.custom_vjp(_dot, nondiff_argnums=(2,))
 _dot.defvjp(_dot_fwd, _dot_bwd)
 
 
-def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-                **unused):
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **unused):
   """lax.dot_general on bf16-rounded operands with a float32 result (see module doc)."""
   del precision, preferred_element_type, unused  # always bf16 operands, f32 result
   (c_lhs, c_rhs), (b_lhs, b_rhs) = dimension_numbers

@@ -36,8 +36,8 @@ class StdConv(nn.Module):
     w = self.param('kernel', nn.initializers.lecun_normal(), shape, jnp.float32)
     w = w - jnp.mean(w, axis=(0, 1, 2), keepdims=True)
     var = jnp.mean(jnp.square(w), axis=(0, 1, 2), keepdims=True)
-    w = w * (jax.lax.rsqrt(var + self.eps) if self.eps_in_sqrt
-             else 1.0 / (jnp.sqrt(var) + self.eps))
+    w = w * (jax.lax.rsqrt(var + self.eps) if self.eps_in_sqrt else 1.0 /
+             (jnp.sqrt(var) + self.eps))
     if tuple(self.kernel_size) == (1, 1):
       # A 1x1 convolution is a matmul over channels (SAME and VALID need no padding for
       # a 1x1 window; a stride just subsamples). As a dot, XLA:CPU computes the kernel
@@ -48,9 +48,9 @@ class StdConv(nn.Module):
       if precision.is_mixed(self.dtype):
         return precision.dot_general(x, w[0, 0], (((3,), (0,)), ((), ()))).astype(self.dtype)
       return jnp.dot(x.astype(self.dtype), w[0, 0].astype(self.dtype))
-    return jax.lax.conv_general_dilated(
-        x.astype(self.dtype), w.astype(self.dtype), tuple(self.strides), self.padding,
-        dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+    return jax.lax.conv_general_dilated(x.astype(self.dtype), w.astype(self.dtype),
+                                        tuple(self.strides), self.padding,
+                                        dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
 
 
 class ResidualUnit(nn.Module):
@@ -93,8 +93,7 @@ class Stage(nn.Module):
     unit_cls = remat_lib.wrap(self.unit_cls, self.remat)
     for j in range(self.num_units):
       strides = self.first_stride if j == 0 else (1, 1)
-      x = unit_cls(self.features, strides, dtype=self.dtype,
-                   name=self.unit_name.format(j + 1))(x)
+      x = unit_cls(self.features, strides, dtype=self.dtype, name=self.unit_name.format(j + 1))(x)
     return x
 
 

@@ -37,7 +37,10 @@ BIT_DEFAULTS = dict(
 )
 
 _BIT_DEPTHS = {
-    26: (2, 2, 2, 2), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3),
+    26: (2, 2, 2, 2),
+    50: (3, 4, 6, 3),
+    101: (3, 4, 23, 3),
+    152: (3, 8, 36, 3),
     200: (3, 24, 36, 3),
 }
 # (depth, width) of the published BiT-S/BiT-M files and of the paper's ResNet baselines.
@@ -55,7 +58,9 @@ def _bit(depth, width):
 
 VARIANTS = {
     # Plain ViTs: every size with every patch size.
-    **{f'ViT-{s}_{p}': _vit(s, p) for s in VIT_SIZES for p in VIT_PATCHES},
+    **{
+        f'ViT-{s}_{p}': _vit(s, p) for s in VIT_SIZES for p in VIT_PATCHES
+    },
     # Hybrids: ResNet stem (GN + weight-standardised convs), then ViT on its feature map.
     # The name's patch size is the effective one, stem stride x patch_size (see
     # pixels_per_token), except for R+ViT-Ti_16, named as published: 4 x 8 = 32.
@@ -71,17 +76,20 @@ VARIANTS = {
     # 32 pixels per token despite the name.
     'R+ViT-Ti_16': _vit('Ti', 8, resnet_layers=()),
     # BiT ResNet v2 (pre-activation), the published BiT-S/BiT-M files.
-    **{f'BiT-{d}-R{depth}x{w}': _bit(depth, w) for d in ('S', 'M') for depth, w in _BIT_FILES},
+    **{
+        f'BiT-{d}-R{depth}x{w}': _bit(depth, w) for d in ('S', 'M') for depth, w in _BIT_FILES
+    },
     # The paper's ResNet baselines (Table 6): the same BiT family.
-    **{f'R{depth}x{w}': _bit(depth, w) for depth, w in _RESNET_BASELINES},
+    **{
+        f'R{depth}x{w}': _bit(depth, w) for depth, w in _RESNET_BASELINES
+    },
 }
 
 
 def get_variant(name, **overrides):
   """The fields of variant `name` with `overrides` applied; one-line errors otherwise."""
   if name not in VARIANTS:
-    raise ValueError(
-        f'Unknown model {name!r}; known: {", ".join(sorted(VARIANTS))}')
+    raise ValueError(f'Unknown model {name!r}; known: {", ".join(sorted(VARIANTS))}')
   fields = dict(VARIANTS[name])
   unknown = sorted(set(overrides) - set(fields) - {'family'})
   if unknown:
@@ -91,8 +99,7 @@ def get_variant(name, **overrides):
         f'fields: {", ".join(allowed)}')
   fields.update(overrides)
   if fields['family'] == 'vit' and fields['classifier'] not in ('token', 'gap'):
-    raise ValueError(
-        f'classifier {fields["classifier"]!r} is not supported: use "token" or "gap"')
+    raise ValueError(f'classifier {fields["classifier"]!r} is not supported: use "token" or "gap"')
   if fields.get('resnet_layers') is not None:
     fields['resnet_layers'] = tuple(fields['resnet_layers'])
   return fields

@@ -37,9 +37,8 @@ class MlpBlock(nn.Module):
   @nn.compact
   def __call__(self, x, *, deterministic):
     dense = lambda f, name: nn.Dense(
-        f, dtype=self.dtype, kernel_init=nn.initializers.xavier_uniform(),
-        bias_init=nn.initializers.normal(stddev=1e-6), name=name,
-        **precision.dense_options(self.dtype))
+        f, dtype=self.dtype, kernel_init=nn.initializers.xavier_uniform(), bias_init=nn.initializers
+        .normal(stddev=1e-6), name=name, **precision.dense_options(self.dtype))
     y = nn.gelu(dense(self.mlp_dim, 'Dense_0')(x).astype(self.dtype), approximate=True)
     y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
     y = dense(x.shape[-1], 'Dense_1')(y).astype(self.dtype)
@@ -65,9 +64,8 @@ class MultiHeadDotProductAttention(nn.Module):
       raise ValueError(f'hidden_size {d} is not divisible by num_heads {self.num_heads}')
     head_dim = d // self.num_heads
     options = precision.dense_options(self.dtype)
-    proj = lambda name: nn.DenseGeneral(
-        (self.num_heads, head_dim), dtype=self.dtype,
-        kernel_init=nn.initializers.xavier_uniform(), name=name, **options)
+    proj = lambda name: nn.DenseGeneral((self.num_heads, head_dim), dtype=self.dtype, kernel_init=nn
+                                        .initializers.xavier_uniform(), name=name, **options)
     q, k, v = (proj(name)(x).astype(self.dtype) for name in ('query', 'key', 'value'))
     q = q / jnp.sqrt(head_dim).astype(q.dtype)
     if options:  # bf16 x bf16 -> f32 dots in both directions, as the projections
@@ -77,8 +75,8 @@ class MultiHeadDotProductAttention(nn.Module):
     weights = jax.nn.softmax(logits, axis=-1)
     self.sow('intermediates', 'attention_weights', weights)
     if self.dropout_rate > 0.0:
-      weights = nn.Dropout(self.dropout_rate, broadcast_dims=())(
-          weights, deterministic=deterministic)
+      weights = nn.Dropout(self.dropout_rate, broadcast_dims=())(weights,
+                                                                 deterministic=deterministic)
     if options:
       y = precision.dot_general(weights, v, (((3,), (1,)), ((0, 1), (0, 2))))
       y = jnp.transpose(y, (0, 2, 1, 3))
@@ -100,13 +98,13 @@ class EncoderBlock(nn.Module):
   @nn.compact
   def __call__(self, x, deterministic):
     y = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, name='LayerNorm_0')(x)
-    y = MultiHeadDotProductAttention(
-        self.num_heads, self.attention_dropout_rate, self.dtype,
-        name='MultiHeadDotProductAttention_1')(y, deterministic=deterministic)
+    y = MultiHeadDotProductAttention(self.num_heads, self.attention_dropout_rate, self.dtype,
+                                     name='MultiHeadDotProductAttention_1')(
+                                         y, deterministic=deterministic)
     x = x + nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
     y = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, name='LayerNorm_2')(x)
-    y = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, name='MlpBlock_3')(
-        y, deterministic=deterministic)
+    y = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype,
+                 name='MlpBlock_3')(y, deterministic=deterministic)
     return x + y
 
 
@@ -127,9 +125,8 @@ class Encoder(nn.Module):
     # `deterministic` is positional so remat can treat it as static.
     block_cls = remat_lib.wrap(EncoderBlock, self.remat, static_argnums=(2,))
     for i in range(self.num_layers):
-      x = block_cls(self.mlp_dim, self.num_heads, self.dropout_rate,
-                    self.attention_dropout_rate, self.dtype, name=f'encoderblock_{i}')(
-                        x, not train)
+      x = block_cls(self.mlp_dim, self.num_heads, self.dropout_rate, self.attention_dropout_rate,
+                    self.dtype, name=f'encoderblock_{i}')(x, not train)
     return nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, name='encoder_norm')(x)
 
 
@@ -167,12 +164,11 @@ class VisionTransformer(nn.Module):
       x = resnet.resnet_stem(x, self.resnet_layers, self.resnet_width, self.dtype, self.remat)
     h, w = x.shape[1:3]
     if h % self.patch_size or w % self.patch_size:
-      raise ValueError(
-          f'Feature map {h}x{w} is not divisible by patch size {self.patch_size}: '
-          f'use an image size divisible by {images.shape[1] // h * self.patch_size}')
+      raise ValueError(f'Feature map {h}x{w} is not divisible by patch size {self.patch_size}: '
+                       f'use an image size divisible by {images.shape[1] // h * self.patch_size}')
     p = self.patch_size
-    x = nn.Conv(self.hidden_size, (p, p), strides=(p, p), padding='VALID',
-                dtype=self.dtype, name='embedding')(x)
+    x = nn.Conv(self.hidden_size, (p, p), strides=(p, p), padding='VALID', dtype=self.dtype,
+                name='embedding')(x)
     n, h, w, c = x.shape
     x = jnp.reshape(x, (n, h * w, c))
     if corrupt is not None:
@@ -186,16 +182,18 @@ class VisionTransformer(nn.Module):
       cls = self.param('cls', nn.initializers.zeros, (1, 1, c), jnp.float32)
       x = jnp.concatenate([jnp.broadcast_to(cls.astype(x.dtype), (n, 1, c)), x], axis=1)
     x = Encoder(self.num_layers, self.mlp_dim, self.num_heads, self.dropout_rate,
-                self.attention_dropout_rate, self.dtype, self.remat, name='Transformer')(
-                    x, train=train)
+                self.attention_dropout_rate, self.dtype, self.remat,
+                name='Transformer')(x, train=train)
     if corrupt is not None:
       x = x[:, 1:] if self.classifier == 'token' else x
-      return nn.Dense(patch_outputs, dtype=self.dtype, kernel_init=nn.initializers.zeros,
-                      name='masked_patch_head', **precision.dense_options(self.dtype))(x).astype(jnp.float32)
+      return nn.Dense(patch_outputs, dtype=self.dtype,
+                      kernel_init=nn.initializers.zeros, name='masked_patch_head',
+                      **precision.dense_options(self.dtype))(x).astype(jnp.float32)
     x = x[:, 0] if self.classifier == 'token' else jnp.mean(x, axis=1)
     if self.representation_size is not None:
-      x = jnp.tanh(nn.Dense(self.representation_size, dtype=self.dtype, name='pre_logits',
-                            **precision.dense_options(self.dtype))(x).astype(self.dtype))
+      x = jnp.tanh(
+          nn.Dense(self.representation_size, dtype=self.dtype, name='pre_logits',
+                   **precision.dense_options(self.dtype))(x).astype(self.dtype))
     self.sow('intermediates', 'pre_logits', x)  # few-shot features
     if not self.num_classes:
       return x
