@@ -142,8 +142,6 @@ def main(argv):
   if jax.devices()[0].platform == 'cpu':
     logging.info('%s', xla_cpu_flags.last_choice)
   try:
-    if recorded is None:
-      rundir.record_cpu_flags(workdir, xla_cpu_flags.last_flags)
     train.train_and_evaluate(FLAGS.config, workdir)
   except train.ConfigError as e:
     sys.exit(f'vit_jax: {e}')

@@ -40,7 +40,8 @@ def recorded_cpu_flags(workdir):
 
 
 def record_cpu_flags(workdir, flags):
-  """Keeps `flags` (xla_cpu_flags.apply's choice) for the runs that resume this one."""
+  """Keeps `flags` (xla_cpu_flags.apply's choice; () when it was not called: XLA's
+  defaults) for the runs that resume this one."""
   if jax.process_index() == 0:
     path = os.path.join(workdir, CPU_FLAGS_FILE)
     try:

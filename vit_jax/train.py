@@ -40,6 +40,7 @@ from vit_jax import rundir
 from vit_jax import sharding
 from vit_jax import trace
 from vit_jax import vtab
+from vit_jax import xla_cpu_flags
 
 DTYPES = ('float32', 'bfloat16')
 
@@ -156,8 +157,9 @@ def make_train_step(model, tx, schedule, config, mesh):
         return jax.tree.map(jnp.add, carry, (loss_j, g_j)), None
 
       zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-      (loss, g), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), split(
-          batch['image']), split(batch['label']), jax.tree.map(split, corrupt)))
+      micro_batches = (jnp.arange(accum), split(batch['image']), split(batch['label']),
+                       jax.tree.map(split, corrupt))
+      (loss, g), _ = jax.lax.scan(body, zeros, micro_batches)
       loss, g = jax.tree.map(lambda x: x / accum, (loss, g))
     updates, opt_state = tx.update(g, state['opt_state'], params)
     new_params = optax.apply_updates(params, updates)
@@ -439,6 +441,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   if start:
     logging.info('Resuming from the checkpoint of step %d in %s', start, workdir)
   rundir.write_config(config, workdir)
+  if start == 0 and jax.devices()[0].platform == 'cpu':  # what a resumption will run with
+    rundir.record_cpu_flags(workdir, xla_cpu_flags.last_flags)
   flops_per_step = flops.step_flops(config, num_classes)
   peak, peak_source = device_peaks.resolve_peak(config.dtype, config.peak_flops_per_device)
   logging.info(
@@ -446,13 +450,11 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       chrono_lib.setup_text(sum(x.size for x in jax.tree.leaves(state['params'])), flops_per_step,
                             peak, peak_source))
 
+  size, n = config.image_size, config.batch_size
+  multi_hot = jax.ShapeDtypeStruct((n, info.num_classes), jnp.float32)
   abstract_batch = {
-      'image': jax.ShapeDtypeStruct((config.batch_size, config.image_size, config.image_size, 3),
-                                    jnp.float32),
-      'label': (jax.ShapeDtypeStruct(
-          (config.batch_size,
-           info.num_classes), jnp.float32) if info.multi_label else jax.ShapeDtypeStruct(
-               (config.batch_size,), jnp.int32))
+      'image': jax.ShapeDtypeStruct((n, size, size, 3), jnp.float32),
+      'label': multi_hot if info.multi_label else jax.ShapeDtypeStruct((n,), jnp.int32)
   }
   t_build = time.perf_counter()
   train_step, config = _fitting_train_step(
