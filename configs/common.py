@@ -9,8 +9,8 @@ def get_config():
 
   # Model.
   c.model_name = 'ViT-B_16'  # A name from vit_jax.models.VARIANTS.
-  c.model = ml_collections.ConfigDict(
-  )  # Variant overrides, e.g. dropout_rate, representation_size.
+  # Variant overrides, e.g. dropout_rate, representation_size.
+  c.model = ml_collections.ConfigDict()
   c.dtype = 'float32'  # Compute dtype ('float32' or 'bfloat16'); parameters stay float32.
   c.remat = ml_collections.FieldReference('', field_type=object)  # Remat policy (models/remat.py).
   c.num_classes = -1  # Head size; -1 takes it from the dataset.
