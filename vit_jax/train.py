@@ -328,16 +328,19 @@ class _ShortLibraryErrors(std_logging.Filter):
 
 
 class _DropOrphanedWriteTasks(std_logging.Filter):
-  """asyncio logs each failed orbax write task it garbage-collects ('Task exception was
-  never retrieved', with a traceback), possibly after the loop's one-line report, as the
-  process ends; the failure is already reported, so these records are dropped."""
+  """asyncio logs each failed orbax write task or future it garbage-collects ('Task/Future
+  exception was never retrieved'), possibly after the loop's one-line report, as the
+  process ends; the failure is already reported, so these records are dropped. They are
+  known by orbax in their traceback, or, for a bare future (no traceback), by the error
+  naming orbax's temporary checkpoint directory."""
 
   def filter(self, record):
     if 'exception was never retrieved' not in record.getMessage():
       return True
     tb = record.exc_info[2] if record.exc_info else None
     files = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb)]
-    return not any('/orbax/' in f for f in [record.getMessage(), *files])
+    return not any(
+        '/orbax/' in f or '.orbax-checkpoint-tmp' in f for f in [record.getMessage(), *files])
 
 
 def _closed_loop(value):
