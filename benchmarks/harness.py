@@ -13,12 +13,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
   sys.path.insert(0, REPO)
 
+from vit_jax import xla_cpu_flags  # noqa: E402  (no JAX: it imports jaxlib only when asked)
 
-def cores():
-  try:
-    return len(os.sched_getaffinity(0))
-  except AttributeError:
-    return os.cpu_count()
+cores = xla_cpu_flags.cores  # the CPU cores this process may use
 
 
 def loadavg():

@@ -113,10 +113,10 @@ def choose(environ=None, dtype='float32', cache_path=None):
   cache_path = cache_path or default_cache_path()
   cached = _read_cache(cache_path).get(key)
   if cached is None:
-    load, cores = os.getloadavg()[0], _cores()
-    if load > BUSY_LOAD * cores:
+    load, n_cores = os.getloadavg()[0], cores()
+    if load > BUSY_LOAD * n_cores:
       return fixed, (f'the fixed table for {dtype}: the host is busy (load {load:.1f} on '
-                     f'{cores} cores), so the probe waits for a quieter start')
+                     f'{n_cores} cores), so the probe waits for a quieter start')
     cached = probe()
     _write_cache(cache_path, key, cached)
     where = f'probed now, cached in {cache_path}'
@@ -192,10 +192,11 @@ def host_key():
           info.get('model', ''),
           info.get('stepping', '')
       ]))
-  return f'{cpu or "unknown cpu"} | {_cores()} cores | jaxlib {_jaxlib_version()}'
+  return f'{cpu or "unknown cpu"} | {cores()} cores | jaxlib {_jaxlib_version()}'
 
 
-def _cores():
+def cores():
+  """The CPU cores this process may use."""
   try:
     return len(os.sched_getaffinity(0))
   except AttributeError:
