@@ -30,6 +30,7 @@ from vit_jax.configs import common
 from vit_jax.configs import pretrain
 from vit_jax.configs import quickstart
 from vit_jax import masked_patches as objective
+from vit_jax.models import variants
 
 # dataset -> total steps (B.1.2: 1M on JFT; 100k elsewhere, see the module doc).
 STEPS = {'jft300m': 1_000_000, 'imagenet21k': 100_000, 'imagenet2012': 100_000}
@@ -77,7 +78,7 @@ def get_config(arg=None):
   if dataset not in STEPS:
     raise ValueError(f'dataset {dataset!r} has no masked-patch row: use one of '
                      f'{", ".join(STEPS)} ({_usage()})')
-  if not pretrain._is_plain_vit(model):  # pylint: disable=protected-access
+  if not variants.is_plain_vit(model):
     raise ValueError(f'model {model!r} is not a plain ViT: masked patch prediction needs '
                      f'ViT-<size>_<patch> ({_usage()})')
   data = pretrain.DATASETS[dataset]

@@ -108,15 +108,9 @@ def _find_row(model, dataset):
     if row.dataset != dataset:
       continue
     for pattern in row.models:
-      if _is_plain_vit(model) if pattern == 'ViT-*' else model == pattern:
+      if variants.is_plain_vit(model) if pattern == 'ViT-*' else model == pattern:
         return row
   return None
-
-
-def _is_plain_vit(model):
-  """A ViT of the variant table without a ResNet stem ('ViT-B_16', not 'R50+ViT-B_16')."""
-  fields = variants.VARIANTS.get(model)
-  return fields is not None and fields['family'] == 'vit' and fields['resnet_layers'] is None
 
 
 def get_config(arg=None):

@@ -105,6 +105,12 @@ def get_variant(name, **overrides):
   return fields
 
 
+def is_plain_vit(name):
+  """A ViT of the table without a ResNet stem ('ViT-B_16', not 'R50+ViT-B_16')."""
+  fields = VARIANTS.get(name)
+  return fields is not None and fields['family'] == 'vit' and fields['resnet_layers'] is None
+
+
 def pixels_per_token(fields):
   """Side in input pixels of the square one token covers, for variant `fields` (as
   get_variant returns them): the patch size times the hybrid stem's stride (4 for its
