@@ -165,7 +165,7 @@ def test_attention_maps_of_a_model(tiny):
   att = vit_inspect.attention_maps(tiny['model'], tiny['params'], images)
   assert att.shape == (2, 2, 2, 17, 17)  # layers, batch, heads, q, k
   np.testing.assert_allclose(att.sum(-1), 1.0, atol=1e-5)
-  assert vit_inspect.pixels_per_token(tiny['model'], 28) == 7
+  assert vit_inspect.token_spacing(tiny['model']) == 7
 
 
 def test_cli_end_to_end(tiny):

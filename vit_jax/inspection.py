@@ -15,7 +15,7 @@ Choices where the paper is silent:
     display are divided by their maximum.
   - mean attention distance: the class token is excluded from queries and keys, and
     each query's weights over the patch keys are renormalised to sum to 1; distances
-    are between patch centres, `pixels_per_token` apart.
+    are between patch centres, `token_spacing(model)` apart.
 
 CLI (vit-inspect = python -m vit_jax.inspection), a finished run or a published file:
   vit-inspect --workdir workdirs/quickstart --outdir figures/
@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from vit_jax import model_flags
+from vit_jax.models import variants
 
 _BLOCK = re.compile(r'encoderblock_(\d+)$')
 
@@ -63,17 +64,11 @@ def has_class_token(params):
   return 'cls' in params
 
 
-def pixels_per_token(model, image_size):
-  """Pixel distance between neighbouring token centres (patch size x hybrid stem)."""
-  grid = int(np.sqrt(num_patches(model, image_size)))
-  return image_size / grid
-
-
-def num_patches(model, image_size):
-  x = jax.ShapeDtypeStruct((1, image_size, image_size, 3), np.float32)
-  variables = jax.eval_shape(lambda im: model.init(jax.random.PRNGKey(0), im), x)
-  n = variables['params']['Transformer']['posembed_input']['pos_embedding'].shape[1]
-  return n - int('cls' in variables['params'])
+def token_spacing(model):
+  """Pixels between neighbouring token centres of a ViT module: variants.pixels_per_token
+  of its own fields (patch size x the hybrid stem's stride)."""
+  fields = {'family': 'vit', 'patch_size': model.patch_size, 'resnet_layers': model.resnet_layers}
+  return variants.pixels_per_token(fields)
 
 
 def _grid(num_tokens):
@@ -343,7 +338,7 @@ def inspect_model(model, params, image_size, images=None, names=None, outdir='.'
     attn = attention_maps(model, params, images)
     grid_maps = attention_rollout(attn, cls)
     masks = upsample_mask(grid_maps, image_size)
-    dist = mean_attention_distance(attn, pixels_per_token(model, image_size), cls)
+    dist = mean_attention_distance(attn, token_spacing(model), cls)
     arrays.update(rollout=grid_maps, mean_attention_distance=dist)
     names = names or [f'image{i}' for i in range(len(images))]
     for i, name in enumerate(names):
