@@ -364,6 +364,7 @@ def test_quickstart_command_end_to_end_shortened(idx_dir, tmp_path):
   assert 'step 20/20' in log and 'img/s/core' in log and 'ETA' in log and 'MFU' in log
   assert 'ViT-Ti_16: 141,066 parameters; ' in log and 'Compiled the train step' in log
   assert 'orbax' not in log  # library chatter is filtered out of the readable log
+  assert proc.stderr.count('XLA:CPU flags for float32') == 1 and 'XLA:CPU flags for' in log
   # The CPU flags the run started with are kept for its resumption (rundir.recorded_cpu_flags).
   assert rundir.recorded_cpu_flags(workdir) == xla_cpu_flags.FLAGS_BY_DTYPE['float32']
   assert rundir.recorded_cpu_flags(str(tmp_path / 'new')) is None

@@ -120,7 +120,8 @@ def main(argv):
   workdir = paths.resolve(FLAGS.workdir)  # once: orbax refuses relative paths
   recorded = rundir.recorded_cpu_flags(workdir)  # a resumed run keeps its CPU kernels
   try:
-    xla_cpu_flags.apply(dtype=FLAGS.config.dtype, recorded=recorded)  # before the backend starts
+    # Before the backend starts; logged below, once the log file is open.
+    xla_cpu_flags.apply(dtype=FLAGS.config.dtype, recorded=recorded, log=False)
   except ValueError as e:  # a bad VIT_JAX_XLA_CPU_FLAGS value
     sys.exit(f'vit_jax: {e}')
   initialize_distributed()

@@ -117,6 +117,8 @@ def choose(environ=None, dtype='float32', cache_path=None):
     if load > BUSY_LOAD * n_cores:
       return fixed, (f'the fixed table for {dtype}: the host is busy (load {load:.1f} on '
                      f'{n_cores} cores), so the probe waits for a quieter start')
+    logging.info('XLA:CPU: timing YNNPACK fusions on and off for float32 (once per host, '
+                 '~10 s)')
     cached = probe()
     _write_cache(cache_path, key, cached)
     where = f'probed now, cached in {cache_path}'
@@ -139,9 +141,10 @@ def pending(environ=None, dtype='float32'):
                       wanted)
 
 
-def apply(environ=None, dtype='float32', recorded=None):
-  """Adds `dtype`'s CPU flags to XLA_FLAGS in `environ` (os.environ), logs the choice and
-  its reason, and returns what it added.
+def apply(environ=None, dtype='float32', recorded=None, log=True):
+  """Adds `dtype`'s CPU flags to XLA_FLAGS in `environ` (os.environ), returns what it
+  added, and keeps the choice and its reason in `last_choice` (logged too, unless `log`
+  is False: vit-train logs it once its log file is open).
 
   `recorded`: the flags a run being resumed started with (vit_jax/rundir.py); in auto mode
   they are kept, so that the resumed steps run the same kernels (bit-identical resume).
@@ -156,7 +159,8 @@ def apply(environ=None, dtype='float32', recorded=None):
   version = _jaxlib_version()
   if not _known(version):
     last_choice = f'XLA:CPU flags: none added (jaxlib {version} is not one they were checked for)'
-    logging.info('%s', last_choice)
+    if log:
+      logging.info('%s', last_choice)
     return []
   if recorded is not None and _mode(environ) == 'auto':
     wanted, why = tuple(recorded), 'those the run in this workdir started with'
@@ -169,7 +173,8 @@ def apply(environ=None, dtype='float32', recorded=None):
   kept = [f.split('=')[0] for f in wanted if f not in added]  # XLA_FLAGS names them already
   last_choice = (f'XLA:CPU flags for {dtype}: {" ".join(added) or "none added"}; {why}' +
                  (f'; XLA_FLAGS already sets {" ".join(kept)}' if kept else ''))
-  logging.info('%s', last_choice)
+  if log:
+    logging.info('%s', last_choice)
   return added
 
 
