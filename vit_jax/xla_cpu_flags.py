@@ -5,7 +5,7 @@ jaxlib 0.10 sends matmuls to YNNPACK fusions by default. What we measured (side 
 benchmarks/README.md; `benchmarks/ynnpack.py` measures the train step on a host):
 - bfloat16: the models' bf16 x bf16 -> f32 dots (models/precision.py) are fast only in
   YNNPACK (~2x the f32 matmul rate); with the fusions off the step ran at 0.2-0.7x. So a
-  bf16 run gets no flag, on every host.
+  bf16 run keeps them, on every host.
 - float32: the YNNPACK-off flag ran the train step 1.09-1.14x faster on one 2-core AVX-512
   host (A) and 0.88-0.92x on another of the same kind (B). No fixed choice is right on
   both, so by default it is measured once per host: `probe()` times the fwd+bwd of a
@@ -14,9 +14,10 @@ benchmarks/README.md; `benchmarks/ynnpack.py` measures the train step on a host)
   jaxlib) in ~/.cache/vit_jax/xla_cpu_flags.json. A probe that fails or cannot tell the
   two apart (within MARGIN) keeps the fixed table below; on a busy host (load above
   BUSY_LOAD per core) no probe runs and nothing is cached: the fixed table, this time.
-The flags only choose CPU kernels: numerics stay those of the dtype (tests compare both
-ways), and TPU/GPU programs are not affected (with an accelerator plugin installed no
-probe runs).
+Every dtype also gets XLA:CPU's memory-optimised scheduler (MEMORY_SCHEDULER, not probed).
+The flags only choose CPU kernels and their order: numerics stay those of the dtype (tests
+compare both ways), and TPU/GPU programs are not affected (with an accelerator plugin
+installed no probe runs).
 
 VIT_JAX_XLA_CPU_FLAGS chooses: `auto` (default: the table, float32 measured per host),
 `1` (the fixed table, no probe; the test suite runs so, and a pytest process exports it to
@@ -38,8 +39,13 @@ import time
 from absl import logging
 
 YNNPACK_OFF = '--xla_cpu_experimental_ynn_fusion_type='
+# Not probed, every dtype: XLA:CPU's default (concurrency-optimised) schedule keeps 0.5 GiB
+# (ViT-B/16 b8, ViT-Ti/16 b32) to 1.0 GiB (R50+ViT-B/16 b8) more temporaries alive in the
+# train step than the memory-optimised one, at the same speed (benchmarks/README.md).
+MEMORY_SCHEDULER = '--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'
+EVERY_DTYPE = (MEMORY_SCHEDULER,)
 # The fixed table: what a run gets with VIT_JAX_XLA_CPU_FLAGS=1, or when the probe fails.
-FLAGS_BY_DTYPE = {'float32': (YNNPACK_OFF,), 'bfloat16': ()}
+FLAGS_BY_DTYPE = {'float32': (YNNPACK_OFF, *EVERY_DTYPE), 'bfloat16': EVERY_DTYPE}
 FLAGS = FLAGS_BY_DTYPE['float32']  # every flag that may be added
 PROBED_DTYPES = ('float32',)  # dtypes whose choice depends on the host
 # jaxlib major.minor versions in which the flags above exist (checked by the tests).
@@ -127,8 +133,8 @@ def choose(environ=None, dtype='float32', cache_path=None):
   ratios = ', '.join(f'{r:.2f}' for r in cached.get('off_over_on', ()))
   if cached.get('flags') is None:
     return fixed, f'the fixed table for {dtype}: {cached.get("error", "no verdict")} ({where})'
-  return tuple(cached['flags']), (f'{cached["verdict"]} for {dtype}: YNNPACK off/on speed per '
-                                  f'round {ratios} ({where})')
+  return tuple(cached['flags']) + EVERY_DTYPE, (f'{cached["verdict"]} for {dtype}: YNNPACK '
+                                                f'off/on speed per round {ratios} ({where})')
 
 
 def pending(environ=None, dtype='float32'):
