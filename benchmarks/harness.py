@@ -27,6 +27,15 @@ def peak_rss_gib():
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def rss_gib():
+  """Resident memory of this process now (Linux /proc; 0.0 where there is none)."""
+  try:
+    with open('/proc/self/statm') as f:
+      return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**30
+  except OSError:
+    return 0.0
+
+
 def summary(values):
   """median, min, max of a non-empty list."""
   return {'median': statistics.median(values), 'min': min(values), 'max': max(values)}

@@ -54,6 +54,7 @@ def torch_worker():
 
   torch.set_num_threads(args.threads)
   torch.manual_seed(0)
+  baseline_rss = harness.rss_gib()  # after imports, before any model
   out = sys.stdout
   sys.stdout = sys.stderr  # only protocol lines on the pipe
 
@@ -212,7 +213,8 @@ def torch_worker():
           'note': impl_note,
           'torch': torch.__version__,
           'threads': torch.get_num_threads(),
-          'num_params': sum(p.numel() for p in model.parameters())
+          'num_params': sum(p.numel() for p in model.parameters()),
+          'baseline_rss_gib': baseline_rss
       }
     elif cmd['cmd'] == 'run':
       times = []
@@ -257,6 +259,9 @@ def main():
   import bare_step  # pylint: disable=import-outside-toplevel
   bare_step.setup(1, args.dtypes.split(','))
   from vit_jax import models as vmodels  # pylint: disable=import-outside-toplevel
+  # After imports (vit_jax.train brings TensorFlow, orbax and clu for its input pipeline
+  # and checkpoints: ~0.5 GiB the PyTorch worker has no counterpart of), before any model.
+  jax_baseline_rss = harness.rss_gib()
 
   load_start = harness.loadavg()
   dtypes = args.dtypes.split(',')
@@ -344,6 +349,8 @@ def main():
       # Peak RSS of each process over all its cases (one case per run to compare).
       'jax_peak_rss_gib': harness.peak_rss_gib(),
       'torch_peak_rss_gib': torch_rss,
+      'jax_baseline_rss_gib': jax_baseline_rss,
+      'torch_baseline_rss_gib': cases[0]['torch_info']['baseline_rss_gib'] if cases else 0.0,
       'results': results
   }
   print(f'\n### vit_jax vs PyTorch ({threads} threads each)' + (f' — {note}' if note else ''))
@@ -354,7 +361,10 @@ def main():
           'ratio median (min–max)', '≥1.1×'
       ], rows))
   print(f'\npeak host RSS over all cases: vit_jax {payload["jax_peak_rss_gib"]:.2f} GiB, '
-        f'PyTorch worker {torch_rss:.2f} GiB')
+        f'PyTorch worker {torch_rss:.2f} GiB; above each process\'s RSS after its imports '
+        f'(vit_jax {jax_baseline_rss:.2f}, PyTorch {payload["torch_baseline_rss_gib"]:.2f} GiB): '
+        f'vit_jax {payload["jax_peak_rss_gib"] - jax_baseline_rss:.2f} GiB, PyTorch '
+        f'{torch_rss - payload["torch_baseline_rss_gib"]:.2f} GiB')
   print(f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
   harness.write_json(args.out, payload)
 
