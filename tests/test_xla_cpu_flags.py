@@ -71,7 +71,7 @@ def test_modes_and_a_bad_value():
                               'bfloat16')[0] == (xla_cpu_flags.MEMORY_SCHEDULER,)
   with pytest.raises(ValueError, match='VIT_JAX_XLA_CPU_FLAGS=yes: use auto'):
     xla_cpu_flags.choose({xla_cpu_flags.OPT_OUT: 'yes'})
-  # The log line says what was chosen and why (main logs it again into train.INFO).
+  # The log line says what was chosen and why (vit-train logs it once, into train.INFO).
   memory = xla_cpu_flags.MEMORY_SCHEDULER
   xla_cpu_flags.apply({xla_cpu_flags.OPT_OUT: '1', 'XLA_FLAGS': f'{NAME}=X'})
   assert xla_cpu_flags.last_choice == (f'XLA:CPU flags for float32: {memory}; the fixed table '
