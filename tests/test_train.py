@@ -197,11 +197,11 @@ def test_sigmoid_loss_with_negative_head_bias(idx_dir, tmp_path):
   # At init every sigmoid is ~e-10 off: the loss is ~ one positive class's -log(sigmoid(-10)).
   assert 5.0 < out['loss'] < 12.0
   np.testing.assert_allclose(
-      train.per_example_loss(np.array([[0.0, 0.0]]), np.array([1]), 'sigmoid_xent'),
+      train.per_example_loss(np.array([[0.0, 0.0]], np.float32), np.array([1]), 'sigmoid_xent'),
       [2 * np.log(2.0)], rtol=1e-6)
   np.testing.assert_allclose(
-      train.per_example_loss(np.array([[0.0, np.log(3.0)]]), np.array([1]), 'softmax_xent'),
-      [-np.log(0.75)], rtol=1e-6)
+      train.per_example_loss(np.array([[0.0, np.log(3.0)]], np.float32), np.array([1]),
+                             'softmax_xent'), [-np.log(0.75)], rtol=1e-6)
 
 
 def _log_sigmoid(x):
