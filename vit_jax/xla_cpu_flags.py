@@ -39,9 +39,9 @@ import time
 from absl import logging
 
 YNNPACK_OFF = '--xla_cpu_experimental_ynn_fusion_type='
-# Not probed, every dtype: XLA:CPU's default (concurrency-optimised) schedule keeps 0.5 GiB
-# (ViT-B/16 b8, ViT-Ti/16 b32) to 1.0 GiB (R50+ViT-B/16 b8) more temporaries alive in the
-# train step than the memory-optimised one, at the same speed (benchmarks/README.md).
+# Not probed, every dtype: the train step's planned temporaries are smaller under it than
+# under XLA:CPU's default (concurrency-optimised) schedule, at the same speed (measured in
+# benchmarks/README.md, sixth session).
 MEMORY_SCHEDULER = '--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'
 EVERY_DTYPE = (MEMORY_SCHEDULER,)
 # The fixed table: what a run gets with VIT_JAX_XLA_CPU_FLAGS=1, or when the probe fails.
