@@ -19,9 +19,10 @@ import numpy as np
 from vit_jax import device_peaks
 from vit_jax import flops as vflops
 from vit_jax import model_flags
+from vit_jax import models
 from vit_jax import optim
 from vit_jax import sharding
-from vit_jax import train
+from vit_jax import step as step_lib
 from vit_jax import xla_cpu_flags
 from vit_jax.configs import common as common_config
 
@@ -137,14 +138,14 @@ class BareStep:
     total = optim.total_steps(config)
     schedule = optim.learning_rate_schedule(config, total)
     tx = optim.make_optimizer(config, total)
-    model = train.build_model(config, num_classes)
+    model = models.from_config(config, num_classes)
     mesh = sharding.make_mesh(config)
     self.mesh = mesh
     batch_sh = sharding.data_sharding(mesh)
     repl = sharding.replicated(mesh)
     size = config.image_size
     # The loop's own state set-up (initialised: no checkpoint manager).
-    self.state, state_sh = train.create_train_state(config, model, tx, mesh, num_classes)
+    self.state, state_sh = step_lib.create_train_state(config, model, tx, mesh, num_classes)
     self.num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state['params']))
     rng = np.random.default_rng(0)
     b = config.batch_size
@@ -154,9 +155,7 @@ class BareStep:
     }
     self.batch = jax.device_put(batch, batch_sh)
     self.rng = jax.device_put(jax.random.PRNGKey(0), repl)
-    jitted = jax.jit(train.make_train_step(model, tx, schedule, config,
-                                           mesh), in_shardings=(state_sh, batch_sh, repl),
-                     out_shardings=(state_sh, repl), donate_argnums=(0,))
+    jitted = step_lib.jit(model, tx, schedule, config, mesh, (state_sh, batch_sh, repl))
     t = time.perf_counter()
     self.compiled = jitted.lower(self.state, self.batch, self.rng).compile()
     self.compile_s = time.perf_counter() - t

@@ -1,6 +1,6 @@
 r"""Training-step throughput, FLOPs, MFU and memory of vit_jax models.
 
-The step is the real one: vit_jax.train.make_train_step (forward, backward, loss) with
+The step is the real one: vit_jax.step.make_train_step (forward, backward, loss) with
 vit_jax.optim.make_optimizer(optimizer='sgd'): SGD momentum 0.9 + global-norm clip 1,
 jitted with the loop's shardings and donation, on a random batch already on the device.
 

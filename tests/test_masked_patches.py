@@ -12,6 +12,7 @@ from vit_jax import checkpoint
 from vit_jax import masked_patches as mp
 from vit_jax import models
 from vit_jax import train
+from vit_jax import step as step_lib
 from vit_jax.configs import common
 from vit_jax.configs import masked_patches as mp_configs
 
@@ -358,7 +359,7 @@ def test_train_step_same_on_one_and_eight_devices_and_with_accumulation():
     cc = ml_collections.ConfigDict(c.to_dict())
     cc.mesh_data, cc.accum_steps = devices, accum
     mesh = sharding.make_mesh(cc)
-    step = jax.jit(train.make_train_step(model, tx, lambda s: 0.0, cc, mesh))
+    step = jax.jit(step_lib.make_train_step(model, tx, lambda s: 0.0, cc, mesh))
     state = {'step': jnp.int32(3), 'params': params, 'opt_state': tx.init(params)}
     data = jax.device_put(batch, sharding.data_sharding(mesh))
     new, metrics = step(state, data, jax.random.PRNGKey(0))
