@@ -29,6 +29,7 @@ from vit_jax import device_peaks
 from vit_jax import errors
 from vit_jax import evaluate as evaluate_lib
 from vit_jax import flops
+from vit_jax import host_memory
 from vit_jax import input_pipeline
 from vit_jax import masked_patches
 from vit_jax import models
@@ -529,15 +530,14 @@ def _fitting_train_step(config, model, tx, schedule, mesh, in_shardings, abstrac
 
   accum_steps 0: the fewest micro-batches whose compiled step fits (memory_analysis()
   against _device_memory); otherwise the configured step, checked when the memory is
-  known. Compiled ahead of time only when a check runs; else jit compiles at step 1.
+  known. Compiled ahead of time, so that the compiler's freed memory is handed back to the
+  OS before the step's buffers are allocated (vit_jax/host_memory.py).
   """
   limit = _device_memory(config)
 
   def jitted(c):
     return step_lib.jit(model, tx, schedule, c, mesh, in_shardings)
 
-  if config.accum_steps > 0 and limit is None:
-    return jitted(config), config
   n_dev = mesh.size
   batch = config.batch_size
   candidates = ([config.accum_steps] if config.accum_steps > 0 else
@@ -547,6 +547,7 @@ def _fitting_train_step(config, model, tx, schedule, mesh, in_shardings, abstrac
     c = config.copy_and_resolve_references()
     c.accum_steps = accum
     compiled = jitted(c).lower(*abstract_args).compile()
+    host_memory.release_freed()
     need = _step_memory(compiled)
     if limit is None or need is None or need <= limit:
       if config.accum_steps == 0:
