@@ -181,8 +181,10 @@ def test_the_loop_reports_its_speed_and_traces_on_request(idx_dir, tmp_path, cap
   assert glob.glob(str(tmp_path / 'speed' / 'profile' / '**' / '*.xplane.pb'), recursive=True)
 
 
-def test_bfloat16_and_remat_follow_float32(idx_dir, tmp_path, data_parallel):
-  remat = _run(idx_dir, tmp_path, 'remat', remat=True)
+def test_bfloat16_and_remat_follow_float32(idx_dir, tmp_path, data_parallel, caplog):
+  with caplog.at_level(logging.INFO):
+    remat = _run(idx_dir, tmp_path, 'remat', remat=True)
+  assert "remat nothing_saveable: the step compiles with XLA:CPU's default scheduler" in caplog.text
   bf16 = _run(idx_dir, tmp_path, 'bf16', dtype='bfloat16')
   _assert_trees_close(data_parallel['params'], remat['params'], 1e-5)
   assert abs(data_parallel['loss'] - remat['loss']) < 1e-5

@@ -42,6 +42,7 @@ from vit_jax import trace
 from vit_jax import step as step_lib
 from vit_jax import vtab
 from vit_jax import xla_cpu_flags
+from vit_jax.models import remat as remat_lib
 
 DTYPES = ('float32', 'bfloat16')
 
@@ -307,6 +308,11 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       'image': jax.ShapeDtypeStruct((n, size, size, 3), jnp.float32),
       'label': multi_hot if info.multi_label else jax.ShapeDtypeStruct((n,), jnp.int32)
   }
+  if remat_lib.step_compiler_options(config.remat):
+    logging.info(
+        'remat %s: the step compiles with XLA:CPU\'s default scheduler, under which '
+        'the recomputation saves memory (vit_jax/models/remat.py)',
+        remat_lib.policy_name(config.remat))
   t_build = time.perf_counter()
   jitted_step, config = _fitting_train_step(
       config, model, tx, schedule, mesh, (state_sh, batch_sharding, replicated),
