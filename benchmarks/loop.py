@@ -12,8 +12,8 @@ steps between (with their input, metrics and intermediate checkpoints) count, an
 compiling first step and the final save do not. The loop's own report (img/s/core) is
 kept beside it. No evaluation runs (eval_every_steps=0, stopped before total_steps). Each
 loop run gets a fresh workdir; a persistent compilation cache keeps runs after the first
-from recompiling. Bare: the same model, batch and optimizer (bare_step.BareStep: the
-loop's create_train_state and make_train_step) on a random device-resident batch, over
+from recompiling. Bare: the same model, batch and optimizer (bare_step.BareStep:
+vit_jax.step's create_train_state and jit, as the loop uses them) on a random batch, over
 as many steps. Runs alternate loop, bare, loop, ...
 """
 import argparse

@@ -41,7 +41,7 @@ from absl import logging
 YNNPACK_OFF = '--xla_cpu_experimental_ynn_fusion_type='
 # Not probed, every dtype: the train step's planned temporaries are smaller under it than
 # under XLA:CPU's default (concurrency-optimised) schedule, at the same speed (measured in
-# benchmarks/README.md, sixth session).
+# benchmarks/README.md, sixth session). A remat'd step overrides it (models/remat.py).
 MEMORY_SCHEDULER = '--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'
 EVERY_DTYPE = (MEMORY_SCHEDULER,)
 # The fixed table: what a run gets with VIT_JAX_XLA_CPU_FLAGS=1, or when the probe fails.

@@ -12,8 +12,8 @@ Measured memory and speed per policy: benchmarks/README.md.
 XLA:CPU removes the optimisation barriers that `jax.checkpoint` uses to keep the
 recomputation in the backward pass, and its scheduler then runs the recomputation during
 the forward pass, where it saves nothing. On that backend each remat'd call therefore also
-gets a custom VJP whose backward adds zero times one element of the incoming cotangent to
-the saved values: the recomputation then depends on the cotangent, so it cannot run before
+gets a custom VJP whose backward adds zero times the sum of the incoming cotangent to the
+saved values: the recomputation then depends on the cotangent, so it cannot run before
 the backward pass reaches the block. The parameters and the gradients are unchanged.
 XLA:CPU's memory-optimised scheduler (vit_jax/xla_cpu_flags.py) then still defers the
 weight-gradient dots to the end of the step, which keeps every block's recomputed values
