@@ -373,11 +373,11 @@ def _planned_temporaries_mb(policy):
 
 
 def test_remat_keeps_less_for_the_backward_pass_on_xla_cpu():
-  # The suite runs under vit_jax's XLA:CPU flags, memory-optimised scheduler included. Before
-  # the cotangent dependency and the default scheduler for remat'd steps (models/remat.py),
-  # every policy planned about as much as no remat (41.5 vs 41.9 MB here under the default
-  # scheduler; 38.8 vs 35.6 under the memory-optimised one); with them nothing_saveable
-  # plans 15 MB, the dots policies 20-22 MB.
+  # The suite runs under vit_jax's XLA:CPU flags, so no remat plans 37 MB here under the
+  # memory-optimised scheduler. Before the cotangent dependency and the default scheduler
+  # for remat'd steps (models/remat.py), every policy planned about as much as no remat
+  # (41.5 vs 41.9 MB under the default scheduler, 38.8 vs 35.6 under the memory-optimised
+  # one); with them nothing_saveable plans 15 MB, the dots policies 20-22 MB.
   assert remat_lib.compiler_drops_barriers()
   off = _planned_temporaries_mb('')
   assert _planned_temporaries_mb('nothing_saveable') < 0.5 * off
