@@ -9,6 +9,8 @@ from vit_jax import xla_cpu_flags  # noqa: E402
 
 xla_cpu_flags.apply()
 
+import ctypes.util  # noqa: E402
+import glob  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -50,6 +52,16 @@ def idx_dir(request, tmp_path_factory):
   from tests import data_fixtures  # pylint: disable=g-import-not-at-top
   num_train, num_test = request.module.IDX_SIZES
   return data_fixtures.write_idx(str(tmp_path_factory.mktemp('idx')), num_train, num_test)
+
+
+def harmless_preload():
+  """A real shared library that is safe to LD_PRELOAD: the C math library, loaded anyway."""
+  name = ctypes.util.find_library('m')
+  found = sorted(p for d in ('/lib', '/usr/lib', '/lib64', '/usr/lib64')
+                 for p in glob.glob(f'{d}/{name}') + glob.glob(f'{d}/*/{name}'))
+  if not found:
+    pytest.skip(f'no path found for {name}')
+  return found[0]
 
 
 def user_env(venv, devices=1):

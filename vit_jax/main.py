@@ -15,13 +15,15 @@ import sys
 from absl import app
 from absl import flags
 from absl import logging
-import jax
 from ml_collections import config_flags
 
 from vit_jax import configs
+from vit_jax import host_allocator
 from vit_jax import paths
-from vit_jax import rundir
 from vit_jax import xla_cpu_flags
+
+# JAX, and TensorFlow with rundir, are imported where used: `run` may re-execute the process
+# first (host_allocator.py), and should not have paid for them twice.
 
 config_flags.DEFINE_config_file(
     'config', None, 'A packaged config (quickstart, finetune:<model>,<dataset>, '
@@ -55,6 +57,7 @@ def _on_cloud_tpu_vm():
 
 def initialize_distributed():
   """jax.distributed.initialize() for runs on several hosts (see the module doc)."""
+  import jax  # pylint: disable=g-import-not-at-top
   if FLAGS.distributed == 'off':
     return
   if FLAGS.coordinator_address:
@@ -117,6 +120,8 @@ def _one_line(error):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  import jax  # pylint: disable=g-import-not-at-top
+  from vit_jax import rundir  # pylint: disable=g-import-not-at-top
   workdir = paths.resolve(FLAGS.workdir)  # once: orbax refuses relative paths
   recorded = rundir.recorded_cpu_flags(workdir)  # a resumed run keeps its CPU kernels
   try:
@@ -142,6 +147,7 @@ def main(argv):
                jax.devices()[0].platform)
   if jax.devices()[0].platform == 'cpu':
     logging.info('%s', xla_cpu_flags.last_choice)
+    logging.info('%s', host_allocator.describe())
   try:
     train.train_and_evaluate(FLAGS.config, workdir)
   except train.ConfigError as e:
@@ -150,6 +156,10 @@ def main(argv):
 
 def run():
   """The `vit-train` console script."""
+  try:
+    host_allocator.reexec_with_jemalloc()  # before JAX starts: see host_allocator.py
+  except ValueError as e:  # a bad VIT_JAX_HOST_ALLOCATOR value
+    sys.exit(f'vit_jax: {e}')
   app.run(main, flags_parser=parse_flags)
 
 

@@ -65,6 +65,11 @@ _ACCELERATOR_PLUGINS = ('jax_cuda12_plugin', 'jax_cuda13_plugin', 'jax_rocm60_pl
                         'jax_rocm7_plugin', 'libtpu')
 
 
+def accelerator_plugin_installed():
+  """Whether a TPU or GPU plugin for jaxlib is installed (then JAX will not run on the CPU)."""
+  return any(importlib.util.find_spec(p) for p in _ACCELERATOR_PLUGINS)
+
+
 def _jaxlib_version():
   try:
     from jaxlib import version  # pylint: disable=import-outside-toplevel
@@ -113,7 +118,7 @@ def choose(environ=None, dtype='float32', cache_path=None):
     return fixed, "XLA_FLAGS decides (no probe)"
   if 'pytest' in sys.modules:
     return fixed, f'the fixed table for {dtype} (under pytest, which pins {OPT_OUT}=1)'
-  if any(importlib.util.find_spec(p) for p in _ACCELERATOR_PLUGINS):
+  if accelerator_plugin_installed():
     return fixed, f'the fixed table for {dtype} (an accelerator plugin is installed)'
   key = host_key()
   cache_path = cache_path or default_cache_path()

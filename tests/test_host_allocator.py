@@ -1,0 +1,131 @@
+"""VIT_JAX_HOST_ALLOCATOR: vit-train re-executes itself with the chosen allocator preloaded."""
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, harmless_preload
+from vit_jax import host_allocator
+from vit_jax import xla_cpu_flags
+
+PRELOADED = 'VIT_JAX_HOST_ALLOCATOR_PRELOADED'
+IDX_SIZES = (64, 32)  # train, test examples of the idx_dir fixture
+
+
+def _jemalloc():
+  for pattern in host_allocator.LIBRARY_GLOBS:
+    found = sorted(glob.glob(pattern))
+    if found:
+      return found[0]
+  return None
+
+
+@pytest.fixture(autouse=True)
+def _cpu_only(monkeypatch):
+  monkeypatch.setattr(xla_cpu_flags, 'accelerator_plugin_installed', lambda: False)
+
+
+def test_the_default_and_system_keep_the_c_library_malloc():
+  assert host_allocator.reexec_environment({}) is None
+  assert host_allocator.reexec_environment({host_allocator.CHOICE: 'system'}) is None
+
+
+def test_a_library_path_is_preloaded_with_the_malloc_conf(tmp_path):
+  library = tmp_path / 'libjemalloc.so.2'
+  library.write_bytes(b'')
+  env = host_allocator.reexec_environment({
+      host_allocator.CHOICE: str(library),
+      'LD_PRELOAD': '/opt/other.so',
+      'PATH': '/bin'
+  })
+  assert env['LD_PRELOAD'] == f'{library}:/opt/other.so'  # the user's preload is kept
+  assert env['MALLOC_CONF'] == host_allocator.MALLOC_CONF
+  assert env[PRELOADED] == str(library) and env['PATH'] == '/bin'
+  # A MALLOC_CONF of the user's own wins.
+  mine = host_allocator.reexec_environment({
+      host_allocator.CHOICE: str(library),
+      'MALLOC_CONF': 'narenas:1'
+  })
+  assert mine['MALLOC_CONF'] == 'narenas:1'
+
+
+def test_jemalloc_is_found_where_distributions_install_it(tmp_path, monkeypatch):
+  (tmp_path / 'x86_64-linux-gnu').mkdir()
+  library = tmp_path / 'x86_64-linux-gnu' / 'libjemalloc.so.2'
+  library.write_bytes(b'')
+  monkeypatch.setattr(host_allocator, 'LIBRARY_GLOBS',
+                      (str(tmp_path / '*-linux-gnu' / 'libjemalloc.so.2'),))
+  env = host_allocator.reexec_environment({host_allocator.CHOICE: 'jemalloc'})
+  assert env['LD_PRELOAD'] == str(library)
+
+
+def test_no_second_exec_and_no_override_of_the_users_own_preload(tmp_path):
+  library = tmp_path / 'libjemalloc.so.2'
+  library.write_bytes(b'')
+  chosen = {host_allocator.CHOICE: str(library)}
+  # Once re-executed (even if the loader refused the library), never again: no loop.
+  assert host_allocator.reexec_environment({**chosen, PRELOADED: str(library)}) is None
+  assert host_allocator.reexec_environment({
+      **chosen, 'LD_PRELOAD': '/usr/lib/libjemalloc.so.2'
+  }) is None
+
+
+def test_not_where_an_accelerator_plugin_is_installed(tmp_path, monkeypatch):
+  library = tmp_path / 'libjemalloc.so.2'
+  library.write_bytes(b'')
+  monkeypatch.setattr(xla_cpu_flags, 'accelerator_plugin_installed', lambda: True)
+  assert host_allocator.reexec_environment({host_allocator.CHOICE: str(library)}) is None
+
+
+def test_bad_values_name_the_fix(monkeypatch):
+  with pytest.raises(
+      ValueError, match=r'VIT_JAX_HOST_ALLOCATOR=/no/such\.so: no such file; '
+      'set it to system, jemalloc, or the path'):
+    host_allocator.reexec_environment({host_allocator.CHOICE: '/no/such.so'})
+  monkeypatch.setattr(host_allocator, 'LIBRARY_GLOBS', ('/nowhere/libjemalloc.so.2',))
+  with pytest.raises(ValueError, match='apt-get install libjemalloc2'):
+    host_allocator.reexec_environment({host_allocator.CHOICE: 'jemalloc'})
+
+
+def _quickstart(tmp_path, idx_dir, allocator):
+  env = {k: v for k, v in os.environ.items() if k not in ('LD_PRELOAD', 'MALLOC_CONF', PRELOADED)}
+  env[host_allocator.CHOICE] = allocator
+  return subprocess.run([
+      sys.executable, '-m', 'vit_jax.main', '--config=quickstart', '--workdir=workdirs/alloc',
+      f'--config.data_dir={idx_dir}', '--config.total_steps=3', '--config.warmup_steps=1',
+      '--config.batch_size=16', '--config.eval_every_steps=0'
+  ], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_vit_train_re_executes_with_the_library_preloaded(tmp_path, idx_dir):
+  # As a user runs it, from the shell with a relative workdir: the re-executed process gets
+  # the same arguments, the library is mapped in it, and the log says so.
+  library = harmless_preload()
+  proc = _quickstart(tmp_path, idx_dir, library)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert f'host allocator: {library}, preloaded by vit-train' in proc.stderr
+  assert os.path.exists(tmp_path / 'workdirs' / 'alloc' / 'final.npz')
+  assert proc.stderr.count('Final test top-1 accuracy') == 1
+
+
+def test_a_bad_allocator_value_stops_vit_train_in_one_line(tmp_path, idx_dir):
+  proc = _quickstart(tmp_path, idx_dir, 'jemallok')
+  assert proc.returncode != 0
+  assert proc.stderr.strip().splitlines() == [
+      'vit_jax: VIT_JAX_HOST_ALLOCATOR=jemallok: no such file; set it to system, jemalloc, '
+      'or the path of a libjemalloc.so.2'
+  ]
+  assert not os.path.exists(tmp_path / 'workdirs')
+
+
+@pytest.mark.skipif(_jemalloc() is None, reason='jemalloc is not installed on this host')
+def test_under_jemalloc_release_freed_purges_its_arenas():
+  code = ('from vit_jax import host_allocator, host_memory; '
+          'print(host_memory.release_freed(), host_allocator.describe())')
+  env = dict(os.environ, LD_PRELOAD=_jemalloc(), MALLOC_CONF=host_allocator.MALLOC_CONF)
+  env[PRELOADED] = _jemalloc()
+  out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
+                       check=True, cwd=ROOT).stdout
+  assert out.startswith(f'True host allocator: {_jemalloc()}, preloaded by vit-train'), out

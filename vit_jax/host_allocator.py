@@ -1,0 +1,110 @@
+"""The C heap allocator of `vit-train` on a CPU host: the C library's malloc, or jemalloc.
+
+XLA:CPU gives each run of a compiled step one buffer for all its temporaries (ViT-Ti/16 b32
+f32: 1.5 GiB) and frees it when the step ends. glibc's malloc serves a request that large
+with a fresh mmap and unmaps it on free, so every step faults its temporaries in again and
+the kernel zeroes them: on a 2-core host ~430k page faults and 0.8 CPU s of kernel time per
+ViT-Ti step, a sixth of the step's CPU (PyTorch's step there: under 60k faults, 0.1 s).
+jemalloc with MALLOC_CONF below keeps freed pages, so the next step reuses them: steps ran
+1.08-1.36x faster (benchmarks/allocator.py, benchmarks/README.md). The price, and why it is
+not the default: often the next step's buffer is allocated before the last one is freed,
+and from then on the process keeps both, so peak RSS grows by one step's temporaries (4 of
+6 runs; R50+ViT-B/16 b8: 3.6 -> 5.7 GiB).
+
+An allocator is chosen before a process starts (LD_PRELOAD), so with
+VIT_JAX_HOST_ALLOCATOR=jemalloc (or the path of a libjemalloc.so.2, e.g. conda's
+$CONDA_PREFIX/lib/libjemalloc.so.2) the `vit-train` console script re-executes itself once,
+before it starts JAX, with jemalloc preloaded. It does not where a TPU/GPU plugin is
+installed (their steps' memory is not the host's) or where LD_PRELOAD names jemalloc
+already. A MALLOC_CONF of the user's own is kept. Debian/Ubuntu: apt-get install
+libjemalloc2. The run's log names the allocator (`describe`).
+"""
+import glob
+import os
+import sys
+
+from vit_jax import xla_cpu_flags
+
+CHOICE = 'VIT_JAX_HOST_ALLOCATOR'  # system (the default), jemalloc, or a library's path
+# Freed pages are never returned to the OS on jemalloc's own. With a positive decay, jemalloc
+# returns requests over 8 MiB (the step's temporaries) at once, as glibc does, and a decay
+# of some seconds for all sizes still faulted 60-260k pages per ViT-Ti step.
+MALLOC_CONF = 'dirty_decay_ms:-1,muzzy_decay_ms:-1'
+LIBRARY_GLOBS = ('/usr/lib/*-linux-gnu/libjemalloc.so.2', '/usr/lib64/libjemalloc.so.2',
+                 '/usr/lib/libjemalloc.so.2', '/usr/local/lib/libjemalloc.so.2')
+# Set in the re-executed process, so that a library the loader refused cannot cause a loop.
+_REEXECUTED = 'VIT_JAX_HOST_ALLOCATOR_PRELOADED'
+
+
+def _library(environ):
+  """The library to preload under `environ`'s choice, or None for the C library's malloc."""
+  mode = environ.get(CHOICE, 'system') or 'system'
+  if mode == 'system':
+    return None
+  if mode == 'jemalloc':
+    for pattern in LIBRARY_GLOBS:
+      found = sorted(glob.glob(pattern))
+      if found:
+        return found[0]
+    raise ValueError(f'{CHOICE}=jemalloc: no libjemalloc.so.2 found; install it (Debian/Ubuntu: '
+                     f'apt-get install libjemalloc2) or set {CHOICE} to its path')
+  if not os.path.isfile(mode):
+    raise ValueError(f'{CHOICE}={mode}: no such file; set it to system, jemalloc, or the path '
+                     f'of a libjemalloc.so.2')
+  return os.path.abspath(mode)
+
+
+def reexec_environment(environ):
+  """The environment to re-execute `vit-train` with, or None to go on as it is.
+
+  ValueError for a VIT_JAX_HOST_ALLOCATOR that is not a mode or a file, or jemalloc not found.
+  """
+  library = _library(environ)
+  if (library is None or environ.get(_REEXECUTED) or 'jemalloc' in environ.get('LD_PRELOAD', '')
+      or xla_cpu_flags.accelerator_plugin_installed()):
+    return None
+  env = dict(environ)
+  env['LD_PRELOAD'] = ':'.join(p for p in (library, environ.get('LD_PRELOAD', '')) if p)
+  env.setdefault('MALLOC_CONF', MALLOC_CONF)
+  env[_REEXECUTED] = library
+  return env
+
+
+def reexec_with_jemalloc():
+  """Replaces this process by the same command with jemalloc preloaded where it was chosen
+  (see the module doc); returns only where it was not, or where the exec failed."""
+  env = reexec_environment(os.environ)
+  if env is None:
+    return
+  sys.stdout.flush()
+  sys.stderr.flush()
+  try:
+    os.execve(sys.executable, sys.orig_argv, env)
+  except OSError as e:
+    print(
+        f'vit_jax: cannot re-execute with {env[_REEXECUTED]} preloaded ({e.strerror}); '
+        "going on with the C library's malloc", file=sys.stderr)
+
+
+def _mapped(path):
+  try:
+    with open('/proc/self/maps') as f:
+      real = os.path.realpath(path)
+      return any(line.rstrip().endswith((path, real)) for line in f)
+  except OSError:
+    return False
+
+
+def describe(environ=None):
+  """One line for the run's log: this process's allocator, and how to choose another."""
+  environ = os.environ if environ is None else environ
+  library = environ.get(_REEXECUTED)
+  if library and _mapped(library):
+    return (f'host allocator: {library}, preloaded by vit-train (MALLOC_CONF='
+            f'{environ.get("MALLOC_CONF", "")}); {CHOICE}=system for the C library\'s malloc')
+  if 'jemalloc' in environ.get('LD_PRELOAD', ''):
+    return f'host allocator: as LD_PRELOAD says ({environ["LD_PRELOAD"]})'
+  if library:
+    return f"host allocator: the C library's malloc (the loader refused {library})"
+  return (f"host allocator: the C library's malloc; {CHOICE}=jemalloc reuses each step's "
+          'memory instead of faulting it in again (faster; peak RSS may grow, see README)')
