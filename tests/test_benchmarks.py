@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.conftest import harmless_preload
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
     '--image_size', '32', '--override', 'num_layers=1', '--override', 'hidden_size=48',
@@ -68,6 +70,18 @@ def test_ynnpack(tmp_path):
   assert 'ynn_fusion_type' not in r['xla_flags']['xla defaults']
   assert r['cli_side'] == 'ynnpack off'  # float32, the fixed table
   assert len(r['ratio_per_round']) == 1 and r['ratio_per_round'][0] > 0
+
+
+def test_allocator(tmp_path):
+  # The C math library stands in for jemalloc (preloading it changes nothing): the smoke
+  # test needs no jemalloc on the host.
+  library = harmless_preload()
+  p = _run('allocator', '--models', 'ViT-Ti_16', '--batch', '2', '--steps', '1', '--rounds', '1',
+           '--library', library, *TINY, tmp_path=tmp_path)
+  assert p['environments']['jemalloc']['LD_PRELOAD'] == library
+  assert p['environments']['malloc']['LD_PRELOAD'] == ''
+  r = p['results'][0]
+  assert len(r['ratio_per_round']) == 1 and r['runs']['malloc'][0]['peak_rss_gib'] > 0
 
 
 def test_block_breakdown(tmp_path):
