@@ -1,12 +1,12 @@
 r"""The train step under the C library's malloc and under jemalloc as `vit-train` preloads it
-(vit_jax/host_allocator.py): img/s, page faults and kernel CPU per step, peak RSS.
+(vit_jax/host_allocator.py): img/s, page faults and kernel CPU per process, peak RSS.
 
 An allocator is chosen when a process starts, so each side runs `train_step.py` in its own
 process (jemalloc: LD_PRELOAD and MALLOC_CONF as vit-train sets them), interleaved per
 model and round: A B A B ..., and the ratio is taken per pair. Needs a libjemalloc.so.2
 (Debian/Ubuntu: apt-get install libjemalloc2).
 
-  python benchmarks/allocator.py --out /tmp/host_allocator.json
+  python benchmarks/allocator.py --out /tmp/allocator.json
   python benchmarks/allocator.py --models ViT-B_16 --batch 8 --remat nothing_saveable
 """
 import argparse
@@ -115,7 +115,7 @@ def main():
   print(f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
   harness.write_json(
       args.out, {
-          'benchmark': 'host_allocator',
+          'benchmark': 'allocator',
           'args': vars(args),
           'loadavg_start': load_start,
           'loadavg_end': load_end,

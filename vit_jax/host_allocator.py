@@ -27,8 +27,9 @@ from vit_jax import xla_cpu_flags
 
 CHOICE = 'VIT_JAX_HOST_ALLOCATOR'  # system (the default), jemalloc, or a library's path
 # Freed pages are never returned to the OS on jemalloc's own. With a positive decay, jemalloc
-# returns requests over 8 MiB (the step's temporaries) at once, as glibc does, and a decay
-# of some seconds for all sizes still faulted 60-260k pages per ViT-Ti step.
+# returns requests over 8 MiB (the step's temporaries) at once, as glibc does; with every
+# size kept in the ordinary arenas (oversize_threshold:0), a decay of 1-3 s still faulted
+# 60k-390k pages per ViT-Ti step.
 MALLOC_CONF = 'dirty_decay_ms:-1,muzzy_decay_ms:-1'
 LIBRARY_GLOBS = ('/usr/lib/*-linux-gnu/libjemalloc.so.2', '/usr/lib64/libjemalloc.so.2',
                  '/usr/lib/libjemalloc.so.2', '/usr/local/lib/libjemalloc.so.2')
