@@ -14,7 +14,10 @@ tanh-GELU MLP; hybrid: weight-standardised convs, GroupNorm, TF-SAME padding, st
 (3, 4, 9)), with the same parameter count as the vit_jax model (checked, printed).
 Precisions: float32 vs float32, and vit_jax dtype='bfloat16' (bf16 compute, f32 params)
 vs torch.autocast('cpu', dtype=torch.bfloat16). Each round runs --steps steps of JAX then
---steps of PyTorch for every (model, precision); the ratio is per round (pair).
+--steps of PyTorch for every (model, precision); the ratio is per round (pair). Each side
+first runs one untimed step per round: vit_jax's first step after the other process ran was
+0.7-1.3 s slower than the next (its per-step temporaries, unmapped between steps, come back
+slower after the pause; PyTorch keeps its heap), which with --steps 2 cost it ~15%.
 """
 import argparse
 import json
@@ -297,7 +300,9 @@ def main():
   torch_rss = 0.0
   for r in range(args.rounds):
     for c in cases:
+      c['jax'].run(1)  # untimed: the first step after a switch (module doc)
       c['jax_times'].append(c['jax'].run(args.steps))
+      worker.call(cmd='run', key=c['key'], steps=1)
       reply = worker.call(cmd='run', key=c['key'], steps=args.steps)
       c['torch_times'].append(reply['times'])
       torch_rss = reply['peak_rss_gib']
