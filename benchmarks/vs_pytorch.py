@@ -16,8 +16,8 @@ Precisions: float32 vs float32, and vit_jax dtype='bfloat16' (bf16 compute, f32 
 vs torch.autocast('cpu', dtype=torch.bfloat16). Each round runs --steps steps of JAX then
 --steps of PyTorch for every (model, precision); the ratio is per round (pair). Each side
 first runs one untimed step per round: vit_jax's first step after the other process ran was
-0.7-1.3 s slower than the next (its per-step temporaries, unmapped between steps, come back
-slower after the pause; PyTorch keeps its heap), which with --steps 2 cost it ~15%.
+0.7-1.3 s slower than the next, PyTorch's was not (why is not established; vit_jax unmaps
+its temporaries between steps, PyTorch keeps its heap), which with --steps 2 cost it ~15%.
 """
 import argparse
 import json
