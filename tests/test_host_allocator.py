@@ -1,5 +1,4 @@
 """VIT_JAX_HOST_ALLOCATOR: vit-train re-executes itself with the chosen allocator preloaded."""
-import glob
 import os
 import subprocess
 import sys
@@ -15,11 +14,12 @@ IDX_SIZES = (64, 32)  # train, test examples of the idx_dir fixture
 
 
 def _jemalloc():
-  for pattern in host_allocator.LIBRARY_GLOBS:
-    found = sorted(glob.glob(pattern))
-    if found:
-      return found[0]
-  return None
+  """The jemalloc that VIT_JAX_HOST_ALLOCATOR=jemalloc would preload, or None."""
+  try:
+    env = host_allocator.reexec_environment({host_allocator.CHOICE: 'jemalloc'})
+  except ValueError:  # not installed
+    return None
+  return env and env[PRELOADED]
 
 
 @pytest.fixture(autouse=True)
