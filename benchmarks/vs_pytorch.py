@@ -18,6 +18,8 @@ vs torch.autocast('cpu', dtype=torch.bfloat16). Each round runs --steps steps of
 first runs one untimed step per round: vit_jax's first step after the other process ran was
 0.7-1.3 s slower than the next, PyTorch's was not (why is not established; vit_jax unmaps
 its temporaries between steps, PyTorch keeps its heap), which with --steps 2 cost it ~15%.
+--allocator jemalloc runs the vit_jax side under jemalloc as VIT_JAX_HOST_ALLOCATOR=jemalloc
+vit-train does (vit_jax/host_allocator.py); the worker keeps the allocator it was started with.
 """
 import argparse
 import json
@@ -29,11 +31,17 @@ import time
 
 import harness
 
+from vit_jax import host_allocator  # imports no JAX, so the PyTorch worker may load it
+
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
 harness.add_model_args(parser)
 parser.add_argument('--torch_impl', default='auto', choices=('auto', 'timm', 'minimal'))
 parser.add_argument('--remat', default='',
                     help="vit_jax's remat policy (models/remat.py); '' = off")
+parser.add_argument(
+    '--allocator', default='system',
+    help="vit_jax's host allocator, as VIT_JAX_HOST_ALLOCATOR takes it (system, "
+    "jemalloc, a path); the PyTorch worker is started without it")
 parser.add_argument('--out', default='')
 parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
 parser.add_argument('--threads', type=int, default=0, help=argparse.SUPPRESS)
@@ -241,7 +249,8 @@ class Worker:
         sys.executable,
         os.path.abspath(__file__), '--worker', '--threads',
         str(threads), '--torch_impl', args.torch_impl
-    ], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    ], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 env=host_allocator.without_preload(os.environ))
 
   def call(self, **cmd):
     self.proc.stdin.write(json.dumps(cmd) + '\n')
@@ -257,7 +266,18 @@ class Worker:
 
 
 # ----------------------------------------------------------------- JAX side
+def _reexec_with_allocator():
+  """Restarts this script with --allocator preloaded, as vit-train does (host_allocator.py)."""
+  try:
+    env = host_allocator.reexec_environment({**os.environ, host_allocator.CHOICE: args.allocator})
+  except ValueError as e:
+    sys.exit(str(e))
+  if env is not None:
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
 def main():
+  _reexec_with_allocator()
   # JAX only here: the PyTorch worker (this file with --worker) must not load it.
   import bare_step  # pylint: disable=import-outside-toplevel
   bare_step.setup(1, args.dtypes.split(','))
@@ -351,6 +371,8 @@ def main():
       'loadavg_start': load_start,
       'loadavg_end': load_end,
       'torch_note': note,
+      'jax_host_allocator': host_allocator.describe(),
+      'torch_ld_preload': host_allocator.without_preload(os.environ).get('LD_PRELOAD', ''),
       # Peak RSS of each process over all its cases (one case per run to compare).
       'jax_peak_rss_gib': harness.peak_rss_gib(),
       'torch_peak_rss_gib': torch_rss,
@@ -370,6 +392,8 @@ def main():
         f'(vit_jax {jax_baseline_rss:.2f}, PyTorch {payload["torch_baseline_rss_gib"]:.2f} GiB): '
         f'vit_jax {payload["jax_peak_rss_gib"] - jax_baseline_rss:.2f} GiB, PyTorch '
         f'{torch_rss - payload["torch_baseline_rss_gib"]:.2f} GiB')
+  print(f'vit_jax {payload["jax_host_allocator"]}; PyTorch worker LD_PRELOAD='
+        f'{payload["torch_ld_preload"] or "(none)"}')
   print(f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
   harness.write_json(args.out, payload)
 

@@ -43,8 +43,11 @@ def test_train_step(tmp_path):
 
 def test_vs_pytorch(tmp_path):
   pytest.importorskip('torch')
+  library = harmless_preload()  # stands in for jemalloc, as in test_allocator
   p = _run('vs_pytorch', '--models', 'ViT-Ti_16', '--batch', '2', '--dtypes', 'float32', '--steps',
-           '2', '--rounds', '1', *TINY, tmp_path=tmp_path)
+           '2', '--rounds', '1', '--allocator', library, *TINY, tmp_path=tmp_path)
+  assert p['jax_host_allocator'].startswith(f'host allocator: {library}, preloaded at start-up')
+  assert p['torch_ld_preload'] == ''  # the worker runs as PyTorch users run it
   r = p['results'][0]
   assert r['jax_params'] == r['torch_params']
   assert len(r['ratio_per_round']) == 1

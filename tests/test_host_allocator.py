@@ -9,7 +9,7 @@ from tests.conftest import ROOT, harmless_preload
 from vit_jax import host_allocator
 from vit_jax import xla_cpu_flags
 
-PRELOADED = 'VIT_JAX_HOST_ALLOCATOR_PRELOADED'
+PRELOADED = host_allocator.PRELOADED
 IDX_SIZES = (64, 32)  # train, test examples of the idx_dir fixture
 
 
@@ -49,6 +49,24 @@ def test_a_library_path_is_preloaded_with_the_malloc_conf(tmp_path):
       'MALLOC_CONF': 'narenas:1'
   })
   assert mine['MALLOC_CONF'] == 'narenas:1'
+
+
+def test_a_child_process_can_be_given_back_the_c_library_malloc(tmp_path):
+  library = tmp_path / 'libjemalloc.so.2'
+  library.write_bytes(b'')
+  user = {'LD_PRELOAD': '/opt/other.so', 'PATH': '/bin'}
+  env = host_allocator.reexec_environment({**user, host_allocator.CHOICE: str(library)})
+  child = host_allocator.without_preload(env)
+  assert child == {**user, host_allocator.CHOICE: str(library)}
+  # Nothing of the user's is taken away: their own MALLOC_CONF, or a run not re-executed.
+  mine = host_allocator.reexec_environment({
+      host_allocator.CHOICE: str(library),
+      'MALLOC_CONF': 'narenas:1'
+  })
+  assert host_allocator.without_preload(mine)['MALLOC_CONF'] == 'narenas:1'
+  assert host_allocator.without_preload({'LD_PRELOAD': '/x.so'}) == {'LD_PRELOAD': '/x.so'}
+  alone = host_allocator.reexec_environment({host_allocator.CHOICE: str(library)})
+  assert host_allocator.without_preload(alone) == {host_allocator.CHOICE: str(library)}
 
 
 def test_jemalloc_is_found_where_distributions_install_it(tmp_path, monkeypatch):
@@ -105,7 +123,7 @@ def test_vit_train_re_executes_with_the_library_preloaded(tmp_path, idx_dir):
   library = harmless_preload()
   proc = _quickstart(tmp_path, idx_dir, library)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert f'host allocator: {library}, preloaded by vit-train' in proc.stderr
+  assert f'host allocator: {library}, preloaded at start-up' in proc.stderr
   assert os.path.exists(tmp_path / 'workdirs' / 'alloc' / 'final.npz')
   assert proc.stderr.count('Final test top-1 accuracy') == 1
 
@@ -128,4 +146,4 @@ def test_under_jemalloc_release_freed_purges_its_arenas():
   env[PRELOADED] = _jemalloc()
   out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
                        check=True, cwd=ROOT).stdout
-  assert out.startswith(f'True host allocator: {_jemalloc()}, preloaded by vit-train'), out
+  assert out.startswith(f'True host allocator: {_jemalloc()}, preloaded at start-up'), out

@@ -9,7 +9,8 @@ jemalloc with MALLOC_CONF below keeps freed pages, so the next step reuses them:
 1.08-1.36x faster (benchmarks/allocator.py, benchmarks/README.md). The price, and why it is
 not the default: often the next step's buffer is allocated before the last one is freed,
 and from then on the process keeps both, so peak RSS grows by one step's temporaries (4 of
-6 runs; R50+ViT-B/16 b8: 3.6 -> 5.7 GiB).
+6 runs; R50+ViT-B/16 b8: 3.6 -> 5.7 GiB). Synchronous dispatch does not prevent it (6 of 8
+R50 processes): XLA frees the temporaries only after it has signalled the outputs ready.
 
 An allocator is chosen before a process starts (LD_PRELOAD), so with
 VIT_JAX_HOST_ALLOCATOR=jemalloc (or the path of a libjemalloc.so.2, e.g. conda's
@@ -34,7 +35,7 @@ MALLOC_CONF = 'dirty_decay_ms:-1,muzzy_decay_ms:-1'
 LIBRARY_GLOBS = ('/usr/lib/*-linux-gnu/libjemalloc.so.2', '/usr/lib64/libjemalloc.so.2',
                  '/usr/lib/libjemalloc.so.2', '/usr/local/lib/libjemalloc.so.2')
 # Set in the re-executed process, so that a library the loader refused cannot cause a loop.
-_REEXECUTED = 'VIT_JAX_HOST_ALLOCATOR_PRELOADED'
+PRELOADED = 'VIT_JAX_HOST_ALLOCATOR_PRELOADED'
 
 
 def _library(environ):
@@ -61,13 +62,13 @@ def reexec_environment(environ):
   ValueError for a VIT_JAX_HOST_ALLOCATOR that is not a mode or a file, or jemalloc not found.
   """
   library = _library(environ)
-  if (library is None or environ.get(_REEXECUTED) or 'jemalloc' in environ.get('LD_PRELOAD', '')
+  if (library is None or environ.get(PRELOADED) or 'jemalloc' in environ.get('LD_PRELOAD', '')
       or xla_cpu_flags.accelerator_plugin_installed()):
     return None
   env = dict(environ)
   env['LD_PRELOAD'] = ':'.join(p for p in (library, environ.get('LD_PRELOAD', '')) if p)
   env.setdefault('MALLOC_CONF', MALLOC_CONF)
-  env[_REEXECUTED] = library
+  env[PRELOADED] = library
   return env
 
 
@@ -83,8 +84,24 @@ def reexec_with_jemalloc():
     os.execve(sys.executable, sys.orig_argv, env)
   except OSError as e:
     print(
-        f'vit_jax: cannot re-execute with {env[_REEXECUTED]} preloaded ({e.strerror}); '
+        f'vit_jax: cannot re-execute with {env[PRELOADED]} preloaded ({e.strerror}); '
         "going on with the C library's malloc", file=sys.stderr)
+
+
+def without_preload(environ):
+  """`environ` less what `reexec_environment` added to it: for a child process that should
+  run on the C library's malloc (a benchmark's PyTorch worker)."""
+  library = environ.get(PRELOADED)
+  if not library:
+    return dict(environ)
+  env = {k: v for k, v in environ.items() if k != PRELOADED}
+  kept = ':'.join(p for p in environ.get('LD_PRELOAD', '').split(':') if p and p != library)
+  env.pop('LD_PRELOAD', None)
+  if kept:
+    env['LD_PRELOAD'] = kept
+  if env.get('MALLOC_CONF') == MALLOC_CONF:
+    del env['MALLOC_CONF']
+  return env
 
 
 def _mapped(path):
@@ -99,9 +116,9 @@ def _mapped(path):
 def describe(environ=None):
   """One line for the run's log: this process's allocator, and how to choose another."""
   environ = os.environ if environ is None else environ
-  library = environ.get(_REEXECUTED)
+  library = environ.get(PRELOADED)
   if library and _mapped(library):
-    return (f'host allocator: {library}, preloaded by vit-train (MALLOC_CONF='
+    return (f'host allocator: {library}, preloaded at start-up (MALLOC_CONF='
             f'{environ.get("MALLOC_CONF", "")}); {CHOICE}=system for the C library\'s malloc')
   if 'jemalloc' in environ.get('LD_PRELOAD', ''):
     return f'host allocator: as LD_PRELOAD says ({environ["LD_PRELOAD"]})'
