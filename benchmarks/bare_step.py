@@ -133,8 +133,9 @@ def make_config(model_name, batch, *, dtype='float32', remat=False, accum_steps=
 class BareStep:
   """Compiled train step on a random device-resident batch (no input pipeline)."""
 
-  def __init__(self, config, num_classes=1000):
+  def __init__(self, config, num_classes=1000, pause_s=0.0):
     self.config = config
+    self.pause_s = pause_s  # idle after each step, untimed
     self.num_classes = num_classes
     total = optim.total_steps(config)
     schedule = optim.learning_rate_schedule(config, total)
@@ -177,4 +178,6 @@ class BareStep:
       times.append(time.perf_counter() - t)
       if not np.isfinite(float(metrics['loss'])):
         raise FloatingPointError(f'loss is {metrics["loss"]}')
+      if self.pause_s:
+        time.sleep(self.pause_s)
     return times

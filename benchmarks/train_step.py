@@ -14,6 +14,8 @@ MFU divides by the device's peak as the loop's does (vit_jax.device_peaks: the T
 table, --peak FLOP/s per device, or on CPU a jitted matmul, f32 or bf16 inputs with f32
 accumulation, re-measured each round so that MFU is against the same round's peak).
 Compilation and one warm-up step per configuration are excluded from the timings.
+--pause_ms idles after each step: with jemalloc and synchronous dispatch a pause keeps the
+step's temporaries in one buffer (benchmarks/README.md, ninth session).
 """
 import argparse
 
@@ -32,6 +34,8 @@ parser.add_argument('--accum_steps', type=int, default=1)
 parser.add_argument('--mesh', type=int, default=1, help='devices on the data axis (CPU: simulated)')
 parser.add_argument('--peak', type=float, default=0.0,
                     help='peak FLOP/s per device (default: the device table, or measured on CPU)')
+parser.add_argument('--pause_ms', type=float, default=0.0,
+                    help='idle time after each step, outside its timing (host allocator tests)')
 parser.add_argument('--out', default='')
 args = parser.parse_args()
 
@@ -50,7 +54,7 @@ def main():
       config = bare_step.make_config(name, batch, dtype=dtype, remat=remat,
                                      accum_steps=args.accum_steps, mesh=args.mesh,
                                      image_size=args.image_size, model_overrides=overrides)
-      s = bare_step.BareStep(config)
+      s = bare_step.BareStep(config, pause_s=args.pause_ms / 1000)
       s.run(1)  # warm-up
       print(f'compiled {name} b{batch} {dtype} remat={remat!r}: {s.compile_s:.1f} s', flush=True)
       steps.append(s)

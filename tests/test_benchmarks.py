@@ -34,7 +34,7 @@ def _run(script, *flags, tmp_path):
 
 def test_train_step(tmp_path):
   p = _run('train_step', '--models', 'ViT-Ti_16', '--batch', '2', '--dtypes', 'float32', '--steps',
-           '2', '--rounds', '1', *TINY, tmp_path=tmp_path)
+           '2', '--rounds', '1', '--pause_ms', '1', *TINY, tmp_path=tmp_path)
   r = p['results'][0]
   assert r['img_s_median'] > 0 and r['flops_per_step_analytic'] > 0
   assert r['flops_per_step_xla'] >= r['flops_per_step_analytic']

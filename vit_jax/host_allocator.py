@@ -10,7 +10,9 @@ jemalloc with MALLOC_CONF below keeps freed pages, so the next step reuses them:
 not the default: often the next step's buffer is allocated before the last one is freed,
 and from then on the process keeps both, so peak RSS grows by one step's temporaries (4 of
 6 runs; R50+ViT-B/16 b8: 3.6 -> 5.7 GiB). Synchronous dispatch does not prevent it (6 of 8
-R50 processes): XLA frees the temporaries only after it has signalled the outputs ready.
+R50 processes): XLA frees the temporaries only after it has signalled the outputs ready. A
+pause between steps under synchronous dispatch did (9 of 9), but a sleep is a timing guess:
+benchmarks/README.md, ninth session.
 
 An allocator is chosen before a process starts (LD_PRELOAD), so with
 VIT_JAX_HOST_ALLOCATOR=jemalloc (or the path of a libjemalloc.so.2, e.g. conda's
