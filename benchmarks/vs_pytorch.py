@@ -268,12 +268,11 @@ class Worker:
 # ----------------------------------------------------------------- JAX side
 def _reexec_with_allocator():
   """Restarts this script with --allocator preloaded, as vit-train does (host_allocator.py)."""
+  os.environ[host_allocator.CHOICE] = args.allocator
   try:
-    env = host_allocator.reexec_environment({**os.environ, host_allocator.CHOICE: args.allocator})
-  except ValueError as e:
+    host_allocator.reexec_with_jemalloc()
+  except ValueError as e:  # a bad --allocator, or jemalloc not installed
     sys.exit(str(e))
-  if env is not None:
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 def main():
