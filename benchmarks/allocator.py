@@ -4,10 +4,14 @@ r"""The train step under the C library's malloc and under jemalloc as `vit-train
 An allocator is chosen when a process starts, so each side runs `train_step.py` in its own
 process (jemalloc: LD_PRELOAD and MALLOC_CONF as vit-train sets them), interleaved per
 model and round: A B A B ..., and the ratio is taken per pair. Needs a libjemalloc.so.2
-(Debian/Ubuntu: apt-get install libjemalloc2).
+(Debian/Ubuntu: apt-get install libjemalloc2). Under jemalloc each step waits for its
+temporaries to be freed, as the loop's does (vit_jax/host_memory.py); --without_wait adds a
+third side, jemalloc with no wait. Peak RSS is listed per run: a run either keeps one
+buffer of temporaries or two.
 
   python benchmarks/allocator.py --out /tmp/allocator.json
   python benchmarks/allocator.py --models ViT-B_16 --batch 8 --remat nothing_saveable
+  python benchmarks/allocator.py --models R50+ViT-B_16 --batch 8 --rounds 4 --without_wait
 """
 import argparse
 import json
@@ -26,6 +30,8 @@ harness.add_model_args(parser, steps=3)
 parser.add_argument('--remat', default='', help="one remat policy for both sides ('' = off)")
 parser.add_argument('--library', default='jemalloc',
                     help='the second side: jemalloc (found as vit-train finds it) or a path')
+parser.add_argument('--without_wait', action='store_true',
+                    help='a third side: jemalloc without the wait for the temporaries')
 parser.add_argument('--out', default='')
 args = parser.parse_args()
 
@@ -39,10 +45,13 @@ def _sides():
     sys.exit(str(e))
   if jemalloc is None:
     sys.exit('a TPU/GPU plugin is installed: the host allocator is not the step\'s')
-  return {'malloc': base, 'jemalloc': jemalloc}
+  sides = {'malloc': (base, []), 'jemalloc': (jemalloc, [])}
+  if args.without_wait:
+    sides['jemalloc, no wait'] = (jemalloc, ['--no-heap_wait'])
+  return sides
 
 
-def _train_step(model, batch, env, workdir):
+def _train_step(model, batch, env, flags, workdir):
   """One train_step.py run under `env`: its JSON result, and its page faults and CPU."""
   out = os.path.join(workdir, 'step.json')
   cmd = [
@@ -51,7 +60,7 @@ def _train_step(model, batch, env, workdir):
       str(batch), '--dtypes', args.dtypes, '--image_size',
       str(args.image_size), '--steps',
       str(args.steps), '--rounds', '1', '--remat', args.remat, '--peak', '1e12', '--out', out
-  ]
+  ] + flags
   for o in args.override:
     cmd += ['--override', o]
   before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -65,6 +74,7 @@ def _train_step(model, batch, env, workdir):
     payload = json.load(f)
   return {
       'img_s': payload['results'][0]['img_s_median'],
+      'heap_wait': payload['results'][0]['heap_wait'],
       'peak_rss_gib': payload['peak_rss_gib'],
       # Whole process: compile and warm-up included.
       'minor_faults': after.ru_minflt - before.ru_minflt,
@@ -81,11 +91,14 @@ def main():
     for model, batch in harness.model_batches(args):
       row = {'model': model, 'batch': batch, 'runs': {s: [] for s in sides}}
       for r in range(args.rounds):
-        for side, env in sides.items():
-          row['runs'][side].append(_train_step(model, batch, env, workdir))
+        for side, (env, flags) in sides.items():
+          row['runs'][side].append(_train_step(model, batch, env, flags, workdir))
         print(f'{model} b{batch}: round {r + 1}/{args.rounds} done', flush=True)
-      a, b = row['runs']['malloc'], row['runs']['jemalloc']
-      row['ratio_per_round'] = [y['img_s'] / x['img_s'] for x, y in zip(a, b)]
+      base = row['runs']['malloc']
+      row['over_malloc_per_round'] = {
+          s: [y['img_s'] / x['img_s'] for x, y in zip(base, runs)]
+          for s, runs in row['runs'].items() if s != 'malloc'
+      }
       results.append(row)
   load_end = harness.loadavg()
 
@@ -94,23 +107,26 @@ def main():
 
   rows = []
   for x in results:
-    a, b = x['runs']['malloc'], x['runs']['jemalloc']
-    rows.append([
-        x['model'], x['batch'],
-        col(a, 'img_s'),
-        col(b, 'img_s'), ', '.join(f'{v:.2f}' for v in x['ratio_per_round']),
-        f'{col(a, "minor_faults", ".0f")} / {col(b, "minor_faults", ".0f")}',
-        f'{col(a, "sys_s", ".1f")} / {col(b, "sys_s", ".1f")}',
-        f'{col(a, "peak_rss_gib")} / {col(b, "peak_rss_gib")}'
-    ])
+    for side, runs in x['runs'].items():
+      rows.append([
+          x['model'], x['batch'], side,
+          col(runs, 'img_s'),
+          ', '.join(f'{v:.2f}' for v in x['over_malloc_per_round'].get(side, [])),
+          col(runs, 'minor_faults', '.0f'),
+          col(runs, 'sys_s', '.1f'), ', '.join(f'{r["peak_rss_gib"]:.2f}' for r in runs)
+      ])
   print(f'\n### train step ({args.dtypes}, remat={args.remat!r}): C library malloc vs jemalloc\n')
   print(
       harness.markdown_table([
-          'model', 'batch', 'img/s malloc', 'img/s jemalloc', 'jemalloc / malloc per pair',
-          'page faults per run malloc / jemalloc', 'kernel CPU s per run', 'peak RSS GiB'
+          'model', 'batch', 'allocator', 'img/s', 'over malloc per pair', 'page faults per run',
+          'kernel CPU s per run', 'peak RSS GiB per run'
       ], rows))
-  print(f'\njemalloc: LD_PRELOAD={sides["jemalloc"]["LD_PRELOAD"]} '
-        f'MALLOC_CONF={sides["jemalloc"]["MALLOC_CONF"]}; per run = one train_step.py process '
+  for x in results:
+    for run in x['runs']['jemalloc']:
+      print(f'{x["model"]} b{x["batch"]} jemalloc: {run["heap_wait"] or "no wait"}')
+  jemalloc = sides['jemalloc'][0]
+  print(f'\njemalloc: LD_PRELOAD={jemalloc["LD_PRELOAD"]} '
+        f'MALLOC_CONF={jemalloc["MALLOC_CONF"]}; per run = one train_step.py process '
         f'(compile, warm-up and {args.steps} timed steps)')
   print(f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
   harness.write_json(
@@ -122,7 +138,7 @@ def main():
           'environments': {
               s: {
                   k: e.get(k, '') for k in ('LD_PRELOAD', 'MALLOC_CONF')
-              } for s, e in sides.items()
+              } for s, (e, _) in sides.items()
           },
           'results': results
       })

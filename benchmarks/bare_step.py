@@ -133,7 +133,7 @@ def make_config(model_name, batch, *, dtype='float32', remat=False, accum_steps=
 class BareStep:
   """Compiled train step on a random device-resident batch (no input pipeline)."""
 
-  def __init__(self, config, num_classes=1000, pause_s=0.0):
+  def __init__(self, config, num_classes=1000, pause_s=0.0, heap_wait=True):
     self.config = config
     self.pause_s = pause_s  # idle after each step, untimed
     self.num_classes = num_classes
@@ -167,14 +167,19 @@ class BareStep:
     xla = _xla_flops(self.compiled)
     self.flops_xla = None if xla is None else xla * len(mesh.devices.flat)
     self.memory_gib = compiled_memory_gib(self.compiled)
+    # The loop's wait for the step's temporaries under jemalloc (timed: the loop pays it).
+    temp = self.compiled.memory_analysis().temp_size_in_bytes if heap_wait else 0
+    self.heap_wait = host_memory.TemporariesWait(temp, platform=jax.devices()[0].platform)
 
   def run(self, steps):
     """Runs `steps` steps, blocking after each; returns the wall time of each (s)."""
     times = []
     for _ in range(steps):
       t = time.perf_counter()
+      self.heap_wait.before_step()
       self.state, metrics = self.compiled(self.state, self.batch, self.rng)
       jax.block_until_ready(metrics)
+      self.heap_wait.after_step(metrics)
       times.append(time.perf_counter() - t)
       if not np.isfinite(float(metrics['loss'])):
         raise FloatingPointError(f'loss is {metrics["loss"]}')

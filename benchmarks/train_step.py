@@ -14,8 +14,9 @@ MFU divides by the device's peak as the loop's does (vit_jax.device_peaks: the T
 table, --peak FLOP/s per device, or on CPU a jitted matmul, f32 or bf16 inputs with f32
 accumulation, re-measured each round so that MFU is against the same round's peak).
 Compilation and one warm-up step per configuration are excluded from the timings.
---pause_ms idles after each step: with jemalloc and synchronous dispatch a pause keeps the
-step's temporaries in one buffer (benchmarks/README.md, ninth session).
+Under jemalloc each step waits for its temporaries to be freed, as the loop's does
+(vit_jax/host_memory.py); --no-heap_wait times it without. --pause_ms idles after each step
+instead (benchmarks/README.md, ninth session).
 """
 import argparse
 
@@ -36,6 +37,8 @@ parser.add_argument('--peak', type=float, default=0.0,
                     help='peak FLOP/s per device (default: the device table, or measured on CPU)')
 parser.add_argument('--pause_ms', type=float, default=0.0,
                     help='idle time after each step, outside its timing (host allocator tests)')
+parser.add_argument('--heap_wait', action=argparse.BooleanOptionalAction, default=True,
+                    help="the loop's wait for the step's temporaries under jemalloc")
 parser.add_argument('--out', default='')
 args = parser.parse_args()
 
@@ -54,7 +57,7 @@ def main():
       config = bare_step.make_config(name, batch, dtype=dtype, remat=remat,
                                      accum_steps=args.accum_steps, mesh=args.mesh,
                                      image_size=args.image_size, model_overrides=overrides)
-      s = bare_step.BareStep(config, pause_s=args.pause_ms / 1000)
+      s = bare_step.BareStep(config, pause_s=args.pause_ms / 1000, heap_wait=args.heap_wait)
       s.run(1)  # warm-up
       print(f'compiled {name} b{batch} {dtype} remat={remat!r}: {s.compile_s:.1f} s', flush=True)
       steps.append(s)
@@ -103,6 +106,7 @@ def main():
         'peak': sources[c.dtype],
         'mfu_per_round': mfu,
         'xla_planned_memory_gib': s.memory_gib,
+        'heap_wait': s.heap_wait.summary(),
     })
 
   ratios = []

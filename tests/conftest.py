@@ -64,6 +64,16 @@ def harmless_preload():
   return found[0]
 
 
+def installed_jemalloc():
+  """The libjemalloc.so.2 that VIT_JAX_HOST_ALLOCATOR=jemalloc would preload, or None."""
+  from vit_jax import host_allocator  # pylint: disable=g-import-not-at-top
+  try:
+    env = host_allocator.reexec_environment({host_allocator.CHOICE: 'jemalloc'})
+  except ValueError:  # not installed
+    return None
+  return env and env[host_allocator.PRELOADED]
+
+
 def user_env(venv, devices=1):
   """The environment of a user whose shell has `venv` activated (and nothing of ours)."""
   env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'VIRTUAL_ENV')}

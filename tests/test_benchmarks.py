@@ -80,11 +80,13 @@ def test_allocator(tmp_path):
   # test needs no jemalloc on the host.
   library = harmless_preload()
   p = _run('allocator', '--models', 'ViT-Ti_16', '--batch', '2', '--steps', '1', '--rounds', '1',
-           '--library', library, *TINY, tmp_path=tmp_path)
+           '--library', library, '--without_wait', *TINY, tmp_path=tmp_path)
   assert p['environments']['jemalloc']['LD_PRELOAD'] == library
   assert p['environments']['malloc']['LD_PRELOAD'] == ''
   r = p['results'][0]
-  assert len(r['ratio_per_round']) == 1 and r['runs']['malloc'][0]['peak_rss_gib'] > 0
+  assert set(r['over_malloc_per_round']) == {'jemalloc', 'jemalloc, no wait'}
+  assert len(r['over_malloc_per_round']['jemalloc']) == 1
+  assert r['runs']['malloc'][0]['peak_rss_gib'] > 0
 
 
 def test_block_breakdown(tmp_path):

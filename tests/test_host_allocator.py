@@ -5,21 +5,12 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, harmless_preload
+from tests.conftest import ROOT, harmless_preload, installed_jemalloc
 from vit_jax import host_allocator
 from vit_jax import xla_cpu_flags
 
 PRELOADED = host_allocator.PRELOADED
 IDX_SIZES = (64, 32)  # train, test examples of the idx_dir fixture
-
-
-def _jemalloc():
-  """The jemalloc that VIT_JAX_HOST_ALLOCATOR=jemalloc would preload, or None."""
-  try:
-    env = host_allocator.reexec_environment({host_allocator.CHOICE: 'jemalloc'})
-  except ValueError:  # not installed
-    return None
-  return env and env[PRELOADED]
 
 
 @pytest.fixture(autouse=True)
@@ -138,12 +129,12 @@ def test_a_bad_allocator_value_stops_vit_train_in_one_line(tmp_path, idx_dir):
   assert not os.path.exists(tmp_path / 'workdirs')
 
 
-@pytest.mark.skipif(_jemalloc() is None, reason='jemalloc is not installed on this host')
+@pytest.mark.skipif(installed_jemalloc() is None, reason='jemalloc is not installed on this host')
 def test_under_jemalloc_release_freed_purges_its_arenas():
   code = ('from vit_jax import host_allocator, host_memory; '
           'print(host_memory.release_freed(), host_allocator.describe())')
-  env = dict(os.environ, LD_PRELOAD=_jemalloc(), MALLOC_CONF=host_allocator.MALLOC_CONF)
-  env[PRELOADED] = _jemalloc()
+  env = dict(os.environ, LD_PRELOAD=installed_jemalloc(), MALLOC_CONF=host_allocator.MALLOC_CONF)
+  env[PRELOADED] = installed_jemalloc()
   out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
                        check=True, cwd=ROOT).stdout
-  assert out.startswith(f'True host allocator: {_jemalloc()}, preloaded at start-up'), out
+  assert out.startswith(f'True host allocator: {installed_jemalloc()}, preloaded at start-up'), out

@@ -17,6 +17,7 @@ import pytest
 from vit_jax.configs import quickstart
 from vit_jax import checkpoint
 from vit_jax import flops
+from vit_jax import host_memory
 from vit_jax import models
 from vit_jax import rundir
 from vit_jax import train
@@ -179,6 +180,25 @@ def test_the_loop_reports_its_speed_and_traces_on_request(idx_dir, tmp_path, cap
   assert 'Compiled the train step and ran step 1 in' in caplog.text
   assert 'MFU ' in caplog.text and 'epoch 0.33' in caplog.text
   assert glob.glob(str(tmp_path / 'speed' / 'profile' / '**' / '*.xplane.pb'), recursive=True)
+
+
+def test_under_jemalloc_the_loop_waits_after_every_step(idx_dir, tmp_path, monkeypatch, caplog):
+  # jemalloc stood in for (tests/test_host_memory.py has the real one): every step's
+  # temporaries are back by the first reading after it.
+  readings = []
+
+  def allocated(mallctl):
+    del mallctl
+    readings.append(1)
+    return 1000
+
+  monkeypatch.setattr(host_memory, '_jemalloc_mallctl', lambda: lambda *args: 0)
+  monkeypatch.setattr(host_memory, '_allocated_bytes', allocated)
+  monkeypatch.setattr(host_memory, 'MIN_TEMP_BYTES', 0)
+  with caplog.at_level(logging.INFO):
+    _run(idx_dir, tmp_path, 'heap', total_steps=3)
+  assert len(readings) == 1 + 2 * 3  # stats readable; then before and after each step
+  assert '(0 of 3 waits gave up)' in caplog.text
 
 
 def test_bfloat16_and_remat_follow_float32(idx_dir, tmp_path, data_parallel, caplog):

@@ -319,6 +319,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                     state), abstract_batch, jax.ShapeDtypeStruct((2,), jnp.uint32)))
   build_seconds = time.perf_counter() - t_build  # ahead-of-time compilation, if any
+  heap_wait = host_memory.TemporariesWait(_temp_bytes(jitted_step),
+                                          platform=jax.devices()[0].platform)
   eval_step = jax.jit(
       masked_patches.make_eval_step(model, config) if masked_patches.is_masked(config) else
       make_eval_step(model), in_shardings=(param_sh, batch_sharding), out_shardings=replicated)
@@ -401,6 +403,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       try:
         batch = next(batches)
         t_step = time.perf_counter()
+        heap_wait.before_step()
         state, metrics = jitted_step(state, batch, rng)
         if step == start + 1:  # compiled (unless ahead of time) and run: timing starts now
           jax.block_until_ready(metrics)
@@ -411,6 +414,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
         if 'RESOURCE_EXHAUSTED' in str(e) or 'out of memory' in str(e).lower():
           raise TrainingError(_memory_message(config, None, None)) from None
         raise
+      heap_wait.after_step(metrics)
       profile.after(step, metrics)
       if peek and prev_guard is not None and prev_guard['first_bad'].is_ready():
         check_guard(_local(prev_guard))
@@ -474,6 +478,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                         step)
         result['preempted'] = True
         break
+    if heap_wait.summary():
+      logging.info('%s', heap_wait.summary())
     check_save(block=True)
     writer.flush()
     finished = result['step'] == total_steps
@@ -521,6 +527,12 @@ def _step_memory(compiled):
     return None
   return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
           - m.alias_size_in_bytes + m.generated_code_size_in_bytes)
+
+
+def _temp_bytes(compiled):
+  """Bytes of temporaries per device one run of the compiled step allocates (0: unknown)."""
+  m = compiled.memory_analysis()
+  return 0 if m is None else m.temp_size_in_bytes
 
 
 def _memory_message(config, need, limit):
