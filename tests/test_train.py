@@ -182,23 +182,31 @@ def test_the_loop_reports_its_speed_and_traces_on_request(idx_dir, tmp_path, cap
   assert glob.glob(str(tmp_path / 'speed' / 'profile' / '**' / '*.xplane.pb'), recursive=True)
 
 
-def test_under_jemalloc_the_loop_waits_after_every_step(idx_dir, tmp_path, monkeypatch, caplog):
+def test_under_jemalloc_the_loop_waits_after_every_step_and_purges_after_evaluating(
+    idx_dir, tmp_path, monkeypatch, caplog):
   # jemalloc stood in for (tests/test_host_memory.py has the real one): every step's
   # temporaries are back by the first reading after it.
-  readings = []
+  readings, controls = [], []
 
   def allocated(mallctl):
     del mallctl
     readings.append(1)
     return 1000
 
-  monkeypatch.setattr(host_memory, '_jemalloc_mallctl', lambda: lambda *args: 0)
+  def mallctl(name, *args):
+    del args
+    controls.append(name)
+    return 0
+
+  monkeypatch.setattr(host_memory, '_jemalloc_mallctl', lambda: mallctl)
   monkeypatch.setattr(host_memory, '_allocated_bytes', allocated)
   monkeypatch.setattr(host_memory, 'MIN_TEMP_BYTES', 0)
   with caplog.at_level(logging.INFO):
-    _run(idx_dir, tmp_path, 'heap', total_steps=3)
+    _run(idx_dir, tmp_path, 'heap', total_steps=3, eval_every_steps=2)
   assert len(readings) == 1 + 2 * 3  # stats readable; then before and after each step
   assert '(0 of 3 waits gave up)' in caplog.text
+  # After compiling, and before and after the evaluations of steps 2 and 3.
+  assert controls == [b'arena.4096.purge'] * 5
 
 
 def test_bfloat16_and_remat_follow_float32(idx_dir, tmp_path, data_parallel, caplog):

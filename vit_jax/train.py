@@ -444,6 +444,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       fewshot_due = fewshot and (_due(step, config.fewshot_every_steps) or step == total_steps)
       if evaluating or fewshot_due:
         check_guard(_local(state['guard']))  # a sync too: the steps before count as training
+        # The train step's freed temporaries, which jemalloc would keep beside the evaluation's.
+        host_memory.release_freed()
         with chrono.paused():
           params = eval_params(state)
         if evaluating:
@@ -463,6 +465,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                        '  '.join(f'{k[len("fewshot/"):]} {v:.4f}' for k, v in scores.items()))
           writer.write_scalars(step, scores)
           result.update(scores)
+        host_memory.release_freed()  # and the evaluation's
       result['step'] = step
       preempted = preemption.reached(step)
       if preempted or _due(step, config.checkpoint_every_steps) or step == last:
