@@ -18,8 +18,9 @@ vs torch.autocast('cpu', dtype=torch.bfloat16). Each round runs --steps steps of
 first runs one untimed step per round: vit_jax's first step after the other process ran was
 0.7-1.3 s slower than the next, PyTorch's was not (why is not established; vit_jax unmaps
 its temporaries between steps, PyTorch keeps its heap), which with --steps 2 cost it ~15%.
---allocator jemalloc runs the vit_jax side under jemalloc as VIT_JAX_HOST_ALLOCATOR=jemalloc
-vit-train does (vit_jax/host_allocator.py); the worker keeps the allocator it was started with.
+The vit_jax side runs under the host allocator vit-train picks (vit_jax/host_allocator.py:
+jemalloc where installed; --allocator system|jemalloc|PATH to choose), with the loop's wait
+for each step's temporaries; the worker keeps the allocator it was started with.
 """
 import argparse
 import json
@@ -39,9 +40,9 @@ parser.add_argument('--torch_impl', default='auto', choices=('auto', 'timm', 'mi
 parser.add_argument('--remat', default='',
                     help="vit_jax's remat policy (models/remat.py); '' = off")
 parser.add_argument(
-    '--allocator', default='system',
-    help="vit_jax's host allocator, as VIT_JAX_HOST_ALLOCATOR takes it (system, "
-    "jemalloc, a path); the PyTorch worker is started without it")
+    '--allocator', default='auto',
+    help="vit_jax's host allocator, as VIT_JAX_HOST_ALLOCATOR takes it (auto, jemalloc, "
+    "system, a path); the PyTorch worker is started without it")
 parser.add_argument('--out', default='')
 parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
 parser.add_argument('--threads', type=int, default=0, help=argparse.SUPPRESS)

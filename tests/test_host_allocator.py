@@ -18,9 +18,41 @@ def _cpu_only(monkeypatch):
   monkeypatch.setattr(xla_cpu_flags, 'accelerator_plugin_installed', lambda: False)
 
 
-def test_the_default_and_system_keep_the_c_library_malloc():
-  assert host_allocator.reexec_environment({}) is None
+def _installed_at(tmp_path, monkeypatch):
+  """A stand-in libjemalloc.so.2 where a distribution installs it."""
+  (tmp_path / 'x86_64-linux-gnu').mkdir()
+  library = tmp_path / 'x86_64-linux-gnu' / 'libjemalloc.so.2'
+  library.write_bytes(b'')
+  monkeypatch.setattr(host_allocator, 'LIBRARY_GLOBS',
+                      (str(tmp_path / '*-linux-gnu' / 'libjemalloc.so.2'),))
+  return str(library)
+
+
+def test_by_default_jemalloc_is_preloaded_where_installed(tmp_path, monkeypatch):
+  library = _installed_at(tmp_path, monkeypatch)
+  for default in ({}, {host_allocator.CHOICE: 'auto'}, {host_allocator.CHOICE: ''}):
+    env = host_allocator.reexec_environment({**default, 'PATH': '/bin'})
+    assert env['LD_PRELOAD'] == library and env[PRELOADED] == library
+    assert env['MALLOC_CONF'] == host_allocator.MALLOC_CONF and env['PATH'] == '/bin'
+  # An allocator the user preloads is theirs (Colab preloads tcmalloc); system is malloc.
+  for theirs in ('/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4', '/x/libmimalloc.so /y/lib.so'):
+    assert host_allocator.reexec_environment({'LD_PRELOAD': theirs}) is None
+    assert host_allocator.describe({
+        'LD_PRELOAD': theirs
+    }).startswith('host allocator: as '
+                  'LD_PRELOAD says')
   assert host_allocator.reexec_environment({host_allocator.CHOICE: 'system'}) is None
+  # Another preload is kept beside jemalloc.
+  env = host_allocator.reexec_environment({'LD_PRELOAD': '/opt/other.so'})
+  assert env['LD_PRELOAD'] == f'{library}:/opt/other.so'
+
+
+def test_by_default_the_c_library_malloc_where_jemalloc_is_not_installed(monkeypatch):
+  monkeypatch.setattr(host_allocator, 'LIBRARY_GLOBS', ('/nowhere/libjemalloc.so.2',))
+  assert host_allocator.reexec_environment({}) is None
+  assert 'apt-get install libjemalloc2' in host_allocator.describe({})
+  assert host_allocator.describe({host_allocator.CHOICE: 'system'
+                                 }) == ("host allocator: the C library's malloc")
 
 
 def test_a_library_path_is_preloaded_with_the_malloc_conf(tmp_path):
@@ -61,13 +93,9 @@ def test_a_child_process_can_be_given_back_the_c_library_malloc(tmp_path):
 
 
 def test_jemalloc_is_found_where_distributions_install_it(tmp_path, monkeypatch):
-  (tmp_path / 'x86_64-linux-gnu').mkdir()
-  library = tmp_path / 'x86_64-linux-gnu' / 'libjemalloc.so.2'
-  library.write_bytes(b'')
-  monkeypatch.setattr(host_allocator, 'LIBRARY_GLOBS',
-                      (str(tmp_path / '*-linux-gnu' / 'libjemalloc.so.2'),))
+  library = _installed_at(tmp_path, monkeypatch)
   env = host_allocator.reexec_environment({host_allocator.CHOICE: 'jemalloc'})
-  assert env['LD_PRELOAD'] == str(library)
+  assert env['LD_PRELOAD'] == library
 
 
 def test_no_second_exec_and_no_override_of_the_users_own_preload(tmp_path):
@@ -91,7 +119,7 @@ def test_not_where_an_accelerator_plugin_is_installed(tmp_path, monkeypatch):
 def test_bad_values_name_the_fix(monkeypatch):
   with pytest.raises(
       ValueError, match=r'VIT_JAX_HOST_ALLOCATOR=/no/such\.so: no such file; '
-      'set it to system, jemalloc, or the path'):
+      'set it to auto, jemalloc, system, or the path'):
     host_allocator.reexec_environment({host_allocator.CHOICE: '/no/such.so'})
   monkeypatch.setattr(host_allocator, 'LIBRARY_GLOBS', ('/nowhere/libjemalloc.so.2',))
   with pytest.raises(ValueError, match='apt-get install libjemalloc2'):
@@ -119,12 +147,22 @@ def test_vit_train_re_executes_with_the_library_preloaded(tmp_path, idx_dir):
   assert proc.stderr.count('Final test top-1 accuracy') == 1
 
 
+def test_vit_train_by_default_runs_on_jemalloc_where_installed(tmp_path, idx_dir):
+  proc = _quickstart(tmp_path, idx_dir, 'auto')
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  if installed_jemalloc():
+    assert f'host allocator: {installed_jemalloc()}, preloaded at start-up' in proc.stderr
+  else:
+    assert "host allocator: the C library's malloc (no libjemalloc.so.2 installed" in proc.stderr
+  assert proc.stderr.count('Final test top-1 accuracy') == 1
+
+
 def test_a_bad_allocator_value_stops_vit_train_in_one_line(tmp_path, idx_dir):
   proc = _quickstart(tmp_path, idx_dir, 'jemallok')
   assert proc.returncode != 0
   assert proc.stderr.strip().splitlines() == [
-      'vit_jax: VIT_JAX_HOST_ALLOCATOR=jemallok: no such file; set it to system, jemalloc, '
-      'or the path of a libjemalloc.so.2'
+      'vit_jax: VIT_JAX_HOST_ALLOCATOR=jemallok: no such file; set it to auto, jemalloc, '
+      'system, or the path of a libjemalloc.so.2'
   ]
   assert not os.path.exists(tmp_path / 'workdirs')
 

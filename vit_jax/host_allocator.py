@@ -1,4 +1,5 @@
-"""The C heap allocator of `vit-train` on a CPU host: the C library's malloc, or jemalloc.
+"""The C heap allocator of `vit-train` on a CPU host: jemalloc where it is installed, else
+the C library's malloc.
 
 XLA:CPU gives each run of a compiled step one buffer for all its temporaries (ViT-Ti/16 b32
 f32: 1.5 GiB) and frees it when the step ends. glibc's malloc serves a request that large
@@ -6,21 +7,21 @@ with a fresh mmap and unmaps it on free, so every step faults its temporaries in
 the kernel zeroes them: on a 2-core host ~430k page faults and 0.8 CPU s of kernel time per
 ViT-Ti step, a sixth of the step's CPU (PyTorch's step there: under 60k faults, 0.1 s).
 jemalloc with MALLOC_CONF below keeps freed pages, so the next step reuses them: steps ran
-1.08-1.36x faster (benchmarks/allocator.py, benchmarks/README.md). The price, and why it is
-not the default: often the next step's buffer is allocated before the last one is freed,
-and from then on the process keeps both, so peak RSS grows by one step's temporaries (4 of
-6 runs; R50+ViT-B/16 b8: 3.6 -> 5.7 GiB). Synchronous dispatch does not prevent it (6 of 8
-R50 processes): XLA frees the temporaries only after it has signalled the outputs ready. A
-pause between steps under synchronous dispatch did (9 of 9), but a sleep is a timing guess:
-benchmarks/README.md, ninth session.
+1.06-1.20x faster, the quickstart 1.6x (benchmarks/allocator.py, benchmarks/README.md,
+tenth session). That holds peak RSS to glibc's only because the loop waits for each step's
+temporaries to be freed before the next (vit_jax/host_memory.py): without the wait 7 of 9
+processes kept a second buffer (R50+ViT-B/16 b8: 3.6 -> 5.7 GiB).
 
-An allocator is chosen before a process starts (LD_PRELOAD), so with
-VIT_JAX_HOST_ALLOCATOR=jemalloc (or the path of a libjemalloc.so.2, e.g. conda's
-$CONDA_PREFIX/lib/libjemalloc.so.2) the `vit-train` console script re-executes itself once,
-before it starts JAX, with jemalloc preloaded. It does not where a TPU/GPU plugin is
-installed (their steps' memory is not the host's) or where LD_PRELOAD names jemalloc
-already. A MALLOC_CONF of the user's own is kept. Debian/Ubuntu: apt-get install
-libjemalloc2. The run's log names the allocator (`describe`).
+An allocator is chosen before a process starts (LD_PRELOAD), so the `vit-train` console
+script re-executes itself once, before it starts JAX, with jemalloc preloaded. The choice,
+VIT_JAX_HOST_ALLOCATOR: auto (the default: jemalloc where a libjemalloc.so.2 is installed
+where distributions put it, else the C library's malloc), jemalloc (the same, an error where
+none is found), system (the C library's malloc), or the path of a libjemalloc.so.2 (e.g.
+conda's $CONDA_PREFIX/lib/libjemalloc.so.2). Never where a TPU/GPU plugin is installed
+(their steps' memory is not the host's); `auto` also leaves an LD_PRELOAD that already names
+a malloc (tcmalloc in Colab, jemalloc, mimalloc) alone. A MALLOC_CONF of the user's own is
+kept. Debian/Ubuntu: apt-get install libjemalloc2. The run's log names the allocator
+(`describe`).
 """
 import glob
 import os
@@ -28,7 +29,7 @@ import sys
 
 from vit_jax import xla_cpu_flags
 
-CHOICE = 'VIT_JAX_HOST_ALLOCATOR'  # system (the default), jemalloc, or a library's path
+CHOICE = 'VIT_JAX_HOST_ALLOCATOR'  # auto (the default), jemalloc, system, or a library's path
 # Freed pages are never returned to the OS on jemalloc's own. With a positive decay, jemalloc
 # returns requests over 8 MiB (the step's temporaries) at once, as glibc does; with every
 # size kept in the ordinary arenas (oversize_threshold:0), a decay of 1-3 s still faulted
@@ -40,21 +41,39 @@ LIBRARY_GLOBS = ('/usr/lib/*-linux-gnu/libjemalloc.so.2', '/usr/lib64/libjemallo
 PRELOADED = 'VIT_JAX_HOST_ALLOCATOR_PRELOADED'
 
 
+def _installed():
+  """The first libjemalloc.so.2 where distributions install it, or None."""
+  for pattern in LIBRARY_GLOBS:
+    found = sorted(glob.glob(pattern))
+    if found:
+      return found[0]
+  return None
+
+
+def _preloaded_malloc(environ):
+  """Whether LD_PRELOAD (':' or ' ' separated) names a malloc: jemalloc, tcmalloc, mimalloc."""
+  entries = environ.get('LD_PRELOAD', '').replace(' ', ':').split(':')
+  return any('malloc' in os.path.basename(p) for p in entries)
+
+
 def _library(environ):
   """The library to preload under `environ`'s choice, or None for the C library's malloc."""
-  mode = environ.get(CHOICE, 'system') or 'system'
+  mode = environ.get(CHOICE, 'auto') or 'auto'
   if mode == 'system':
     return None
+  if mode == 'auto':
+    if _preloaded_malloc(environ):
+      return None  # an allocator of the user's own (Colab preloads tcmalloc)
+    return _installed()
   if mode == 'jemalloc':
-    for pattern in LIBRARY_GLOBS:
-      found = sorted(glob.glob(pattern))
-      if found:
-        return found[0]
+    found = _installed()
+    if found:
+      return found
     raise ValueError(f'{CHOICE}=jemalloc: no libjemalloc.so.2 found; install it (Debian/Ubuntu: '
                      f'apt-get install libjemalloc2) or set {CHOICE} to its path')
   if not os.path.isfile(mode):
-    raise ValueError(f'{CHOICE}={mode}: no such file; set it to system, jemalloc, or the path '
-                     f'of a libjemalloc.so.2')
+    raise ValueError(f'{CHOICE}={mode}: no such file; set it to auto, jemalloc, system, or the '
+                     f'path of a libjemalloc.so.2')
   return os.path.abspath(mode)
 
 
@@ -122,9 +141,14 @@ def describe(environ=None):
   if library and _mapped(library):
     return (f'host allocator: {library}, preloaded at start-up (MALLOC_CONF='
             f'{environ.get("MALLOC_CONF", "")}); {CHOICE}=system for the C library\'s malloc')
-  if 'jemalloc' in environ.get('LD_PRELOAD', ''):
+  if _preloaded_malloc(environ):
     return f'host allocator: as LD_PRELOAD says ({environ["LD_PRELOAD"]})'
   if library:
     return f"host allocator: the C library's malloc (the loader refused {library})"
-  return (f"host allocator: the C library's malloc; {CHOICE}=jemalloc reuses each step's "
-          'memory instead of faulting it in again (faster; peak RSS may grow, see README)')
+  if xla_cpu_flags.accelerator_plugin_installed():
+    return "host allocator: the C library's malloc (a TPU/GPU plugin is installed)"
+  if (environ.get(CHOICE) or 'auto') == 'auto':
+    return ("host allocator: the C library's malloc (no libjemalloc.so.2 installed; with it "
+            'each CPU step reuses its memory instead of faulting it in again, which is faster: '
+            'apt-get install libjemalloc2)')
+  return "host allocator: the C library's malloc"
