@@ -20,7 +20,7 @@ first runs one untimed step per round: vit_jax's first step after the other proc
 its temporaries between steps, PyTorch keeps its heap), which with --steps 2 cost it ~15%.
 The vit_jax side runs under the host allocator vit-train picks (vit_jax/host_allocator.py:
 jemalloc where installed; --allocator system|jemalloc|PATH to choose), with the loop's wait
-for each step's temporaries; the worker keeps the allocator it was started with.
+for each step's temporaries; the PyTorch worker is started without that preload.
 """
 import argparse
 import json

@@ -13,7 +13,7 @@ temporaries are back in the heap, so that the next step reuses their pages. XLA:
 them only after it has signalled the step's outputs ready; a step dispatched at once finds
 them still taken, jemalloc maps a second extent for it, and keeps both for good (peak RSS +
 one step's temporaries: R50+ViT-B/16 b8 3.6 -> 5.7 GiB in 6 of 8 runs, even with
-synchronous dispatch; benchmarks/README.md, tenth session).
+synchronous dispatch; benchmarks/README.md, ninth and tenth sessions).
 """
 import ctypes
 import ctypes.util
