@@ -145,6 +145,22 @@ def test_auto_probes_once_per_host_and_caches_the_verdict(monkeypatch, outside_p
   assert xla_cpu_flags.choose({}, 'bfloat16', cache_path=outside_pytest)[0] == every
 
 
+def test_the_verdict_is_kept_per_host_allocator(monkeypatch):
+  # The probe's child inherits LD_PRELOAD, and its verdict moved with the allocator: a
+  # verdict cached under glibc's malloc is not reused under jemalloc, nor the reverse.
+  monkeypatch.delenv('LD_PRELOAD', raising=False)
+  glibc = xla_cpu_flags.host_key()
+  monkeypatch.setenv('LD_PRELOAD', '/usr/lib/x86_64-linux-gnu/libjemalloc.so.2')
+  jemalloc = xla_cpu_flags.host_key()
+  monkeypatch.setenv('LD_PRELOAD', '/opt/a.so /usr/lib/libtcmalloc.so.4')  # Colab's form
+  tcmalloc = xla_cpu_flags.host_key()
+  monkeypatch.setenv('LD_PRELOAD', '/opt/a.so')  # not a malloc
+  other = xla_cpu_flags.host_key()
+  assert glibc.endswith('| libc malloc') and other == glibc
+  assert jemalloc.endswith('| libjemalloc.so.2') and tcmalloc.endswith('| libtcmalloc.so.4')
+  assert jemalloc.rsplit('|', 1)[0] == glibc.rsplit('|', 1)[0]  # the same host otherwise
+
+
 def test_a_failed_or_tied_probe_keeps_the_fixed_table(monkeypatch, outside_pytest):
   # A probe whose kernel cannot start (here: a flag XLA does not know) fails cleanly.
   monkeypatch.setenv('XLA_FLAGS', '--xla_no_such_flag=1')

@@ -50,10 +50,13 @@ def _installed():
   return None
 
 
-def _preloaded_malloc(environ):
-  """Whether LD_PRELOAD (':' or ' ' separated) names a malloc: jemalloc, tcmalloc, mimalloc."""
-  entries = environ.get('LD_PRELOAD', '').replace(' ', ':').split(':')
-  return any('malloc' in os.path.basename(p) for p in entries)
+def preloaded_malloc(environ):
+  """The file name of the malloc LD_PRELOAD (':' or ' ' separated) names, e.g.
+  libjemalloc.so.2, libtcmalloc.so.4, libmimalloc.so; '' where it names none."""
+  for entry in environ.get('LD_PRELOAD', '').replace(' ', ':').split(':'):
+    if 'malloc' in os.path.basename(entry):
+      return os.path.basename(entry)
+  return ''
 
 
 def _library(environ):
@@ -62,7 +65,7 @@ def _library(environ):
   if mode == 'system':
     return None
   if mode == 'auto':
-    if _preloaded_malloc(environ):
+    if preloaded_malloc(environ):
       return None  # an allocator of the user's own (Colab preloads tcmalloc)
     return _installed()
   if mode == 'jemalloc':
@@ -141,7 +144,7 @@ def describe(environ=None):
   if library and _mapped(library):
     return (f'host allocator: {library}, preloaded at start-up (MALLOC_CONF='
             f'{environ.get("MALLOC_CONF", "")}); {CHOICE}=system for the C library\'s malloc')
-  if _preloaded_malloc(environ):
+  if preloaded_malloc(environ):
     return f'host allocator: as LD_PRELOAD says ({environ["LD_PRELOAD"]})'
   if library:
     return f"host allocator: the C library's malloc (the loader refused {library})"

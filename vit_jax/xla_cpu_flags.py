@@ -11,7 +11,7 @@ benchmarks/README.md; `benchmarks/ynnpack.py` measures the train step on a host)
   both, so by default it is measured once per host: `probe()` times the fwd+bwd of a
   ViT-B-shaped encoder block with YNNPACK on and off (two child processes, interleaved
   rounds; 9-10 s on a quiet 2-core host, once) and the verdict is cached per (CPU, cores,
-  jaxlib) in ~/.cache/vit_jax/xla_cpu_flags.json. A probe that fails or cannot tell the
+  jaxlib, preloaded malloc) in ~/.cache/vit_jax/xla_cpu_flags.json. A probe that fails or cannot tell the
   two apart (within MARGIN) keeps the fixed table below; on a busy host (load above
   BUSY_LOAD per core) no probe runs and nothing is cached: the fixed table, this time.
 Every dtype also gets XLA:CPU's memory-optimised scheduler (MEMORY_SCHEDULER, not probed).
@@ -192,7 +192,9 @@ def apply(environ=None, dtype='float32', recorded=None, log=True):
 # ------------------------------------------------------------------------------ the probe
 def host_key():
   """What the verdict depends on: the CPU (name, family/model/stepping), the cores this
-  process may use, and the jaxlib version."""
+  process may use, the jaxlib version, and the C heap allocator the probe inherits (its
+  verdict moved with it: under jemalloc YNNPACK off/on was 0.87-0.95 in 2 of 2 probes,
+  under glibc's malloc 0.93-0.96 and then a tie; benchmarks/README.md, tenth session)."""
   info = {}
   try:
     with open('/proc/cpuinfo') as f:
@@ -208,7 +210,10 @@ def host_key():
           info.get('model', ''),
           info.get('stepping', '')
       ]))
-  return f'{cpu or "unknown cpu"} | {cores()} cores | jaxlib {_jaxlib_version()}'
+  # Imported here: host_allocator imports this module.
+  from vit_jax import host_allocator  # pylint: disable=import-outside-toplevel
+  malloc = host_allocator.preloaded_malloc(os.environ) or 'libc malloc'
+  return f'{cpu or "unknown cpu"} | {cores()} cores | jaxlib {_jaxlib_version()} | {malloc}'
 
 
 def cores():
