@@ -11,9 +11,10 @@ benchmarks/README.md; `benchmarks/ynnpack.py` measures the train step on a host)
   both, so by default it is measured once per host: `probe()` times the fwd+bwd of a
   ViT-B-shaped encoder block with YNNPACK on and off (two child processes, interleaved
   rounds; 9-10 s on a quiet 2-core host, once) and the verdict is cached per (CPU, cores,
-  jaxlib, preloaded malloc) in ~/.cache/vit_jax/xla_cpu_flags.json. A probe that fails or cannot tell the
-  two apart (within MARGIN) keeps the fixed table below; on a busy host (load above
-  BUSY_LOAD per core) no probe runs and nothing is cached: the fixed table, this time.
+  jaxlib, preloaded malloc) in ~/.cache/vit_jax/xla_cpu_flags.json. A probe that fails or
+  cannot tell the two apart (within MARGIN) keeps the fixed table below; on a busy host
+  (load above BUSY_LOAD per core) no probe runs and nothing is cached: the fixed table,
+  this time.
 Every dtype also gets XLA:CPU's memory-optimised scheduler (MEMORY_SCHEDULER, not probed).
 The flags only choose CPU kernels and their order: numerics stay those of the dtype (tests
 compare both ways), and TPU/GPU programs are not affected (with an accelerator plugin
