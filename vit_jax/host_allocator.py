@@ -7,10 +7,11 @@ with a fresh mmap and unmaps it on free, so every step faults its temporaries in
 the kernel zeroes them: on a 2-core host ~430k page faults and 0.8 CPU s of kernel time per
 ViT-Ti step, a sixth of the step's CPU (PyTorch's step there: under 60k faults, 0.1 s).
 jemalloc with MALLOC_CONF below keeps freed pages, so the next step reuses them: steps ran
-1.06-1.20x faster, the quickstart 1.6x (benchmarks/allocator.py, benchmarks/README.md,
-tenth session). That holds peak RSS to glibc's only because the loop waits for each step's
-temporaries to be freed before the next (vit_jax/host_memory.py): without the wait 7 of 9
-processes kept a second buffer (R50+ViT-B/16 b8: 3.6 -> 5.7 GiB).
+1.06-1.23x faster on two hosts, the quickstart 1.6x (benchmarks/allocator.py,
+benchmarks/README.md, tenth and eleventh sessions). That holds peak RSS to glibc's only
+because the loop waits for each step's temporaries to be freed before the next
+(vit_jax/host_memory.py): without the wait 7 of 9 processes kept a second buffer
+(R50+ViT-B/16 b8: 3.6 -> 5.7 GiB).
 
 An allocator is chosen before a process starts (LD_PRELOAD), so the `vit-train` console
 script re-executes itself once, before it starts JAX, with jemalloc preloaded. The choice,
