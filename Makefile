@@ -1,6 +1,6 @@
 # Set-up and entry points. Each target installs what it needs first:
-#   make quickstart   venv + package (+ Fashion-MNIST and jemalloc from Debian when root), then train
-#   make test         venv + package with test extras, then the default test suite
+#   make quickstart   venv + package (+ Fashion-MNIST, jemalloc from Debian when root), then train
+#   make test         venv + package with test extras (+ Fashion-MNIST when root), then the tests
 #   make lint         ruff and the yapf format check (settings in pyproject.toml), as .ci/run does
 #   make format       yapf rewrites the tree in the house style (settings in pyproject.toml)
 PYTHON ?= python3
@@ -16,6 +16,7 @@ $(VENV)/installed: setup.py constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $@
 
+# Required by the quickstart, and by the tests that run the CLI as a user does (test_faults.py).
 fashion-mnist:
 	@if [ ! -f $(FASHION_MNIST) ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
@@ -30,24 +31,24 @@ fashion-mnist:
 # 1.6x faster). Installed when root on a Debian-like host; anywhere else, or where apt-get
 # fails, the run goes on with the C library's malloc. The install is tried before
 # `apt-get update`, which the dataset's install has usually just run.
+JEMALLOC_INSTALL := apt-get install -y -qq libjemalloc2 >/dev/null 2>&1
 jemalloc:
 	@if command -v dpkg >/dev/null && ! dpkg -s libjemalloc2 >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    if apt-get install -y -qq libjemalloc2 >/dev/null 2>&1 || \
-	       { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libjemalloc2 >/dev/null 2>&1; }; then \
+	    if $(JEMALLOC_INSTALL) || { apt-get update -qq >/dev/null 2>&1 && $(JEMALLOC_INSTALL); }; then \
 	      echo "installed libjemalloc2: vit-train runs on jemalloc"; \
 	    else \
-	      echo "libjemalloc2 could not be installed (apt-get failed): vit-train runs on the C library's malloc"; \
+	      echo "libjemalloc2 not installed (apt-get failed): vit-train runs on glibc's malloc"; \
 	    fi; \
 	  else \
-	    echo "tip: sudo apt-get install libjemalloc2 makes CPU training faster (vit_jax/host_allocator.py)"; \
+	    echo "tip: sudo apt-get install libjemalloc2 speeds up CPU training (vit_jax/host_allocator.py)"; \
 	  fi; \
 	fi
 
 quickstart: $(VENV)/installed fashion-mnist jemalloc
 	$(VENV)/bin/vit-train --config=quickstart --workdir=workdirs/quickstart
 
-test: $(VENV)/installed
+test: $(VENV)/installed fashion-mnist
 	$(PY) -m pytest -q
 
 lint: $(VENV)/installed

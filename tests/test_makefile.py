@@ -1,0 +1,111 @@
+"""The Makefile's system packages, run through make as a user's shell runs it, with `id`,
+`dpkg` and `apt-get` replaced by scripts that play root or not, installed or not, and an
+apt-get that works, needs an update first, or fails. Fashion-MNIST is required (the
+quickstart reads it and tests/test_faults.py runs the CLI on it); jemalloc is optional, so
+its target exits 0 whatever happens."""
+import os
+import re
+import subprocess
+
+import pytest
+
+from tests.conftest import ROOT
+
+MAKEFILE = os.path.join(ROOT, 'Makefile')
+SHIMS = {
+    'id': 'echo "$FAKE_UID"',
+    'dpkg': 'exit "$FAKE_DPKG_RC"',  # dpkg -s: 0 installed, 1 not
+    # Logs each call; every call works when FAKE_APT=ok, `install` only after an update
+    # when =stale, none when =broken.
+    'apt-get': '''echo "$*" >> "$APT_LOG"
+case "$FAKE_APT:$1" in
+  ok:*) exit 0 ;;
+  stale:update) touch "$APT_LOG.updated"; exit 0 ;;
+  stale:install) [ -f "$APT_LOG.updated" ] ;;
+  *) exit 100 ;;
+esac''',
+}
+
+
+def make(tmp_path, target, uid, apt='ok', jemalloc_installed=False, dataset=None):
+  """(exit status, stdout, the apt-get calls) of `make TARGET` under the fakes; `dataset`:
+  the Fashion-MNIST file the Makefile looks for (default: one that does not exist)."""
+  bin_dir = tmp_path / 'bin'
+  bin_dir.mkdir()
+  for name, body in SHIMS.items():
+    (bin_dir / name).write_text(f'#!/bin/sh\n{body}\n')
+    (bin_dir / name).chmod(0o755)
+  log = tmp_path / 'apt.log'
+  env = dict(os.environ, PATH=f'{bin_dir}:{os.environ["PATH"]}', FAKE_UID=str(uid),
+             FAKE_DPKG_RC='0' if jemalloc_installed else '1', FAKE_APT=apt, APT_LOG=str(log))
+  dataset = dataset or str(tmp_path / 'absent' / 'train-images-idx3-ubyte.gz')
+  out = subprocess.run(['make', '-s', '-f', MAKEFILE, f'FASHION_MNIST={dataset}', target],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+  calls = log.read_text().splitlines() if log.exists() else []
+  return out.returncode, out.stdout.strip(), calls
+
+
+def prerequisites(target):
+  with open(MAKEFILE) as f:
+    return re.search(rf'^{target}:(.*)$', f.read(), re.MULTILINE).group(1).split()
+
+
+def test_root_installs_jemalloc_without_an_update_when_the_lists_are_fresh(tmp_path):
+  rc, out, calls = make(tmp_path, 'jemalloc', uid=0)
+  assert rc == 0
+  assert calls == ['install -y -qq libjemalloc2']
+  assert out == 'installed libjemalloc2: vit-train runs on jemalloc'
+
+
+def test_stale_package_lists_are_updated_once_then_jemalloc_installs(tmp_path):
+  rc, out, calls = make(tmp_path, 'jemalloc', uid=0, apt='stale')
+  assert rc == 0
+  assert calls == ['install -y -qq libjemalloc2', 'update -qq', 'install -y -qq libjemalloc2']
+  assert out.startswith('installed libjemalloc2')
+
+
+def test_a_failing_apt_get_is_reported_and_the_quickstart_goes_on(tmp_path):
+  rc, out, calls = make(tmp_path, 'jemalloc', uid=0, apt='broken')
+  assert rc == 0
+  assert 'update -qq' in calls
+  assert out == "libjemalloc2 not installed (apt-get failed): vit-train runs on glibc's malloc"
+
+
+@pytest.mark.parametrize('uid, installed, expected', [
+    (1000, False, 'tip: sudo apt-get install libjemalloc2'),
+    (0, True, ''),
+    (1000, True, ''),
+])
+def test_without_root_or_once_installed_jemalloc_is_not_installed(tmp_path, uid, installed,
+                                                                  expected):
+  rc, out, calls = make(tmp_path, 'jemalloc', uid=uid, jemalloc_installed=installed)
+  assert rc == 0
+  assert calls == []
+  assert out.startswith(expected) and bool(out) == bool(expected)
+
+
+def test_root_installs_a_missing_dataset(tmp_path):
+  rc, _, calls = make(tmp_path, 'fashion-mnist', uid=0)
+  assert rc == 0
+  assert calls == ['update -qq', 'install -y -qq dataset-fashion-mnist']
+
+
+def test_a_missing_dataset_without_root_stops_with_the_command_to_run(tmp_path):
+  rc, out, calls = make(tmp_path, 'fashion-mnist', uid=1000)
+  assert rc != 0
+  assert calls == []
+  assert out == 'Fashion-MNIST is missing: sudo apt-get install dataset-fashion-mnist'
+
+
+def test_a_present_dataset_is_left_alone(tmp_path):
+  present = tmp_path / 'train-images-idx3-ubyte.gz'
+  present.write_bytes(b'')
+  rc, out, calls = make(tmp_path, 'fashion-mnist', uid=0, dataset=str(present))
+  assert (rc, out, calls) == (0, '', [])
+
+
+def test_both_set_up_commands_get_what_they_need():
+  """The quickstart reads the dataset and runs best on jemalloc; the tests need the dataset
+  (a fresh machine without it failed 23 of them)."""
+  assert {'fashion-mnist', 'jemalloc'} <= set(prerequisites('quickstart'))
+  assert 'fashion-mnist' in prerequisites('test')
