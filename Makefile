@@ -26,11 +26,11 @@ fashion-mnist:
 	  fi; \
 	fi
 
-# Optional: vit-train preloads jemalloc where it is installed (vit_jax/host_allocator.py), so
-# that each CPU step reuses its memory instead of faulting it in again (the quickstart ran
-# 1.6x faster). Installed when root on a Debian-like host; anywhere else, or where apt-get
-# fails, the run goes on with the C library's malloc. The install is tried before
-# `apt-get update`, which the dataset's install has usually just run.
+# Optional: vit-train preloads jemalloc where it is installed, so that each CPU step reuses
+# its memory instead of faulting it in again (why and how much: vit_jax/host_allocator.py).
+# Installed when root on a Debian-like host; anywhere else, or where apt-get fails, the run
+# goes on with the C library's malloc. The install is tried before `apt-get update`, which
+# the dataset's install has usually just run.
 JEMALLOC_INSTALL := apt-get install -y -qq libjemalloc2 >/dev/null 2>&1
 jemalloc:
 	@if command -v dpkg >/dev/null && ! dpkg -s libjemalloc2 >/dev/null 2>&1; then \
