@@ -306,6 +306,11 @@ def test_bf16_dot_accumulates_in_float32_forward_and_backward():
         ((((3,), (1,)), ((0, 1), (0, 2))), ((2, 3, 5, 6), (2, 6, 3, 4))),  # weights . values
         ((((1, 2), (0, 1)), ((), ())), ((7, 3, 4), (3, 4, 5))),  # attention out projection
         ((((0,), (0,)), ((), ())), ((7, 5), (7, 3))),
+        # Weight gradients taken as (g^T lhs)^T (lhs much larger than g): a dense layer,
+        # one over two axes, and one whose kernel lists those axes in the other order.
+        ((((2,), (0,)), ((), ())), ((4, 16, 16), (16, 2))),
+        ((((1, 2), (0, 1)), ((), ())), ((64, 3, 4), (3, 4, 2))),
+        ((((1, 2), (1, 0)), ((), ())), ((64, 3, 4), (4, 3, 2))),
     ])
 def test_bf16_dot_gradients_equal_lax_dot_general(dims, shapes):
   # Small integers are exact in bf16 and their sums in f32: the gradients must be equal.
@@ -317,6 +322,22 @@ def test_bf16_dot_gradients_equal_lax_dot_general(dims, shapes):
   np.testing.assert_array_equal(out, ref_out)
   for got, ref in zip(vjp(ct), ref_vjp(ct)):
     np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize(
+    'shapes,transposes_cotangent',
+    [
+        (((64, 16), (16, 2)), True),  # ViT-Ti/16's MLP output layer, scaled down: g is small
+        (((64, 2), (2, 16)), False),  # its input layer: lhs is the small one
+        (((8, 16), (16, 8)), False),  # the f32 result's transpose would cost more than lhs's
+    ])
+def test_bf16_weight_gradient_transposes_the_smaller_operand(shapes, transposes_cotangent):
+  # The (g^T lhs)^T order is marked by the barrier that keeps XLA from undoing it.
+  a, w = (jnp.ones(s, jnp.float32) for s in shapes)
+  dims = (((1,), (0,)), ((), ()))
+  grads = jax.grad(lambda a, w: jnp.sum(precision.dot_general(a, w, dims)), (0, 1))
+  jaxpr = str(jax.make_jaxpr(grads)(a, w))
+  assert ('optimization_barrier' in jaxpr) == transposes_cotangent, jaxpr
 
 
 def _dot_generals(jaxpr):
