@@ -312,12 +312,13 @@ def test_bf16_dot_accumulates_in_float32_forward_and_backward():
         ((((1, 2), (0, 1)), ((), ())), ((64, 3, 4), (3, 4, 2))),
         ((((1, 2), (1, 0)), ((), ())), ((64, 3, 4), (4, 3, 2))),
     ])
-def test_bf16_dot_gradients_equal_lax_dot_general(dims, shapes):
+@pytest.mark.parametrize('dot_general', [precision.dot_general, precision.float32_dot_general])
+def test_ordered_dot_gradients_equal_lax_dot_general(dims, shapes, dot_general):
   # Small integers are exact in bf16 and their sums in f32: the gradients must be equal.
   rng = np.random.default_rng(0)
   a, b = (jnp.asarray(rng.integers(-3, 4, s), jnp.float32) for s in shapes)
   ref_out, ref_vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dims), a, b)
-  out, vjp = jax.vjp(lambda a, b: precision.dot_general(a, b, dims), a, b)
+  out, vjp = jax.vjp(lambda a, b: dot_general(a, b, dims), a, b)
   ct = jnp.asarray(rng.integers(-3, 4, out.shape), jnp.float32)
   np.testing.assert_array_equal(out, ref_out)
   for got, ref in zip(vjp(ct), ref_vjp(ct)):
@@ -325,19 +326,53 @@ def test_bf16_dot_gradients_equal_lax_dot_general(dims, shapes):
 
 
 @pytest.mark.parametrize(
-    'shapes,transposes_cotangent',
+    'dot_general,shapes,transposes_cotangent',
     [
-        (((64, 16), (16, 2)), True),  # ViT-Ti/16's MLP output layer, scaled down: g is small
-        (((64, 2), (2, 16)), False),  # its input layer: lhs is the small one
-        (((8, 16), (16, 8)), False),  # the f32 result's transpose would cost more than lhs's
+        # ViT-Ti/16's MLP output layer, scaled down: g is small.
+        (precision.dot_general, ((64, 16), (16, 2)), True),
+        (precision.float32_dot_general, ((64, 16), (16, 2)), True),
+        # Its input layer: lhs is the small one.
+        (precision.dot_general, ((64, 2), (2, 16)), False),
+        (precision.float32_dot_general, ((64, 2), (2, 16)), False),
+        # ViT-B/16's MLP output layer, scaled down: the f32 result's transpose costs more
+        # than a bf16 lhs's, less than a float32 lhs's.
+        (precision.dot_general, ((16, 32), (32, 8)), False),
+        (precision.float32_dot_general, ((16, 32), (32, 8)), True),
     ])
-def test_bf16_weight_gradient_transposes_the_smaller_operand(shapes, transposes_cotangent):
+def test_weight_gradient_transposes_the_smaller_operand(dot_general, shapes, transposes_cotangent):
   # The (g^T lhs)^T order is marked by the barrier that keeps XLA from undoing it.
   a, w = (jnp.ones(s, jnp.float32) for s in shapes)
   dims = (((1,), (0,)), ((), ()))
-  grads = jax.grad(lambda a, w: jnp.sum(precision.dot_general(a, w, dims)), (0, 1))
+  grads = jax.grad(lambda a, w: jnp.sum(dot_general(a, w, dims)), (0, 1))
   jaxpr = str(jax.make_jaxpr(grads)(a, w))
   assert ('optimization_barrier' in jaxpr) == transposes_cotangent, jaxpr
+
+
+@pytest.mark.parametrize(
+    'name,overrides',
+    [
+        ('ViT-Ti_16', dict(num_layers=2)),
+        # 1x1 convolutions are dots too (resnet.StdConv): 256 -> 128 channels at 16x16.
+        ('R+ViT-Ti_16', dict(num_layers=1, resnet_layers=(1, 1))),
+    ])
+def test_float32_models_on_cpu_use_the_ordered_dots_with_flax_gradients(
+    monkeypatch, name, overrides):
+  # Same forward, gradients equal to lax's own dots' but for float32 summation order.
+  assert precision.dense_options('float32') == {'dot_general': precision.float32_dot_general}
+  model = models.get_model(name, num_classes=3, **overrides)
+  x = _images(n=16, size=64)  # 272 ViT-Ti tokens: enough for the MLP output layer's order
+  params = model.init(jax.random.PRNGKey(0), x, train=False)['params']
+  params['head']['kernel'] = 0.1 * jax.random.normal(jax.random.PRNGKey(1),
+                                                     params['head']['kernel'].shape)
+  loss = lambda p: jnp.sum(jnp.sin(model.apply({'params': p}, x, train=False)))
+  ours = jax.value_and_grad(loss)(params)
+  assert 'optimization_barrier' in str(jax.make_jaxpr(jax.grad(loss))(params))  # (g^T x)^T
+  monkeypatch.setattr(precision, 'dot_general_for', lambda dtype: None)
+  reference = jax.value_and_grad(loss)(params)
+  assert 'optimization_barrier' not in str(jax.make_jaxpr(jax.grad(loss))(params))
+  np.testing.assert_allclose(ours[0], reference[0], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(ours[1]), jax.tree.leaves(reference[1])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def _dot_generals(jaxpr):

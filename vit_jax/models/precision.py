@@ -1,4 +1,5 @@
-"""bfloat16 compute with float32 accumulation, forward and backward.
+"""The models' matmuls: bfloat16 compute with float32 accumulation, forward and backward,
+and on XLA:CPU the order of each weight-gradient dot.
 
 `dot_general` has the signature of `lax.dot_general` (flax's `dot_general` hook, the
 `_dot_general` of `jnp.einsum`): it rounds both operands to bfloat16 and returns the
@@ -10,9 +11,17 @@ and a dot with bf16 results is, on XLA:CPU, no faster than f32 (benchmarks/READM
 Operands keep their dtypes outside: a float32 kernel gets a float32 gradient,
 accumulated in float32 and never rounded to bf16.
 
-`dense_options(dtype)` are the flax Dense/DenseGeneral fields that use it for a
-bfloat16 model: inputs cast to bf16, kernel and bias left float32 (the bias is added
-to the float32 result). float32 models get no options, i.e. flax's own dots.
+`float32_dot_general` is the same custom VJP on float32 operands: the same products and
+float32 sums as flax's own dots, each weight gradient in the order that
+`_cotangent_transposed_is_cheaper` picks. On XLA:CPU the float32 train step ran
+1.02-1.15x faster with it (ViT-Ti/16, ViT-B/16, R50+ViT-B/16, YNNPACK on and off;
+benchmarks/README.md): XLA:CPU copies an operand of each weight-gradient dot transposed,
+and this order copies the smaller one.
+
+`dense_options(dtype)` are the flax Dense/DenseGeneral fields for a model computing in
+`dtype`: for bfloat16, inputs cast to bf16, kernel and bias left float32 (the bias is
+added to the float32 result); for float32 on the CPU backend, `float32_dot_general`;
+otherwise none, i.e. flax's own dots (TPU and GPU lay out transposes themselves).
 """
 import jax
 from jax import lax
@@ -22,12 +31,12 @@ import numpy as np
 COMPUTE_DTYPE = jnp.bfloat16
 
 
-def _dot(lhs, rhs, dimension_numbers):
-  return lax.dot_general(lhs.astype(COMPUTE_DTYPE), rhs.astype(COMPUTE_DTYPE), dimension_numbers,
+def _dot(lhs, rhs, dimension_numbers, compute_dtype):
+  return lax.dot_general(lhs.astype(compute_dtype), rhs.astype(compute_dtype), dimension_numbers,
                          preferred_element_type=jnp.float32)
 
 
-def _grads(g, lhs, rhs, dimension_numbers):
+def _grads(g, lhs, rhs, dimension_numbers, compute_dtype):
   """f32 gradients of both operands, each a bf16 dot ordered so that its result needs
   no transpose in the common cases (dense layers): XLA:CPU folds a transpose into
   the dot, and YNNPACK does not take the folded form, whose fallback kernel has no
@@ -40,7 +49,7 @@ def _grads(g, lhs, rhs, dimension_numbers):
   g_batch = tuple(range(nb))
   g_lhs_kept = tuple(range(nb, nb + nl))
   g_rhs_kept = tuple(range(nb + nl, g.ndim))
-  g, lhs16, rhs16 = (a.astype(COMPUTE_DTYPE) for a in (g, lhs, rhs))
+  g, lhs16, rhs16 = (a.astype(compute_dtype) for a in (g, lhs, rhs))
   f32 = jnp.float32
   # d lhs = g . rhs over rhs's kept axes: batch, lhs kept, rhs contracting (sorted).
   d_lhs = lax.dot_general(g, rhs16, ((g_rhs_kept, tuple(kept_rhs)), (g_batch, tuple(b_rhs))),
@@ -48,7 +57,7 @@ def _grads(g, lhs, rhs, dimension_numbers):
   source = list(b_lhs) + kept_lhs + [c_lhs[list(c_rhs).index(j)] for j in sorted(c_rhs)]
   d_lhs = jnp.transpose(d_lhs, np.argsort(source))
   rhs_contracting = [c_rhs[list(c_lhs).index(j)] for j in sorted(c_lhs)]
-  if _cotangent_transposed_is_cheaper(g, lhs, rhs, b_lhs):
+  if _cotangent_transposed_is_cheaper(g, lhs, rhs, b_lhs, compute_dtype):
     # d rhs^T = g . lhs over lhs's kept axes: rhs kept, rhs contracting; the barrier keeps
     # XLA from folding the transpose below back into the dot (lhs . g again).
     d_rhs = lax.dot_general(g, lhs16, ((g_lhs_kept, tuple(kept_lhs)), ((), ())),
@@ -64,38 +73,49 @@ def _grads(g, lhs, rhs, dimension_numbers):
   return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype)
 
 
-def _cotangent_transposed_is_cheaper(g, lhs, rhs, lhs_batch):
+def _cotangent_transposed_is_cheaper(g, lhs, rhs, lhs_batch, compute_dtype):
   """Whether the weight gradient (no batch axes) moves fewer bytes as (g^T lhs)^T than as
   lhs^T g, on XLA:CPU. Its kernels want the contracted axes last on the left, so the dot
   contracting both operands' leading (token) axes first copies one of them transposed:
-  lhs (bf16) for lhs^T g; g (bf16) plus the f32 result's transpose for the other order.
-  At ViT-Ti/16's MLP output layer, b32 (lhs 6304x768, g 6304x192), that is 1.5M against
-  4.8M elements (bf16 step 1.02-1.06x faster, benchmarks/README.md); at ViT-B/16's, b8
-  (1576x3072, 1576x768), 5.9M against 4.8M: lhs^T g stays."""
+  lhs for lhs^T g; g plus the f32 result's transpose for the other order. In bf16, at
+  ViT-Ti/16's MLP output layer, b32 (lhs 6304x768, g 6304x192), that is 1.5M against
+  4.8M bf16 elements (bf16 step 1.02-1.06x faster, benchmarks/README.md); at ViT-B/16's,
+  b8 (1576x3072, 1576x768), 5.9M against 4.8M: lhs^T g stays (in float32 it does not)."""
   if lhs_batch or jax.default_backend() != 'cpu':
     return False
-  return g.size + 2 * rhs.size < lhs.size
+  width = jnp.dtype(compute_dtype).itemsize
+  return width * g.size + 4 * rhs.size < width * lhs.size
 
 
-def _dot_fwd(lhs, rhs, dimension_numbers):
-  return _dot(lhs, rhs, dimension_numbers), (lhs, rhs)
+def _dot_fwd(lhs, rhs, dimension_numbers, compute_dtype):
+  return _dot(lhs, rhs, dimension_numbers, compute_dtype), (lhs, rhs)
 
 
-def _dot_bwd(dimension_numbers, residuals, g):
+def _dot_bwd(dimension_numbers, compute_dtype, residuals, g):
   lhs, rhs = residuals
-  return _grads(g, lhs, rhs, dimension_numbers)
+  return _grads(g, lhs, rhs, dimension_numbers, compute_dtype)
 
 
-_dot = jax.custom_vjp(_dot, nondiff_argnums=(2,))
+_dot = jax.custom_vjp(_dot, nondiff_argnums=(2, 3))
 _dot.defvjp(_dot_fwd, _dot_bwd)
 
 
-def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **unused):
-  """lax.dot_general on bf16-rounded operands with a float32 result (see module doc)."""
-  del precision, preferred_element_type, unused  # always bf16 operands, f32 result
-  (c_lhs, c_rhs), (b_lhs, b_rhs) = dimension_numbers
-  dimension_numbers = ((tuple(c_lhs), tuple(c_rhs)), (tuple(b_lhs), tuple(b_rhs)))
-  return _dot(lhs, rhs, dimension_numbers)
+def _dot_general_in(compute_dtype):
+  """A lax.dot_general-signature function: operands in `compute_dtype`, float32 result."""
+
+  def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                  **unused):
+    del precision, preferred_element_type, unused  # always compute_dtype operands, f32 result
+    (c_lhs, c_rhs), (b_lhs, b_rhs) = dimension_numbers
+    dimension_numbers = ((tuple(c_lhs), tuple(c_rhs)), (tuple(b_lhs), tuple(b_rhs)))
+    return _dot(lhs, rhs, dimension_numbers, compute_dtype)
+
+  return dot_general
+
+
+# lax.dot_general on bf16-rounded operands with a float32 result (see module doc).
+dot_general = _dot_general_in(COMPUTE_DTYPE)
+float32_dot_general = _dot_general_in(jnp.float32)
 
 
 def _promote_inputs_only(inputs, kernel, bias, dtype=None, inexact=True):
@@ -107,8 +127,21 @@ def is_mixed(dtype):
   return jnp.dtype(dtype) == jnp.dtype(COMPUTE_DTYPE)
 
 
+def dot_general_for(dtype):
+  """The dot_general of a model computing in `dtype` (see the module doc), or None for
+  lax's own."""
+  if is_mixed(dtype):
+    return dot_general
+  if jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == 'cpu':
+    return float32_dot_general
+  return None
+
+
 def dense_options(dtype):
   """Fields for nn.Dense / nn.DenseGeneral of a model computing in `dtype`."""
-  if not is_mixed(dtype):
+  dot = dot_general_for(dtype)
+  if dot is None:
     return {}
-  return {'dot_general': dot_general, 'promote_dtype': _promote_inputs_only}
+  if is_mixed(dtype):
+    return {'dot_general': dot, 'promote_dtype': _promote_inputs_only}
+  return {'dot_general': dot}

@@ -45,8 +45,9 @@ class StdConv(nn.Module):
       # wrote a batch-minor transposed copy of the activations (slow; R50 stems).
       sh, sw = self.strides
       x = x[:, ::sh, ::sw, :]
-      if precision.is_mixed(self.dtype):
-        return precision.dot_general(x, w[0, 0], (((3,), (0,)), ((), ()))).astype(self.dtype)
+      dot = precision.dot_general_for(self.dtype)
+      if dot is not None:
+        return dot(x, w[0, 0], (((3,), (0,)), ((), ()))).astype(self.dtype)
       return jnp.dot(x.astype(self.dtype), w[0, 0].astype(self.dtype))
     return jax.lax.conv_general_dilated(x.astype(self.dtype), w.astype(self.dtype),
                                         tuple(self.strides), self.padding,

@@ -68,7 +68,10 @@ class MultiHeadDotProductAttention(nn.Module):
                                         .initializers.xavier_uniform(), name=name, **options)
     q, k, v = (proj(name)(x).astype(self.dtype) for name in ('query', 'key', 'value'))
     q = q / jnp.sqrt(head_dim).astype(q.dtype)
-    if options:  # bf16 x bf16 -> f32 dots in both directions, as the projections
+    # In float32 the attention keeps XLA's own dots: ordered ones too made the ViT-Ti step
+    # 1.02-1.04x flax's against 1.12-1.14x for ordered projections alone (benchmarks/README.md).
+    mixed = precision.is_mixed(self.dtype)
+    if mixed:  # bf16 x bf16 -> f32 dots in both directions, as the projections
       logits = precision.dot_general(q, k, (((3,), (3,)), ((0, 2), (0, 2))))
     else:
       logits = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
@@ -81,7 +84,7 @@ class MultiHeadDotProductAttention(nn.Module):
     # (h, d) where they are: no transpose back to (b, q, h, d) in either direction. On
     # XLA:CPU the attention alone ran 1-10% faster, the ViT-Ti f32 step 4-5%
     # (benchmarks/README.md, tenth session).
-    if options:
+    if mixed:
       y = precision.dot_general(weights, v, (((3,), (1,)), ((0, 1), (0, 2))))
     else:
       y = jnp.einsum('bhqk,bkhd->bhqd', weights.astype(v.dtype), v)
