@@ -25,10 +25,15 @@ otherwise none, i.e. flax's own dots (TPU and GPU lay out transposes themselves)
 """
 import jax
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 
 COMPUTE_DTYPE = jnp.bfloat16
+# The names of these dots' results for remat policies (remat.py): jax.checkpoint's dot
+# policies see a custom VJP's result as not a dot's.
+DOT_NAME = 'precision_dot'
+BATCHED_DOT_NAME = 'precision_batched_dot'
 
 
 def _dot(lhs, rhs, dimension_numbers, compute_dtype):
@@ -108,7 +113,8 @@ def _dot_general_in(compute_dtype):
     del precision, preferred_element_type, unused  # always compute_dtype operands, f32 result
     (c_lhs, c_rhs), (b_lhs, b_rhs) = dimension_numbers
     dimension_numbers = ((tuple(c_lhs), tuple(c_rhs)), (tuple(b_lhs), tuple(b_rhs)))
-    return _dot(lhs, rhs, dimension_numbers, compute_dtype)
+    return checkpoint_name(_dot(lhs, rhs, dimension_numbers, compute_dtype),
+                           BATCHED_DOT_NAME if b_lhs else DOT_NAME)
 
   return dot_general
 

@@ -7,6 +7,7 @@ forward pass are kept for the backward pass; the rest are recomputed:
   'dots_saveable'                     matmul/conv outputs kept, elementwise ops recomputed
   'dots_with_no_batch_dims_saveable'  as dots_saveable, except batched dots (attention)
 True and False, the field's old values, mean 'nothing_saveable' (what remat=True did) and ''.
+The dots policies count the models' own custom-VJP dots (precision.py) as dots, by name.
 Measured memory and speed per policy: benchmarks/README.md.
 
 XLA:CPU removes the optimisation barriers that `jax.checkpoint` uses to keep the
@@ -22,6 +23,8 @@ alive, so a remat'd step compiles with XLA's default scheduler (`step_compiler_o
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from vit_jax.models import precision
 
 POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable')
 _OLD_VALUES = {True: 'nothing_saveable', False: ''}
@@ -49,6 +52,19 @@ def step_compiler_options(remat):
   return None
 
 
+def checkpoint_policy(name):
+  """jax.checkpoint_policies' `name`, whose dots include the models' own (precision.py)."""
+  policy = getattr(jax.checkpoint_policies, name)
+  names = {
+      'dots_saveable': (precision.DOT_NAME, precision.BATCHED_DOT_NAME),
+      'dots_with_no_batch_dims_saveable': (precision.DOT_NAME,)
+  }.get(name)
+  if not names:
+    return policy
+  return jax.checkpoint_policies.save_from_both_policies(
+      policy, jax.checkpoint_policies.save_only_these_names(*names))
+
+
 def wrap(module_cls, remat, static_argnums=()):
   """`module_cls`, rematerialised under policy `remat` (a config value) unless off.
 
@@ -58,8 +74,7 @@ def wrap(module_cls, remat, static_argnums=()):
   name = policy_name(remat)
   if not name:
     return module_cls
-  remat_cls = nn.remat(module_cls, policy=getattr(jax.checkpoint_policies, name),
-                       static_argnums=static_argnums)
+  remat_cls = nn.remat(module_cls, policy=checkpoint_policy(name), static_argnums=static_argnums)
   if not compiler_drops_barriers():
     return remat_cls
 
