@@ -159,7 +159,8 @@ class BareStep:
     self.rng = jax.device_put(jax.random.PRNGKey(0), repl)
     jitted = step_lib.jit(model, tx, schedule, config, mesh, (state_sh, batch_sh, repl))
     t = time.perf_counter()
-    self.compiled = jitted.lower(self.state, self.batch, self.rng).compile()
+    self.lowered = jitted.lower(self.state, self.batch, self.rng)  # before XLA's passes
+    self.compiled = self.lowered.compile()
     self.compile_s = time.perf_counter() - t
     host_memory.release_freed()  # as the loop does after compiling
     self.flops_analytic = vflops.step_flops(config, num_classes)

@@ -75,6 +75,16 @@ def test_ynnpack(tmp_path):
   assert len(r['ratio_per_round']) == 1 and r['ratio_per_round'][0] > 0
 
 
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_ordered_dots(tmp_path, dtype):
+  # 64 images of 5 tokens: the MLP output layer's weight gradient is taken as (g^T x)^T.
+  p = _run('ordered_dots', '--models', 'ViT-Ti_16', '--batch', '64', '--dtypes', dtype, '--steps',
+           '1', '--rounds', '2', *TINY, tmp_path=tmp_path)
+  r = p['results'][0]
+  assert r['barriers']['before'] == 0 and r['barriers']['ordered'] > 0, r['barriers']
+  assert len(r['ratio_per_round']) == 2 and min(r['ratio_per_round']) > 0
+
+
 def test_allocator(tmp_path):
   # The C math library stands in for jemalloc (preloading it changes nothing): the smoke
   # test needs no jemalloc on the host.
