@@ -43,6 +43,10 @@ def _unordered(dtype):
     setattr(precision, name, shipped)
 
 
+def _gib(value):
+  return '?' if value is None else f'{value:.2f}'
+
+
 def main():
   dtypes = args.dtypes.split(',')
   bare_step.setup(1, dtypes)
@@ -69,6 +73,10 @@ def main():
           'dtype': dtype,
           'img_s': img_s,
           'ratio_per_round': [b / a for a, b in zip(img_s['before'], img_s['ordered'])],
+          'xla_memory_gib': {
+              'before': before.memory_gib,
+              'ordered': ordered.memory_gib
+          },
           # The (g^T x)^T weight gradients in each step (precision.py's barrier; XLA:CPU
           # drops barriers once it has compiled, so they are counted in the lowered step).
           'barriers': {
@@ -80,12 +88,14 @@ def main():
   rows = [[
       x['model'], x['batch'], x['dtype'],
       harness.fmt_range(x['img_s']['before']),
-      harness.fmt_range(x['img_s']['ordered']), ', '.join(f'{v:.3f}' for v in x['ratio_per_round'])
+      harness.fmt_range(x['img_s']['ordered']), ', '.join(f'{v:.3f}' for v in x['ratio_per_round']),
+      ' / '.join(_gib(x['xla_memory_gib'][side]) for side in ('before', 'ordered'))
   ] for x in results]
   print('\n### train step: ordered dots vs before\n')
   print(
       harness.markdown_table([
-          'model', 'batch', 'dtype', 'img/s before', 'img/s ordered', 'ordered / before per round'
+          'model', 'batch', 'dtype', 'img/s before', 'img/s ordered', 'ordered / before per round',
+          'XLA planned GiB before / ordered'
       ], rows))
   print(f'\nXLA_FLAGS: {bare_step.machine_info()["xla_flags"]!r}')
   print(f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')

@@ -42,8 +42,8 @@ def _dot(lhs, rhs, dimension_numbers, compute_dtype):
 
 
 def _grads(g, lhs, rhs, dimension_numbers, compute_dtype):
-  """f32 gradients of both operands, each a bf16 dot ordered so that its result needs
-  no transpose in the common cases (dense layers): XLA:CPU folds a transpose into
+  """f32 gradients of both operands, each a `compute_dtype` dot ordered so that its result
+  needs no transpose in the common cases (dense layers): XLA:CPU folds a transpose into
   the dot, and YNNPACK does not take the folded form, whose fallback kernel has no
   bf16 x bf16 -> f32 (UNIMPLEMENTED at run time)."""
   (c_lhs, c_rhs), (b_lhs, b_rhs) = dimension_numbers
@@ -119,7 +119,8 @@ def _dot_general_in(compute_dtype):
   return dot_general
 
 
-# lax.dot_general on bf16-rounded operands with a float32 result (see module doc).
+# lax.dot_general on bf16-rounded operands with a float32 result, and on float32 operands
+# (see the module doc).
 dot_general = _dot_general_in(COMPUTE_DTYPE)
 float32_dot_general = _dot_general_in(jnp.float32)
 
