@@ -10,9 +10,9 @@ Inputs are float NHWC in [-1, 1]; the model does no normalisation of its own.
 from typing import Any, Optional, Sequence
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
+from vit_jax.models import activations
 from vit_jax.models import precision
 from vit_jax.models import remat as remat_lib
 from vit_jax.models import resnet
@@ -39,7 +39,7 @@ class MlpBlock(nn.Module):
     dense = lambda f, name: nn.Dense(
         f, dtype=self.dtype, kernel_init=nn.initializers.xavier_uniform(), bias_init=nn.initializers
         .normal(stddev=1e-6), name=name, **precision.dense_options(self.dtype))
-    y = nn.gelu(dense(self.mlp_dim, 'Dense_0')(x).astype(self.dtype), approximate=True)
+    y = activations.gelu(dense(self.mlp_dim, 'Dense_0')(x).astype(self.dtype))
     y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
     y = dense(x.shape[-1], 'Dense_1')(y).astype(self.dtype)
     return nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
@@ -75,7 +75,7 @@ class MultiHeadDotProductAttention(nn.Module):
       logits = precision.dot_general(q, k, (((3,), (3,)), ((0, 2), (0, 2))))
     else:
       logits = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
-    weights = jax.nn.softmax(logits, axis=-1)
+    weights = activations.softmax(logits)
     self.sow('intermediates', 'attention_weights', weights)
     if self.dropout_rate > 0.0:
       weights = nn.Dropout(self.dropout_rate, broadcast_dims=())(weights,

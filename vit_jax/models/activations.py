@@ -1,0 +1,58 @@
+"""The Transformer's GELU and softmax: jax.nn's forward values, and a backward that keeps
+one array: GELU its input, softmax its output.
+
+jax.nn.gelu's autodiff keeps four arrays of the MLP's hidden size per block beside GELU's
+input and output (tanh's output and the products around it), and jax.nn.softmax's keeps
+its exp beside its output; XLA:CPU's plan holds on to enough of them to matter. Here the
+derivatives are computed from what is kept, GELU's in float32 whatever the input's dtype.
+On XLA:CPU the train step plans up to a quarter less memory (most in bfloat16) and the
+bf16 ViT steps run a few percent faster (benchmarks/README.md, thirteenth session;
+`benchmarks/before_after.py --change lean_activations`).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_SQRT_2_OVER_PI = np.float32(np.sqrt(2 / np.pi))
+_CUBIC = np.float32(0.044715)
+
+
+@jax.custom_vjp
+def gelu(x):
+  """GELU, tanh approximation (as the paper's models): jax.nn.gelu(x, approximate=True)."""
+  return jax.nn.gelu(x, approximate=True)
+
+
+def _gelu_fwd(x):
+  return gelu(x), x
+
+
+def _gelu_bwd(x, g):
+  f32 = jnp.float32
+  x = x.astype(f32)
+  x2 = x * x
+  t = jnp.tanh(_SQRT_2_OVER_PI * x * (1 + _CUBIC * x2))
+  # d/dx of x/2 (1 + tanh(c (x + a x^3))).
+  slope = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * _CUBIC * x2)
+  return ((g.astype(f32) * slope).astype(g.dtype),)
+
+
+gelu.defvjp(_gelu_fwd, _gelu_bwd)
+
+
+@jax.custom_vjp
+def softmax(logits):
+  """jax.nn.softmax over the last axis."""
+  return jax.nn.softmax(logits, axis=-1)
+
+
+def _softmax_fwd(logits):
+  p = softmax(logits)
+  return p, p
+
+
+def _softmax_bwd(p, g):
+  return (p * (g - jnp.sum(g * p, axis=-1, keepdims=True)),)
+
+
+softmax.defvjp(_softmax_fwd, _softmax_bwd)
