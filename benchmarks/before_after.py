@@ -1,15 +1,20 @@
-r"""The train step with the models' ordered dots (vit_jax/models/precision.py) against
-the order XLA gets otherwise: the evidence for precision.py's choices on this host.
+r"""The train step with one of the models' CPU-motivated choices against the step without
+it: the evidence for that choice on this host. `--change`:
 
-  float32:  flax's own dots (what float32 models had before) vs `float32_dot_general`
-  bfloat16: every weight gradient as lhs^T g vs `_cotangent_transposed_is_cheaper`'s order
+  ordered_dots      vit_jax/models/precision.py's ordered dots. float32: flax's own dots
+                    (what float32 models had before) vs `float32_dot_general`; bfloat16:
+                    every weight gradient as lhs^T g vs `_cotangent_transposed_is_cheaper`'s
+                    order. The JSON counts each side's (g^T x)^T weight gradients.
+  lean_activations  vit_jax/models/activations.py's GELU and softmax vs jax.nn's, whose
+                    autodiff keeps more arrays for the backward pass.
 
-Both variants are traced and compiled in one process under the XLA:CPU flags the CLI uses
-for the dtype (one --dtypes per run), then timed in alternating rounds (A B, B A, ...);
-the ratio is taken per round.
+Both sides are traced and compiled in one process under the XLA:CPU flags the CLI uses for
+the dtype (one --dtypes per run), then timed in alternating rounds (A B, B A, ...); the
+ratio is taken per round.
 
-  python benchmarks/ordered_dots.py --dtypes float32 --rounds 3
-  XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type= python benchmarks/ordered_dots.py
+  python benchmarks/before_after.py --change ordered_dots --dtypes float32 --rounds 3
+  python benchmarks/before_after.py --change lean_activations --dtypes bfloat16
+  XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type= python benchmarks/before_after.py
 """
 import argparse
 import contextlib
@@ -17,30 +22,47 @@ import statistics
 
 import bare_step
 import harness
+import jax
 import jax.numpy as jnp
 
+from vit_jax.models import activations
 from vit_jax.models import precision
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
 harness.add_model_args(parser, dtypes='float32', steps=3)
+parser.add_argument('--change', default='ordered_dots',
+                    choices=('ordered_dots', 'lean_activations'))
 parser.add_argument('--out', default='')
 args = parser.parse_args()
 
 
 @contextlib.contextmanager
-def _unordered(dtype):
-  """While tracing: the dots as they were before precision.py ordered them for `dtype`."""
-  if jnp.dtype(dtype) == jnp.float32:
-    name, shipped = 'dot_general_for', precision.dot_general_for
-    replacement = lambda d: None if jnp.dtype(d) == jnp.float32 else shipped(d)
-  else:
-    name, shipped = '_cotangent_transposed_is_cheaper', precision._cotangent_transposed_is_cheaper  # pylint: disable=protected-access
-    replacement = lambda *unused: False
-  setattr(precision, name, replacement)
+def _patched(module, replacements):
+  """While tracing: `module`'s attributes replaced (name -> value)."""
+  shipped = {name: getattr(module, name) for name in replacements}
+  for name, value in replacements.items():
+    setattr(module, name, value)
   try:
     yield
   finally:
-    setattr(precision, name, shipped)
+    for name, value in shipped.items():
+      setattr(module, name, value)
+
+
+def _before(change, dtype):
+  """A context in which the models trace as they did before `change`, for `dtype`."""
+  if change == 'lean_activations':
+    return _patched(
+        activations, {
+            'gelu': lambda x: jax.nn.gelu(x, approximate=True),
+            'softmax': lambda x: jax.nn.softmax(x, axis=-1)
+        })
+  if jnp.dtype(dtype) == jnp.float32:
+    shipped = precision.dot_general_for
+    return _patched(
+        precision,
+        {'dot_general_for': lambda d: None if jnp.dtype(d) == jnp.float32 else shipped(d)})
+  return _patched(precision, {'_cotangent_transposed_is_cheaper': lambda *unused: False})
 
 
 def _gib(value):
@@ -56,14 +78,14 @@ def main():
     for dtype in dtypes:
       config = bare_step.make_config(model, batch, dtype=dtype, image_size=args.image_size,
                                      model_overrides=bare_step.overrides(args.override))
-      with _unordered(dtype):
+      with _before(args.change, dtype):
         before = bare_step.BareStep(config)
-      ordered = bare_step.BareStep(config)
+      after = bare_step.BareStep(config)
       before.run(1)
-      ordered.run(1)
-      img_s = {'before': [], 'ordered': []}
+      after.run(1)
+      img_s = {'before': [], 'after': []}
       for r in range(args.rounds):
-        sides = [('before', before), ('ordered', ordered)]
+        sides = [('before', before), ('after', after)]
         for side, step in sides if r % 2 == 0 else sides[::-1]:
           img_s[side].append(batch / statistics.median(step.run(args.steps)))
         print(f'{model} b{batch} {dtype}: round {r + 1}/{args.rounds} done', flush=True)
@@ -72,36 +94,37 @@ def main():
           'batch': batch,
           'dtype': dtype,
           'img_s': img_s,
-          'ratio_per_round': [b / a for a, b in zip(img_s['before'], img_s['ordered'])],
+          'ratio_per_round': [b / a for a, b in zip(img_s['before'], img_s['after'])],
           'xla_memory_gib': {
               'before': before.memory_gib,
-              'ordered': ordered.memory_gib
+              'after': after.memory_gib
           },
           # The (g^T x)^T weight gradients in each step (precision.py's barrier; XLA:CPU
           # drops barriers once it has compiled, so they are counted in the lowered step).
           'barriers': {
               side: step.lowered.as_text().count('optimization_barrier')
-              for side, step in (('before', before), ('ordered', ordered))
+              for side, step in (('before', before), ('after', after))
           }
       })
   load_end = harness.loadavg()
   rows = [[
       x['model'], x['batch'], x['dtype'],
       harness.fmt_range(x['img_s']['before']),
-      harness.fmt_range(x['img_s']['ordered']), ', '.join(f'{v:.3f}' for v in x['ratio_per_round']),
-      ' / '.join(_gib(x['xla_memory_gib'][side]) for side in ('before', 'ordered'))
+      harness.fmt_range(x['img_s']['after']), ', '.join(f'{v:.3f}' for v in x['ratio_per_round']),
+      ' / '.join(_gib(x['xla_memory_gib'][side]) for side in ('before', 'after'))
   ] for x in results]
-  print('\n### train step: ordered dots vs before\n')
+  print(f'\n### train step: {args.change}, after vs before\n')
   print(
       harness.markdown_table([
-          'model', 'batch', 'dtype', 'img/s before', 'img/s ordered', 'ordered / before per round',
-          'XLA planned GiB before / ordered'
+          'model', 'batch', 'dtype', 'img/s before', 'img/s after', 'after / before per round',
+          'XLA planned GiB before / after'
       ], rows))
   print(f'\nXLA_FLAGS: {bare_step.machine_info()["xla_flags"]!r}')
   print(f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
   harness.write_json(
       args.out, {
-          'benchmark': 'ordered_dots',
+          'benchmark': 'before_after',
+          'change': args.change,
           'args': vars(args),
           'machine': bare_step.machine_info(),
           'loadavg_start': load_start,
