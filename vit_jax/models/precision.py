@@ -41,11 +41,12 @@ def _dot(lhs, rhs, dimension_numbers, compute_dtype):
                          preferred_element_type=jnp.float32)
 
 
-def _grads(g, lhs, rhs, dimension_numbers, compute_dtype):
-  """f32 gradients of both operands, each a `compute_dtype` dot ordered so that its result
-  needs no transpose in the common cases (dense layers): XLA:CPU folds a transpose into
-  the dot, and YNNPACK does not take the folded form, whose fallback kernel has no
-  bf16 x bf16 -> f32 (UNIMPLEMENTED at run time)."""
+def dot_gradients(g, lhs, rhs, dimension_numbers, compute_dtype, lhs_grad_dtype=None):
+  """The gradients of both operands of `_dot` for its cotangent `g`, in the operands' dtypes
+  (lhs's in `lhs_grad_dtype` if given). Each is a `compute_dtype` dot with a float32 result,
+  ordered so that it needs no transpose in the common cases (dense layers): XLA:CPU folds a
+  transpose into the dot, and YNNPACK does not take the folded form, whose fallback kernel
+  has no bf16 x bf16 -> f32 (UNIMPLEMENTED at run time)."""
   (c_lhs, c_rhs), (b_lhs, b_rhs) = dimension_numbers
   kept_lhs = [i for i in range(lhs.ndim) if i not in c_lhs and i not in b_lhs]
   kept_rhs = [i for i in range(rhs.ndim) if i not in c_rhs and i not in b_rhs]
@@ -75,7 +76,7 @@ def _grads(g, lhs, rhs, dimension_numbers, compute_dtype):
                             preferred_element_type=f32)
     source = list(b_rhs) + rhs_contracting + kept_rhs
   d_rhs = jnp.transpose(d_rhs, np.argsort(source))
-  return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype)
+  return d_lhs.astype(lhs_grad_dtype or lhs.dtype), d_rhs.astype(rhs.dtype)
 
 
 def _cotangent_transposed_is_cheaper(g, lhs, rhs, lhs_batch, compute_dtype):
@@ -98,7 +99,7 @@ def _dot_fwd(lhs, rhs, dimension_numbers, compute_dtype):
 
 def _dot_bwd(dimension_numbers, compute_dtype, residuals, g):
   lhs, rhs = residuals
-  return _grads(g, lhs, rhs, dimension_numbers, compute_dtype)
+  return dot_gradients(g, lhs, rhs, dimension_numbers, compute_dtype)
 
 
 _dot = jax.custom_vjp(_dot, nondiff_argnums=(2, 3))

@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from vit_jax.models import precision
+from vit_jax.models import conv_as_dot
 from vit_jax.models import remat as remat_lib
 
 
@@ -38,20 +38,7 @@ class StdConv(nn.Module):
     var = jnp.mean(jnp.square(w), axis=(0, 1, 2), keepdims=True)
     w = w * (jax.lax.rsqrt(var + self.eps) if self.eps_in_sqrt else 1.0 /
              (jnp.sqrt(var) + self.eps))
-    if tuple(self.kernel_size) == (1, 1):
-      # A 1x1 convolution is a matmul over channels (SAME and VALID need no padding for
-      # a 1x1 window; a stride just subsamples). As a dot, XLA:CPU computes the kernel
-      # gradient as one matmul over N*H*W, where the convolution's backward-filter
-      # wrote a batch-minor transposed copy of the activations (slow; R50 stems).
-      sh, sw = self.strides
-      x = x[:, ::sh, ::sw, :]
-      dot = precision.dot_general_for(self.dtype)
-      if dot is not None:
-        return dot(x, w[0, 0], (((3,), (0,)), ((), ()))).astype(self.dtype)
-      return jnp.dot(x.astype(self.dtype), w[0, 0].astype(self.dtype))
-    return jax.lax.conv_general_dilated(x.astype(self.dtype), w.astype(self.dtype),
-                                        tuple(self.strides), self.padding,
-                                        dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+    return conv_as_dot.conv(x, w, self.strides, self.padding, self.dtype).astype(self.dtype)
 
 
 class ResidualUnit(nn.Module):

@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from vit_jax.models import activations
+from vit_jax.models import conv_as_dot
 from vit_jax.models import precision
 from vit_jax.models import remat as remat_lib
 from vit_jax.models import resnet
@@ -26,6 +27,23 @@ class AddPositionEmbs(nn.Module):
     pe = self.param('pos_embedding', nn.initializers.normal(stddev=0.02),
                     (1, x.shape[1], x.shape[2]), jnp.float32)
     return x + pe.astype(x.dtype)
+
+
+class PatchEmbedding(nn.Module):
+  """The linear projection of flattened p x p patches (Eq. 1), parameters as a flax Conv's
+  (kernel [p, p, C, D], bias [D]; the same initialisers), computed as a dot (conv_as_dot.py)."""
+  features: int
+  patch_size: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    p = self.patch_size
+    kernel = self.param('kernel', nn.initializers.lecun_normal(),
+                        (p, p, x.shape[-1], self.features), jnp.float32)
+    bias = self.param('bias', nn.initializers.zeros, (self.features,), jnp.float32)
+    # In bfloat16 the bias is added to the dot's float32 result, as in the dense layers.
+    return (conv_as_dot.conv(x, kernel, (p, p), 'VALID', self.dtype) + bias).astype(self.dtype)
 
 
 class MlpBlock(nn.Module):
@@ -173,8 +191,7 @@ class VisionTransformer(nn.Module):
       raise ValueError(f'Feature map {h}x{w} is not divisible by patch size {self.patch_size}: '
                        f'use an image size divisible by {images.shape[1] // h * self.patch_size}')
     p = self.patch_size
-    x = nn.Conv(self.hidden_size, (p, p), strides=(p, p), padding='VALID', dtype=self.dtype,
-                name='embedding')(x)
+    x = PatchEmbedding(self.hidden_size, p, self.dtype, name='embedding')(x)
     n, h, w, c = x.shape
     x = jnp.reshape(x, (n, h * w, c))
     if corrupt is not None:
