@@ -7,6 +7,9 @@ it: the evidence for that choice on this host. `--change`:
                     order. The JSON counts each side's (g^T x)^T weight gradients.
   lean_activations  vit_jax/models/activations.py's GELU and softmax vs jax.nn's, whose
                     autodiff keeps more arrays for the backward pass.
+  conv_as_dot       vit_jax/models/conv_as_dot.py's convolutions as dots (the patch
+                    embedding always; bf16 3x3 convolutions on CPU) vs XLA convolutions
+                    (flax's nn.Conv for the embedding, lax's for the ResNets' kxk).
 
 Both sides are traced and compiled in one process under the XLA:CPU flags the CLI uses for
 the dtype (one --dtypes per run), then timed in alternating rounds (A B, B A, ...); the
@@ -21,17 +24,20 @@ import contextlib
 import statistics
 
 import bare_step
+import flax.linen as nn
 import harness
 import jax
 import jax.numpy as jnp
 
 from vit_jax.models import activations
+from vit_jax.models import conv_as_dot
 from vit_jax.models import precision
+from vit_jax.models import vit
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
 harness.add_model_args(parser, dtypes='float32', steps=3)
 parser.add_argument('--change', default='ordered_dots',
-                    choices=('ordered_dots', 'lean_activations'))
+                    choices=('ordered_dots', 'lean_activations', 'conv_as_dot'))
 parser.add_argument('--out', default='')
 args = parser.parse_args()
 
@@ -57,12 +63,23 @@ def _before(change, dtype):
             'gelu': lambda x: jax.nn.gelu(x, approximate=True),
             'softmax': lambda x: jax.nn.softmax(x, axis=-1)
         })
+  if change == 'conv_as_dot':
+    return _conv_before()
   if jnp.dtype(dtype) == jnp.float32:
     shipped = precision.dot_general_for
     return _patched(
         precision,
         {'dot_general_for': lambda d: None if jnp.dtype(d) == jnp.float32 else shipped(d)})
   return _patched(precision, {'_cotangent_transposed_is_cheaper': lambda *unused: False})
+
+
+@contextlib.contextmanager
+def _conv_before():
+  conv = lambda features, p, dtype, name: nn.Conv(features, (p, p), strides=(p, p), padding='VALID',
+                                                  dtype=dtype, name=name)
+  with _patched(vit, {'PatchEmbedding': conv}), _patched(conv_as_dot,
+                                                         {'im2col_pays': lambda *unused: False}):
+    yield
 
 
 def _gib(value):
@@ -103,6 +120,11 @@ def main():
           # drops barriers once it has compiled, so they are counted in the lowered step).
           'barriers': {
               side: step.lowered.as_text().count('optimization_barrier')
+              for side, step in (('before', before), ('after', after))
+          },
+          # The XLA convolutions left in each step (conv_as_dot makes dots of some).
+          'convolutions': {
+              side: step.lowered.as_text().count('stablehlo.convolution')
               for side, step in (('before', before), ('after', after))
           }
       })

@@ -95,6 +95,16 @@ def test_before_after_lean_activations(tmp_path):
   assert r['xla_memory_gib']['after'] < r['xla_memory_gib']['before'], r['xla_memory_gib']
 
 
+def test_before_after_conv_as_dot(tmp_path):
+  # A bf16 hybrid with a root-only stem: its patch embedding becomes a dot, the 7x7 root
+  # convolution (3 channels) stays a convolution.
+  p = _run('before_after', '--change', 'conv_as_dot', '--models', 'R+ViT-Ti_16', '--batch', '2',
+           '--dtypes', 'bfloat16', '--steps', '1', '--rounds', '1', '--image_size', '64',
+           '--override', 'num_layers=1', tmp_path=tmp_path)
+  convolutions = p['results'][0]['convolutions']
+  assert convolutions['before'] > convolutions['after'] > 0, convolutions
+
+
 def test_allocator(tmp_path):
   # The C math library stands in for jemalloc (preloading it changes nothing): the smoke
   # test needs no jemalloc on the host.
