@@ -1,4 +1,4 @@
-r"""vit_jax vs PyTorch CPU: the same model, batch and optimizer, timed interleaved.
+r"""vit_jax vs PyTorch: the same model, batch and optimizer, timed interleaved (CPU, or GPU).
 
   pip install torch==2.13.0 && pip install --no-deps timm==1.0.31   # the [bench] extra
   python benchmarks/vs_pytorch.py --out /tmp/vs_pytorch.json
@@ -14,7 +14,11 @@ tanh-GELU MLP; hybrid: weight-standardised convs, GroupNorm, TF-SAME padding, st
 (3, 4, 9)), with the same parameter count as the vit_jax model (checked, printed).
 Precisions: float32 vs float32, and vit_jax dtype='bfloat16' (bf16 compute, f32 params)
 vs torch.autocast('cpu', dtype=torch.bfloat16). Each round runs --steps steps of JAX then
---steps of PyTorch for every (model, precision); the ratio is per round (pair). Each side
+--steps of PyTorch for every (model, precision); the ratio is per round (pair).
+Where JAX runs on a GPU, the worker runs PyTorch on it too (--torch_device; eager, as timm
+trains by default, with torch.autocast('cuda') for bf16; float32 matmuls in TF32 on both
+sides: XLA's default on an A100/H100 (device_peaks.py), PyTorch's 'high' precision), and
+JAX does not preallocate the GPU's memory, which the two processes share. Each side
 first runs one untimed step per round: vit_jax's first step after the other process ran was
 0.7-1.3 s slower than the next, PyTorch's was not (why is not established; vit_jax unmaps
 its temporaries between steps, PyTorch keeps its heap), which with --steps 2 cost it ~15%.
@@ -43,6 +47,8 @@ parser.add_argument(
     '--allocator', default='auto',
     help="vit_jax's host allocator, as VIT_JAX_HOST_ALLOCATOR takes it (auto, jemalloc, "
     "system, a path); the PyTorch worker is started without it")
+parser.add_argument('--torch_device', default='auto', choices=('auto', 'cpu', 'cuda'),
+                    help="PyTorch's device; auto: cuda where JAX's default backend is a GPU")
 parser.add_argument('--out', default='')
 parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
 parser.add_argument('--threads', type=int, default=0, help=argparse.SUPPRESS)
@@ -65,6 +71,8 @@ def torch_worker():
   import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
 
   torch.set_num_threads(args.threads)
+  if args.torch_device == 'cuda':
+    torch.set_float32_matmul_precision('high')  # TF32, as XLA's default on the GPU
   torch.manual_seed(0)
   baseline_rss = harness.rss_gib()  # after imports, before any model
   out = sys.stdout
@@ -202,21 +210,22 @@ def torch_worker():
       else:
         model = ViT(f, size, 1000)
         impl = 'minimal PyTorch ViT (timm structure; timm not importable)'
-      model.train()
+      device = torch.device(args.torch_device)
+      model.to(device).train()
       opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-      x = torch.rand(b, 3, size, size) * 2 - 1
-      y = torch.randint(0, 1000, (b,))
+      x = (torch.rand(b, 3, size, size) * 2 - 1).to(device)
+      y = torch.randint(0, 1000, (b,)).to(device)
       bf16 = cmd['dtype'] == 'bfloat16'
 
       def step(model=model, opt=opt, x=x, y=y, bf16=bf16):
         opt.zero_grad(set_to_none=True)
-        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
           logits = model(x)
         loss = F.cross_entropy(logits.float(), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        return float(loss.detach())
+        return float(loss.detach())  # waits for the device
 
       step()  # warm-up
       steps[cmd['key']] = step
@@ -245,11 +254,11 @@ def torch_worker():
 
 class Worker:
 
-  def __init__(self, threads):
+  def __init__(self, threads, device):
     self.proc = subprocess.Popen([
         sys.executable,
         os.path.abspath(__file__), '--worker', '--threads',
-        str(threads), '--torch_impl', args.torch_impl
+        str(threads), '--torch_impl', args.torch_impl, '--torch_device', device
     ], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                  env=host_allocator.without_preload(os.environ))
 
@@ -279,7 +288,9 @@ def _reexec_with_allocator():
 def main():
   _reexec_with_allocator()
   # JAX only here: the PyTorch worker (this file with --worker) must not load it.
+  os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')  # a GPU's memory is shared
   import bare_step  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
   bare_step.setup(1, args.dtypes.split(','))
   from vit_jax import models as vmodels  # pylint: disable=import-outside-toplevel
   # After imports (vit_jax.train brings TensorFlow, orbax and clu for its input pipeline
@@ -290,7 +301,10 @@ def main():
   dtypes = args.dtypes.split(',')
   overrides = bare_step.overrides(args.override)
   threads = harness.cores()
-  worker = Worker(threads)
+  torch_device = args.torch_device
+  if torch_device == 'auto':
+    torch_device = 'cuda' if jax.default_backend() == 'gpu' else 'cpu'
+  worker = Worker(threads, torch_device)
 
   cases = []
   for name, batch in harness.model_batches(args):
@@ -371,6 +385,7 @@ def main():
       'loadavg_start': load_start,
       'loadavg_end': load_end,
       'torch_note': note,
+      'torch_device': torch_device,
       'jax_host_allocator': host_allocator.describe(),
       'torch_ld_preload': host_allocator.without_preload(os.environ).get('LD_PRELOAD', ''),
       # Peak RSS of each process over all its cases (one case per run to compare).
@@ -380,7 +395,9 @@ def main():
       'torch_baseline_rss_gib': cases[0]['torch_info']['baseline_rss_gib'] if cases else 0.0,
       'results': results
   }
-  print(f'\n### vit_jax vs PyTorch ({threads} threads each)' + (f' — {note}' if note else ''))
+  where = f'{threads} threads each' if torch_device == 'cpu' else bare_step.machine_info(
+  )['device_kind']
+  print(f'\n### vit_jax vs PyTorch ({where})' + (f' — {note}' if note else ''))
   print()
   print(
       harness.markdown_table([
