@@ -10,6 +10,9 @@ it: the evidence for that choice on this host. `--change`:
   conv_as_dot       vit_jax/models/conv_as_dot.py's convolutions as dots (the patch
                     embedding always; bf16 3x3 convolutions on CPU) vs XLA convolutions
                     (flax's nn.Conv for the embedding, lax's for the ResNets' kxk).
+  mixed_dots        (bfloat16) precision.py's bf16 x bf16 -> f32 dots, custom VJPs, vs
+                    flax's and XLA's own bf16 dots (bf16 results, the backend's own
+                    accumulation): the question for TPU and GPU, where bytes cost more.
 
 Both sides are traced and compiled in one process under the XLA:CPU flags the CLI uses for
 the dtype (one --dtypes per run), then timed in alternating rounds (A B, B A, ...); the
@@ -37,7 +40,7 @@ from vit_jax.models import vit
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
 harness.add_model_args(parser, dtypes='float32', steps=3)
 parser.add_argument('--change', default='ordered_dots',
-                    choices=('ordered_dots', 'lean_activations', 'conv_as_dot'))
+                    choices=('ordered_dots', 'lean_activations', 'conv_as_dot', 'mixed_dots'))
 parser.add_argument('--out', default='')
 args = parser.parse_args()
 
@@ -65,6 +68,15 @@ def _before(change, dtype):
         })
   if change == 'conv_as_dot':
     return _conv_before()
+  if change == 'mixed_dots':
+    if not precision.is_mixed(dtype):
+      raise SystemExit('--change mixed_dots compares bfloat16 steps: pass --dtypes bfloat16')
+    shipped = precision.dot_general_for
+    return _patched(
+        precision, {
+            'is_mixed': lambda d: False,
+            'dot_general_for': lambda d: None if jnp.dtype(d) == jnp.bfloat16 else shipped(d)
+        })
   if jnp.dtype(dtype) == jnp.float32:
     shipped = precision.dot_general_for
     return _patched(
@@ -80,6 +92,11 @@ def _conv_before():
   with _patched(vit, {'PatchEmbedding': conv}), _patched(conv_as_dot,
                                                          {'im2col_pays': lambda *unused: False}):
     yield
+
+
+def _bf16_result_dots(stablehlo):
+  return sum('stablehlo.dot_general' in line and line.rstrip().endswith('xbf16>')
+             for line in stablehlo.splitlines())
 
 
 def _gib(value):
@@ -125,6 +142,11 @@ def main():
           # The XLA convolutions left in each step (conv_as_dot makes dots of some).
           'convolutions': {
               side: step.lowered.as_text().count('stablehlo.convolution')
+              for side, step in (('before', before), ('after', after))
+          },
+          # The dots with bfloat16 results (mixed_dots: precision.py's have float32 ones).
+          'bf16_result_dots': {
+              side: _bf16_result_dots(step.lowered.as_text())
               for side, step in (('before', before), ('after', after))
           }
       })

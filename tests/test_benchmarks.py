@@ -105,6 +105,14 @@ def test_before_after_conv_as_dot(tmp_path):
   assert convolutions['before'] > convolutions['after'] > 0, convolutions
 
 
+def test_before_after_mixed_dots(tmp_path):
+  # Before: flax's and XLA's bf16 dots, with bf16 results; after: precision.py's, f32 results.
+  p = _run('before_after', '--change', 'mixed_dots', '--models', 'ViT-Ti_16', '--batch', '2',
+           '--dtypes', 'bfloat16', '--steps', '1', '--rounds', '1', *TINY, tmp_path=tmp_path)
+  dots = p['results'][0]['bf16_result_dots']
+  assert dots['before'] > 0 and dots['after'] == 0, dots
+
+
 def test_allocator(tmp_path):
   # The C math library stands in for jemalloc (preloading it changes nothing): the smoke
   # test needs no jemalloc on the host.
