@@ -72,8 +72,12 @@ def torch_worker():
 
   torch.set_num_threads(args.threads)
   if args.torch_device == 'cuda':
+    if not torch.cuda.is_available():
+      sys.exit(f'vs_pytorch.py: --torch_device cuda, but PyTorch {torch.__version__} sees no '
+               'CUDA GPU: install a CUDA build of torch, or leave --torch_device auto')
     torch.set_float32_matmul_precision('high')  # TF32, as XLA's default on the GPU
   torch.manual_seed(0)
+  device = torch.device(args.torch_device)
   baseline_rss = harness.rss_gib()  # after imports, before any model
   out = sys.stdout
   sys.stdout = sys.stderr  # only protocol lines on the pipe
@@ -210,7 +214,6 @@ def torch_worker():
       else:
         model = ViT(f, size, 1000)
         impl = 'minimal PyTorch ViT (timm structure; timm not importable)'
-      device = torch.device(args.torch_device)
       model.to(device).train()
       opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
       x = (torch.rand(b, 3, size, size) * 2 - 1).to(device)
@@ -304,6 +307,9 @@ def main():
   torch_device = args.torch_device
   if torch_device == 'auto':
     torch_device = 'cuda' if jax.default_backend() == 'gpu' else 'cpu'
+  if (torch_device == 'cuda') != (jax.default_backend() == 'gpu'):
+    parser.error(f'--torch_device {torch_device}: JAX runs on {jax.default_backend()} here; '
+                 'time both on one kind of device (leave --torch_device auto)')
   worker = Worker(threads, torch_device)
 
   cases = []

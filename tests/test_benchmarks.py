@@ -48,9 +48,25 @@ def test_vs_pytorch(tmp_path):
            '2', '--rounds', '1', '--allocator', library, *TINY, tmp_path=tmp_path)
   assert p['jax_host_allocator'].startswith(f'host allocator: {library}, preloaded at start-up')
   assert p['torch_ld_preload'] == ''  # the worker runs as PyTorch users run it
+  assert p['torch_device'] == 'cpu'  # auto: where JAX runs
   r = p['results'][0]
   assert r['jax_params'] == r['torch_params']
   assert len(r['ratio_per_round']) == 1
+
+
+def test_vs_pytorch_device_mismatch():
+  """PyTorch on a GPU against JAX on the CPU is no comparison: one line that names the fix."""
+  pytest.importorskip('torch')
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'VIT_JAX_XLA_CPU_FLAGS': '1'}
+  proc = subprocess.run([
+      sys.executable,
+      os.path.join(REPO, 'benchmarks', 'vs_pytorch.py'), '--torch_device', 'cuda', '--models',
+      'ViT-Ti_16'
+  ], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines()[-1].endswith(
+      '--torch_device cuda: JAX runs on cpu here; time both on one kind of device '
+      '(leave --torch_device auto)')
 
 
 def test_loop(tmp_path):
