@@ -18,6 +18,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from vit_jax import configs
+from vit_jax import cpu_features
 from vit_jax import host_allocator
 from vit_jax import paths
 from vit_jax import xla_cpu_flags
@@ -148,6 +149,8 @@ def main(argv):
   if jax.devices()[0].platform == 'cpu':
     logging.info('%s', xla_cpu_flags.last_choice)
     logging.info('%s', host_allocator.describe())
+    if note := cpu_features.bf16_note(FLAGS.config.dtype):
+      logging.warning('%s', note)
   try:
     train.train_and_evaluate(FLAGS.config, workdir)
   except train.ConfigError as e:

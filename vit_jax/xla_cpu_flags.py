@@ -39,6 +39,8 @@ import time
 
 from absl import logging
 
+from vit_jax import cpu_features
+
 YNNPACK_OFF = '--xla_cpu_experimental_ynn_fusion_type='
 # Not probed, every dtype: the train step's planned temporaries are smaller under it than
 # under XLA:CPU's default (concurrency-optimised) schedule, at the same speed (measured in
@@ -196,14 +198,7 @@ def host_key():
   process may use, the jaxlib version, and the C heap allocator the probe inherits (its
   verdict moved with it: under jemalloc YNNPACK off/on was 0.87-0.95 in 2 of 2 probes,
   under glibc's malloc 0.93-0.96 and then a tie; benchmarks/README.md, tenth session)."""
-  info = {}
-  try:
-    with open('/proc/cpuinfo') as f:
-      for line in f:
-        name, _, value = line.partition(':')
-        info.setdefault(name.strip(), value.strip())
-  except OSError:
-    pass
+  info = cpu_features.fields()
   cpu = ' '.join(
       filter(None, [
           info.get('model name', ''),
