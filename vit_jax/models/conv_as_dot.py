@@ -138,4 +138,6 @@ def conv(x, kernel, strides, padding, dtype):
         patches(x, kernel_size, strides, pads).astype(dtype),
         kernel.reshape(-1, kernel.shape[-1]).astype(dtype))
   compute_dtype = precision.COMPUTE_DTYPE if precision.is_mixed(dtype) else jnp.float32
-  return checkpoint_name(_patches_dot(x, kernel, strides, pads, compute_dtype), precision.DOT_NAME)
+  y = _patches_dot(x, kernel, strides, pads, compute_dtype)
+  # As precision.dot_general's: a bf16 model's layer names its bf16 output (`layer_output`).
+  return y if precision.is_mixed(dtype) else checkpoint_name(y, precision.DOT_NAME)

@@ -22,6 +22,11 @@ and this order copies the smaller one.
 `dtype`: for bfloat16, inputs cast to bf16, kernel and bias left float32 (the bias is
 added to the float32 result); for float32 on the CPU backend, `float32_dot_general`;
 otherwise none, i.e. flax's own dots (TPU and GPU lay out transposes themselves).
+
+`layer_output(y, dtype)` casts a layer's output to the model's dtype and names it for the
+dots remat policies (remat.py): float32 dots name their own results; in a bf16 model the
+layer's bf16 output is named, which a policy keeps in half the bytes of the dot's float32
+result.
 """
 import jax
 from jax import lax
@@ -114,8 +119,11 @@ def _dot_general_in(compute_dtype):
     del precision, preferred_element_type, unused  # always compute_dtype operands, f32 result
     (c_lhs, c_rhs), (b_lhs, b_rhs) = dimension_numbers
     dimension_numbers = ((tuple(c_lhs), tuple(c_rhs)), (tuple(b_lhs), tuple(b_rhs)))
-    return checkpoint_name(_dot(lhs, rhs, dimension_numbers, compute_dtype),
-                           BATCHED_DOT_NAME if b_lhs else DOT_NAME)
+    result = _dot(lhs, rhs, dimension_numbers, compute_dtype)
+    if b_lhs:
+      return checkpoint_name(result, BATCHED_DOT_NAME)
+    # A bf16 model's layer names its output instead, rounded to bf16 (`layer_output`).
+    return result if compute_dtype == COMPUTE_DTYPE else checkpoint_name(result, DOT_NAME)
 
   return dot_general
 
@@ -124,6 +132,14 @@ def _dot_general_in(compute_dtype):
 # (see the module doc).
 dot_general = _dot_general_in(COMPUTE_DTYPE)
 float32_dot_general = _dot_general_in(jnp.float32)
+
+
+def layer_output(y, dtype):
+  """A layer's output: `y` (its dot plus any bias) cast to the model's `dtype`; in a bf16
+  model named for the dots remat policies, which then keep it, half the bytes of the dot's
+  float32 result, and recompute the rest."""
+  y = y.astype(dtype)
+  return checkpoint_name(y, DOT_NAME) if is_mixed(dtype) else y
 
 
 def _promote_inputs_only(inputs, kernel, bias, dtype=None, inexact=True):

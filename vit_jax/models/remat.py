@@ -7,7 +7,8 @@ forward pass are kept for the backward pass; the rest are recomputed:
   'dots_saveable'                     matmul/conv outputs kept, elementwise ops recomputed
   'dots_with_no_batch_dims_saveable'  as dots_saveable, except batched dots (attention)
 True and False, the field's old values, mean 'nothing_saveable' (what remat=True did) and ''.
-The dots policies count the models' own custom-VJP dots (precision.py) as dots, by name.
+The dots policies count the models' own custom-VJP dots (precision.py) as dots, by name;
+in a bf16 model they keep each layer's bf16 output instead (`precision.layer_output`).
 Measured memory and speed per policy: benchmarks/README.md.
 
 XLA:CPU removes the optimisation barriers that `jax.checkpoint` uses to keep the

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from vit_jax.models import conv_as_dot
+from vit_jax.models import precision
 from vit_jax.models import remat as remat_lib
 
 
@@ -38,7 +39,8 @@ class StdConv(nn.Module):
     var = jnp.mean(jnp.square(w), axis=(0, 1, 2), keepdims=True)
     w = w * (jax.lax.rsqrt(var + self.eps) if self.eps_in_sqrt else 1.0 /
              (jnp.sqrt(var) + self.eps))
-    return conv_as_dot.conv(x, w, self.strides, self.padding, self.dtype).astype(self.dtype)
+    return precision.layer_output(conv_as_dot.conv(x, w, self.strides, self.padding, self.dtype),
+                                  self.dtype)
 
 
 class ResidualUnit(nn.Module):
