@@ -7,6 +7,13 @@ it: the evidence for that choice on this host. `--change`:
                     order. The JSON counts each side's (g^T x)^T weight gradients.
   lean_activations  vit_jax/models/activations.py's GELU and softmax vs jax.nn's, whose
                     autodiff keeps more arrays for the backward pass.
+  lean_attention    vit_jax/models/attention.py's core, which keeps q, k and v and
+                    recomputes the attention weights in the backward pass, vs autodiff of
+                    the same forward, which keeps the weights.
+  prompt_weight_gradients
+                    precision.py's dependence of each input gradient on its layer's weight
+                    gradient (XLA:CPU) vs none, where XLA:CPU's memory-optimised scheduler
+                    runs every weight-gradient dot at the end of the backward pass.
   conv_as_dot       vit_jax/models/conv_as_dot.py's convolutions as dots (the patch
                     embedding always; bf16 3x3 convolutions on CPU) vs XLA convolutions
                     (flax's nn.Conv for the embedding, lax's for the ResNets' kxk).
@@ -20,6 +27,7 @@ ratio is taken per round.
 
   python benchmarks/before_after.py --change ordered_dots --dtypes float32 --rounds 3
   python benchmarks/before_after.py --change lean_activations --dtypes bfloat16
+  python benchmarks/before_after.py --change lean_attention --dtypes bfloat16
   XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type= python benchmarks/before_after.py
 """
 import argparse
@@ -33,14 +41,17 @@ import jax
 import jax.numpy as jnp
 
 from vit_jax.models import activations
+from vit_jax.models import attention
 from vit_jax.models import conv_as_dot
 from vit_jax.models import precision
 from vit_jax.models import vit
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
 harness.add_model_args(parser, dtypes='float32', steps=3)
-parser.add_argument('--change', default='ordered_dots',
-                    choices=('ordered_dots', 'lean_activations', 'conv_as_dot', 'mixed_dots'))
+parser.add_argument(
+    '--change', default='ordered_dots',
+    choices=('ordered_dots', 'lean_activations', 'lean_attention', 'prompt_weight_gradients',
+             'conv_as_dot', 'mixed_dots'))
 parser.add_argument('--out', default='')
 args = parser.parse_args()
 
@@ -65,6 +76,18 @@ def _before(change, dtype):
         activations, {
             'gelu': lambda x: jax.nn.gelu(x, approximate=True),
             'softmax': lambda x: jax.nn.softmax(x, axis=-1)
+        })
+  if change == 'lean_attention':
+    return _patched(attention, {
+        'attend': lambda q, k, v, dtype: attention.values(attention.weights(q, k, dtype), v, dtype)
+    })
+  if change == 'prompt_weight_gradients':
+    # Only the weight gradients' dependences (kernel-shaped, under 4-D) go.
+    shipped_depending_on = precision.depending_on
+    return _patched(
+        precision, {
+            'depending_on': lambda x, dependency: x
+                            if dependency.ndim < 4 else shipped_depending_on(x, dependency)
         })
   if change == 'conv_as_dot':
     return _conv_before()

@@ -8,6 +8,7 @@ import pytest
 
 from vit_jax import models
 from vit_jax.models import activations
+from vit_jax.models import attention
 from vit_jax.models import vit
 
 
@@ -63,10 +64,14 @@ def _saved_shapes(dtype, capsys):
 def test_encoder_block_keeps_one_array_per_activation(dtype, capsys):
   # The MLP keeps GELU's input and output (Dense_1's input); jax.nn.gelu's autodiff kept
   # four more arrays that size. The attention keeps its weights once (softmax's output,
-  # the next dot's operand); jax.nn.softmax's also kept its exp.
+  # the next dot's operand), or none where attention.py recomputes them; softmax alone
+  # keeps its output and nothing else.
   shapes = _saved_shapes(jnp.dtype(dtype), capsys)
   assert shapes.count('2,5,24') == 2, shapes
-  assert shapes.count('2,2,5,5') == 1, shapes
+  assert shapes.count('2,2,5,5') == (0 if attention.recomputes(jnp.dtype(dtype)) else 1), shapes
+  logits = _inputs(jnp.float32, (2, 2, 5, 5))
+  kept = jax.tree.leaves(jax.vjp(activations.softmax, logits)[1])
+  assert [x.shape for x in kept] == [(2, 2, 5, 5)], kept
 
 
 def _planned_temporaries_mb(dtype):

@@ -111,6 +111,17 @@ def test_before_after_lean_activations(tmp_path):
   assert r['xla_memory_gib']['after'] < r['xla_memory_gib']['before'], r['xla_memory_gib']
 
 
+@pytest.mark.parametrize('change', ['lean_attention', 'prompt_weight_gradients'])
+def test_before_after_memory_changes(tmp_path, change):
+  # As lean_activations: 257 tokens a block, so that the saved values make the peak.
+  p = _run('before_after', '--change', change, '--models', 'ViT-Ti_16', '--batch', '4', '--dtypes',
+           'bfloat16', '--steps', '1', '--rounds', '1', '--image_size', '64', '--override',
+           'num_layers=3', '--override', 'patch_size=4', tmp_path=tmp_path)
+  assert p['change'] == change
+  r = p['results'][0]
+  assert r['xla_memory_gib']['after'] < r['xla_memory_gib']['before'], r['xla_memory_gib']
+
+
 def test_before_after_conv_as_dot(tmp_path):
   # A bf16 hybrid with a root-only stem: its patch embedding becomes a dot, the 7x7 root
   # convolution (3 channels) stays a convolution.

@@ -470,8 +470,9 @@ def test_a_bf16_block_under_a_dots_policy_keeps_bf16_layer_outputs(capsys):
   assert not re.search(r'(f32|float32)\[2,17,48\]', out), out
 
 
-def _planned_temporaries_mb(policy):
-  model = models.get_model('ViT-Ti_16', num_classes=3, num_layers=4, patch_size=8, remat=policy)
+def _planned_temporaries_mb(policy, dtype='float32'):
+  model = models.get_model('ViT-Ti_16', num_classes=3, num_layers=4, patch_size=8, remat=policy,
+                           dtype=dtype)
   x = jnp.ones((8, 64, 64, 3))
   params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), x[:1], train=False))
   loss = lambda p, x: jnp.sum(model.apply(p, x, train=False)**2)
@@ -490,6 +491,23 @@ def test_remat_keeps_less_for_the_backward_pass_on_xla_cpu():
   assert _planned_temporaries_mb('nothing_saveable') < 0.5 * off
   for policy in ('dots_saveable', 'dots_with_no_batch_dims_saveable'):
     assert _planned_temporaries_mb(policy) < 0.75 * off, policy
+
+
+def test_weight_gradients_run_when_their_cotangent_is_ready(monkeypatch):
+  # Without the dependence of each layer's input gradient on its weight gradient
+  # (precision.dot_gradients), XLA:CPU's memory-optimised scheduler runs every
+  # weight-gradient dot at the end of the backward pass, keeping the operands of all of
+  # them alive until then.
+  if jax.default_backend() != 'cpu':
+    pytest.skip('a rule of the CPU backend')
+  shipped = _planned_temporaries_mb('', 'bfloat16')
+  # Only the weight gradients' dependences go (kernel-shaped, under 4-D); the attention's
+  # and the patches' on their cotangents (4-D) stay.
+  shipped_depending_on = precision.depending_on
+  monkeypatch.setattr(
+      precision, 'depending_on', lambda x, dependency: x
+      if dependency.ndim < 4 else shipped_depending_on(x, dependency))
+  assert shipped < 0.95 * _planned_temporaries_mb('', 'bfloat16')
 
 
 def test_unknown_remat_policy_names_the_choices():

@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from vit_jax.models import activations
+from vit_jax.models import attention
 from vit_jax.models import conv_as_dot
 from vit_jax.models import precision
 from vit_jax.models import remat as remat_lib
@@ -88,26 +89,20 @@ class MultiHeadDotProductAttention(nn.Module):
     out = lambda y: precision.layer_output(y, self.dtype)
     q, k, v = (out(proj(name)(x)) for name in ('query', 'key', 'value'))
     q = q / jnp.sqrt(head_dim).astype(q.dtype)
-    # In float32 the attention keeps XLA's own dots: ordered ones too made the ViT-Ti step
-    # 1.02-1.04x flax's against 1.12-1.14x for ordered projections alone (benchmarks/README.md).
-    mixed = precision.is_mixed(self.dtype)
-    if mixed:  # bf16 x bf16 -> f32 dots in both directions, as the projections
-      logits = precision.dot_general(q, k, (((3,), (3,)), ((0, 2), (0, 2))))
-    else:
-      logits = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
-    weights = activations.softmax(logits)
-    self.sow('intermediates', 'attention_weights', weights)
-    if self.dropout_rate > 0.0:
-      weights = nn.Dropout(self.dropout_rate, broadcast_dims=())(weights,
-                                                                 deterministic=deterministic)
+    if self.is_mutable_collection('intermediates') or (self.dropout_rate > 0.0
+                                                       and not deterministic):
+      weights = attention.weights(q, k, self.dtype)
+      self.sow('intermediates', 'attention_weights', weights)
+      if self.dropout_rate > 0.0:
+        weights = nn.Dropout(self.dropout_rate, broadcast_dims=())(weights,
+                                                                   deterministic=deterministic)
+      y = attention.values(weights, v, self.dtype)
+    else:  # no weights to sow or drop: in bf16 on CPU they are not kept (attention.py)
+      y = attention.attend(q, k, v, self.dtype)
     # y stays heads-major (b, h, q, d), as the batched dot leaves it, and `out` contracts
     # (h, d) where they are: no transpose back to (b, q, h, d) in either direction. On
     # XLA:CPU the attention alone ran 1-10% faster, the ViT-Ti f32 step 4-5%
     # (benchmarks/README.md, tenth session).
-    if mixed:
-      y = precision.dot_general(weights, v, (((3,), (1,)), ((0, 1), (0, 2))))
-    else:
-      y = jnp.einsum('bhqk,bkhd->bhqd', weights.astype(v.dtype), v)
     return out(
         nn.DenseGeneral(d, axis=(1, 3), dtype=self.dtype,
                         kernel_init=nn.initializers.xavier_uniform(), name='out',

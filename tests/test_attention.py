@@ -1,0 +1,103 @@
+"""Tests for vit_jax.models.attention: the recomputing core's values and gradients are
+autodiff's of the same forward, it keeps only q, k and v, and where `attend` uses it the
+compiled step plans less memory."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vit_jax import models
+from vit_jax.models import attention
+
+
+def _qkv(dtype, b=2, n=7, h=3, d=8):
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  q, k, v = (jax.random.normal(key, (b, n, h, d)).astype(dtype) for key in keys[:3])
+  g = jax.random.normal(keys[3], (b, h, n, d))
+  return q, k, v, g
+
+
+def _plain(q, k, v, dtype):
+  return attention.values(attention.weights(q, k, dtype), v, dtype)
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_values_and_gradients_are_autodiffs_of_the_same_forward(dtype):
+  q, k, v, g = _qkv(dtype)
+  y, vjp = jax.vjp(lambda q, k, v: attention.attend_recomputing(q, k, v, dtype), q, k, v)
+  y_plain, vjp_plain = jax.vjp(lambda q, k, v: _plain(q, k, v, dtype), q, k, v)
+  assert y.dtype == y_plain.dtype == (jnp.float32 if dtype == jnp.bfloat16 else dtype)
+  np.testing.assert_array_equal(y, y_plain)
+  g = g.astype(y.dtype)
+  for ours, theirs in zip(vjp(g), vjp_plain(g)):
+    assert ours.dtype == dtype
+    np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(theirs, np.float32),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_gradients_are_the_softmax_attentions():
+  # Against a float32 formula written out here, at float32 precision.
+  q, k, v, g = _qkv(jnp.float32)
+  reference = lambda q, k, v: jnp.einsum(
+      'bhqk,bkhd->bhqd', jax.nn.softmax(jnp.einsum('bqhd,bkhd->bhqk', q, k), axis=-1), v)
+  ours = jax.vjp(lambda q, k, v: attention.attend_recomputing(q, k, v, jnp.float32), q, k, v)[1](g)
+  for a, b in zip(ours, jax.vjp(reference, q, k, v)[1](g)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_keeps_no_attention_weights(dtype, capsys):
+  # q, k, v are kept (here inputs, so printed as arguments); no (b, h, q, k) value is, while
+  # the plain composition keeps the weights (in bf16 also as the second dot's operand).
+  q, k, v, _ = _qkv(jnp.dtype(dtype))
+  for fn, kept in ((attention.attend_recomputing, False), (_plain, True)):
+    jax.ad_checkpoint.print_saved_residuals(
+        lambda q, k, v, fn=fn: jnp.sum(jnp.sin(fn(q, k, v, jnp.dtype(dtype)))), q, k, v)
+    out = capsys.readouterr().out
+    assert bool(re.search(r'\[2,3,7,7\]', out)) == kept, out
+
+
+def _planned_temporaries_mb(dtype):
+  # 257 tokens, so that the blocks' saved values make the peak.
+  model = models.get_model('ViT-Ti_16', num_classes=3, num_layers=3, patch_size=4, dtype=dtype)
+  x = jnp.ones((4, 64, 64, 3))
+  params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), x[:1], train=False))
+  loss = lambda p, x: jnp.sum(model.apply(p, x, train=True).astype(jnp.float32)**2)
+  return jax.jit(jax.grad(loss)).lower(params,
+                                       x).compile().memory_analysis().temp_size_in_bytes / 1e6
+
+
+def test_attend_recomputes_in_bf16_on_cpu_only():
+  on_cpu = jax.default_backend() == 'cpu'
+  assert attention.recomputes(jnp.bfloat16) == on_cpu
+  assert not attention.recomputes(jnp.float32)
+
+
+def test_the_compiled_bf16_step_plans_less_memory(monkeypatch):
+  if not attention.recomputes(jnp.bfloat16):
+    pytest.skip('the plain attention on this backend')
+  lean = _planned_temporaries_mb('bfloat16')
+  monkeypatch.setattr(attention, 'attend', _plain)
+  assert lean < 0.85 * _planned_temporaries_mb('bfloat16')
+
+
+def test_the_weights_are_still_sown_and_attention_dropout_still_applies():
+  model = models.get_model('ViT-Ti_16', num_classes=3, num_layers=1, patch_size=8)
+  x = jnp.ones((1, 32, 32, 3))
+  params = model.init(jax.random.PRNGKey(0), x, train=False)
+  head = params['params']['head']
+  head['kernel'] = jax.random.normal(jax.random.PRNGKey(1), head['kernel'].shape)  # not zeros
+  _, state = model.apply(params, x, train=False, mutable=['intermediates'])
+  block = state['intermediates']['Transformer']['encoderblock_0']
+  weights, = block['MultiHeadDotProductAttention_1']['attention_weights']
+  assert weights.shape == (1, 3, 17, 17)
+  np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
+  dropped = models.get_model('ViT-Ti_16', num_classes=3, num_layers=1, patch_size=8,
+                             attention_dropout_rate=0.5)
+  run = lambda seed: dropped.apply(params, x, train=True, rngs=
+                                   {'dropout': jax.random.PRNGKey(seed)})
+  assert not np.allclose(run(0), run(1))
+  np.testing.assert_array_equal(dropped.apply(params, x, train=False),
+                                model.apply(params, x, train=False))
