@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vit_jax import models
+from tests import planned_memory
 from vit_jax.models import activations
 from vit_jax.models import attention
 from vit_jax.models import vit
@@ -74,21 +74,11 @@ def test_encoder_block_keeps_one_array_per_activation(dtype, capsys):
   assert [x.shape for x in kept] == [(2, 2, 5, 5)], kept
 
 
-def _planned_temporaries_mb(dtype):
-  # 257 tokens, so that the blocks' saved values, not the patch embedding, make the peak.
-  model = models.get_model('ViT-Ti_16', num_classes=3, num_layers=3, patch_size=4, dtype=dtype)
-  x = jnp.ones((4, 64, 64, 3))
-  params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), x[:1], train=False))
-  loss = lambda p, x: jnp.sum(model.apply(p, x, train=False).astype(jnp.float32)**2)
-  return jax.jit(jax.grad(loss)).lower(params,
-                                       x).compile().memory_analysis().temp_size_in_bytes / 1e6
-
-
 @pytest.mark.parametrize('dtype,fraction', [('float32', 0.98), ('bfloat16', 0.9)])
 def test_the_compiled_step_plans_less_memory_than_with_jax_nn(dtype, fraction, monkeypatch):
   # Under the suite's XLA:CPU flags (YNNPACK off): 69.6 vs 72.0 MB in float32, 63.3 vs
   # 73.2 MB in bfloat16 (with YNNPACK on: 60.9 vs 68.8, 42.9 vs 59.8).
-  lean = _planned_temporaries_mb(dtype)
+  lean = planned_memory.vit_step_temporaries_mb(dtype)
   monkeypatch.setattr(activations, 'gelu', lambda x: jax.nn.gelu(x, approximate=True))
   monkeypatch.setattr(activations, 'softmax', lambda x: jax.nn.softmax(x, axis=-1))
-  assert lean < fraction * _planned_temporaries_mb(dtype)
+  assert lean < fraction * planned_memory.vit_step_temporaries_mb(dtype)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests import planned_memory
 from vit_jax import models
 from vit_jax.models import attention
 
@@ -59,16 +60,6 @@ def test_keeps_no_attention_weights(dtype, capsys):
     assert bool(re.search(r'\[2,3,7,7\]', out)) == kept, out
 
 
-def _planned_temporaries_mb(dtype):
-  # 257 tokens, so that the blocks' saved values make the peak.
-  model = models.get_model('ViT-Ti_16', num_classes=3, num_layers=3, patch_size=4, dtype=dtype)
-  x = jnp.ones((4, 64, 64, 3))
-  params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), x[:1], train=False))
-  loss = lambda p, x: jnp.sum(model.apply(p, x, train=True).astype(jnp.float32)**2)
-  return jax.jit(jax.grad(loss)).lower(params,
-                                       x).compile().memory_analysis().temp_size_in_bytes / 1e6
-
-
 def test_attend_recomputes_in_bf16_on_cpu_only():
   on_cpu = jax.default_backend() == 'cpu'
   assert attention.recomputes(jnp.bfloat16) == on_cpu
@@ -78,9 +69,9 @@ def test_attend_recomputes_in_bf16_on_cpu_only():
 def test_the_compiled_bf16_step_plans_less_memory(monkeypatch):
   if not attention.recomputes(jnp.bfloat16):
     pytest.skip('the plain attention on this backend')
-  lean = _planned_temporaries_mb('bfloat16')
+  lean = planned_memory.vit_step_temporaries_mb('bfloat16')
   monkeypatch.setattr(attention, 'attend', _plain)
-  assert lean < 0.85 * _planned_temporaries_mb('bfloat16')
+  assert lean < 0.85 * planned_memory.vit_step_temporaries_mb('bfloat16')
 
 
 def test_the_weights_are_still_sown_and_attention_dropout_still_applies():
