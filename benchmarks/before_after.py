@@ -14,6 +14,11 @@ it: the evidence for that choice on this host. `--change`:
                     precision.py's dependence of each input gradient on its layer's weight
                     gradient (XLA:CPU) vs none, where XLA:CPU's memory-optimised scheduler
                     runs every weight-gradient dot at the end of the backward pass.
+  parameter_gradients_first
+                    remat.py's dependence of each encoder block's and ResNet unit's input
+                    gradient on all its parameter gradients (XLA:CPU) vs none, where the
+                    scheduler runs the bias, LayerNorm and GroupNorm gradients (sums over
+                    the batch) at the end of the backward pass.
   conv_as_dot       vit_jax/models/conv_as_dot.py's convolutions as dots (the patch
                     embedding always; bf16 3x3 convolutions on CPU) vs XLA convolutions
                     (flax's nn.Conv for the embedding, lax's for the ResNets' kxk).
@@ -44,6 +49,7 @@ from vit_jax.models import activations
 from vit_jax.models import attention
 from vit_jax.models import conv_as_dot
 from vit_jax.models import precision
+from vit_jax.models import remat
 from vit_jax.models import vit
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
@@ -51,7 +57,8 @@ harness.add_model_args(parser, dtypes='float32', steps=3)
 parser.add_argument(
     '--change', default='ordered_dots',
     choices=('ordered_dots', 'lean_activations', 'lean_attention', 'prompt_weight_gradients',
-             'conv_as_dot', 'mixed_dots'))
+             'parameter_gradients_first', 'conv_as_dot', 'mixed_dots'))
+parser.add_argument('--remat', default='', help="one remat policy for both sides ('' off)")
 parser.add_argument('--out', default='')
 args = parser.parse_args()
 
@@ -82,13 +89,9 @@ def _before(change, dtype):
         'attend': lambda q, k, v, dtype: attention.values(attention.weights(q, k, dtype), v, dtype)
     })
   if change == 'prompt_weight_gradients':
-    # Only the weight gradients' dependences (kernel-shaped, under 4-D) go.
-    shipped_depending_on = precision.depending_on
-    return _patched(
-        precision, {
-            'depending_on': lambda x, dependency: x
-                            if dependency.ndim < 4 else shipped_depending_on(x, dependency)
-        })
+    return _patched(precision, {'after_weight_gradient': lambda d_lhs, d_rhs: d_lhs})
+  if change == 'parameter_gradients_first':
+    return _patched(remat, {'inputs_after': lambda inputs_t, params_t: inputs_t})
   if change == 'conv_as_dot':
     return _conv_before()
   if change == 'mixed_dots':
@@ -134,6 +137,7 @@ def main():
   for model, batch in harness.model_batches(args):
     for dtype in dtypes:
       config = bare_step.make_config(model, batch, dtype=dtype, image_size=args.image_size,
+                                     remat=args.remat,
                                      model_overrides=bare_step.overrides(args.override))
       with _before(args.change, dtype):
         before = bare_step.BareStep(config)

@@ -122,6 +122,16 @@ def test_before_after_memory_changes(tmp_path, change):
   assert r['xla_memory_gib']['after'] < r['xla_memory_gib']['before'], r['xla_memory_gib']
 
 
+def test_before_after_parameter_gradients_first(tmp_path):
+  # A hybrid with one ResNet stage: its GroupNorms' gradients keep their cotangents alive
+  # until the end of the backward pass without the dependence.
+  p = _run('before_after', '--change', 'parameter_gradients_first', '--models', 'R50+ViT-B_16',
+           '--batch', '2', '--dtypes', 'bfloat16', '--steps', '1', '--rounds', '1', *TINY,
+           '--override', 'resnet_layers=[1]', tmp_path=tmp_path)
+  r = p['results'][0]
+  assert r['xla_memory_gib']['after'] < r['xla_memory_gib']['before'], r['xla_memory_gib']
+
+
 def test_before_after_conv_as_dot(tmp_path):
   # A bf16 hybrid with a root-only stem: its patch embedding becomes a dot, the 7x7 root
   # convolution (3 channels) stays a convolution.

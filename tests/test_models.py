@@ -501,13 +501,39 @@ def test_weight_gradients_run_when_their_cotangent_is_ready(monkeypatch):
   if jax.default_backend() != 'cpu':
     pytest.skip('a rule of the CPU backend')
   shipped = _planned_temporaries_mb('', 'bfloat16')
-  # Only the weight gradients' dependences go (kernel-shaped, under 4-D); the attention's
-  # and the patches' on their cotangents (4-D) stay.
-  shipped_depending_on = precision.depending_on
-  monkeypatch.setattr(
-      precision, 'depending_on', lambda x, dependency: x
-      if dependency.ndim < 4 else shipped_depending_on(x, dependency))
+  monkeypatch.setattr(precision, 'after_weight_gradient', lambda d_lhs, d_rhs: d_lhs)
   assert shipped < 0.95 * _planned_temporaries_mb('', 'bfloat16')
+
+
+def _resnet_step(dtype):
+  """(compiled gradient step, params, images) of BiT-S-R50x1 on two 64x64 images."""
+  model = models.get_model('BiT-S-R50x1', num_classes=3, dtype=dtype)
+  x = _images(n=2, size=64)
+  params = model.init(jax.random.PRNGKey(0), x, train=False)
+  loss = lambda p, x: jnp.sum(model.apply(p, x, train=False).astype(jnp.float32)**2)
+  return jax.jit(jax.grad(loss)).lower(params, x).compile(), params, x
+
+
+def test_block_parameter_gradients_run_before_its_input_gradient(monkeypatch):
+  # Without the dependence of each block's input gradient on all its parameter gradients
+  # (remat.inputs_after), XLA:CPU's memory-optimised scheduler runs the gradients that only
+  # the optimizer reads, the biases', LayerNorms' and GroupNorms' sums over the batch, at
+  # the end of the backward pass, keeping every block's cotangents alive until then
+  # (R50+ViT-B/16 b8 bf16: 2.28 GiB planned, 2.04 with it). The gradients are the same.
+  # (The suite's flags are float32's, YNNPACK fusions off, under which small hybrids show
+  # less of it than a bf16 run does.)
+  if jax.default_backend() != 'cpu':
+    pytest.skip('a rule of the CPU backend')
+  assert remat_lib.parameter_gradients_first('bfloat16')
+  assert not remat_lib.parameter_gradients_first('float32')
+  tied, params, x = _resnet_step('bfloat16')
+  monkeypatch.setattr(remat_lib, 'inputs_after', lambda inputs_t, params_t: inputs_t)
+  untied, _, _ = _resnet_step('bfloat16')
+  # Under the suite's flags: 44.7 vs 68.9 MB.
+  planned = lambda step: step.memory_analysis().temp_size_in_bytes
+  assert planned(tied) < 0.8 * planned(untied), (planned(tied), planned(untied))
+  for a, b in zip(jax.tree.leaves(tied(params, x)), jax.tree.leaves(untied(params, x))):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_unknown_remat_policy_names_the_choices():

@@ -82,13 +82,19 @@ def dot_gradients(g, lhs, rhs, dimension_numbers, compute_dtype, lhs_grad_dtype=
     source = list(b_rhs) + rhs_contracting + kept_rhs
   d_rhs = jnp.transpose(d_rhs, np.argsort(source))
   if not b_lhs and jax.default_backend() == 'cpu':
-    # A weight gradient is needed only by the optimizer, and XLA:CPU's memory-optimised
-    # scheduler defers every one to the end of the backward pass, each keeping its operands
-    # (the layer's input, the cotangent) alive until then. Tied to the input's gradient,
-    # which the backward pass needs next, it runs at once and frees them (planned memory
-    # up to 29% less, benchmarks/README.md). One element ties it: a sum of all cost 2-4%.
-    d_lhs = depending_on(d_lhs, d_rhs.ravel()[:1])
+    d_lhs = after_weight_gradient(d_lhs, d_rhs)
   return d_lhs.astype(lhs_grad_dtype or lhs.dtype), d_rhs.astype(rhs.dtype)
+
+
+def after_weight_gradient(d_lhs, d_rhs):
+  """The input gradient `d_lhs` of an unbatched dot, as a value computed after its weight
+  gradient `d_rhs`. A weight gradient is needed only by the optimizer, and XLA:CPU's
+  memory-optimised scheduler defers every one to the end of the backward pass, each
+  keeping its operands (the layer's input, the cotangent) alive until then. Tied to the
+  input's gradient, which the backward pass needs next, it runs at once and frees them
+  (planned memory up to 29% less, benchmarks/README.md). One element ties it: a sum of all
+  cost 2-4%."""
+  return depending_on(d_lhs, d_rhs.ravel()[:1])
 
 
 def depending_on(x, dependency):

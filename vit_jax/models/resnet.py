@@ -80,7 +80,7 @@ class Stage(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    unit_cls = remat_lib.wrap(self.unit_cls, self.remat)
+    unit_cls = remat_lib.wrap(self.unit_cls, self.remat, self.dtype)
     for j in range(self.num_units):
       strides = self.first_stride if j == 0 else (1, 1)
       x = unit_cls(self.features, strides, dtype=self.dtype, name=self.unit_name.format(j + 1))(x)

@@ -145,7 +145,7 @@ class Encoder(nn.Module):
     x = AddPositionEmbs(name='posembed_input')(x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
     # `deterministic` is positional so remat can treat it as static.
-    block_cls = remat_lib.wrap(EncoderBlock, self.remat, static_argnums=(2,))
+    block_cls = remat_lib.wrap(EncoderBlock, self.remat, self.dtype, static_argnums=(2,))
     for i in range(self.num_layers):
       x = block_cls(self.mlp_dim, self.num_heads, self.dropout_rate, self.attention_dropout_rate,
                     self.dtype, name=f'encoderblock_{i}')(x, not train)
