@@ -22,6 +22,8 @@ it: the evidence for that choice on this host. `--change`:
   conv_as_dot       vit_jax/models/conv_as_dot.py's convolutions as dots (the patch
                     embedding always; bf16 3x3 convolutions on CPU) vs XLA convolutions
                     (flax's nn.Conv for the embedding, lax's for the ResNets' kxk).
+  bf16_patches      (bfloat16) conv_as_dot.py's im2col patches concatenated as 16-bit
+                    patterns vs jnp.concatenate, which XLA:CPU runs in float32.
   mixed_dots        (bfloat16) precision.py's bf16 x bf16 -> f32 dots, custom VJPs, vs
                     flax's and XLA's own bf16 dots (bf16 results, the backend's own
                     accumulation): the question for TPU and GPU, where bytes cost more.
@@ -57,7 +59,7 @@ harness.add_model_args(parser, dtypes='float32', steps=3)
 parser.add_argument(
     '--change', default='ordered_dots',
     choices=('ordered_dots', 'lean_activations', 'lean_attention', 'prompt_weight_gradients',
-             'parameter_gradients_first', 'conv_as_dot', 'mixed_dots'))
+             'parameter_gradients_first', 'conv_as_dot', 'bf16_patches', 'mixed_dots'))
 parser.add_argument('--remat', default='', help="one remat policy for both sides ('' off)")
 parser.add_argument('--out', default='')
 args = parser.parse_args()
@@ -94,6 +96,9 @@ def _before(change, dtype):
     return _patched(remat, {'inputs_after': lambda inputs_t, params_t: inputs_t})
   if change == 'conv_as_dot':
     return _conv_before()
+  if change == 'bf16_patches':
+    return _patched(conv_as_dot,
+                    {'concatenate_channels': lambda pieces: jnp.concatenate(pieces, axis=-1)})
   if change == 'mixed_dots':
     if not precision.is_mixed(dtype):
       raise SystemExit('--change mixed_dots compares bfloat16 steps: pass --dtypes bfloat16')

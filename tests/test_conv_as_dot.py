@@ -67,6 +67,21 @@ def test_patches_are_windows_in_kernel_order():
   np.testing.assert_array_equal(cols[1, 2, 1], padded[1, 4:7, 2:5].reshape(-1))
 
 
+def test_bf16_patches_are_concatenated_in_bf16():
+  # XLA:CPU concatenates bf16 arrays in float32 (twice the bytes, converted to and from);
+  # concatenated as their 16-bit patterns, the patches stay bf16, with the same values.
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 8, 8, 32)).astype(jnp.bfloat16)
+  to_cols = jax.jit(lambda x: conv_as_dot.patches(x, (3, 3), (1, 1), 'SAME'))
+  hlo = to_cols.lower(x).compile().as_text()
+  concatenates = re.findall(r'= (\w+)\[[\d,]*\]\S* concatenate\(', hlo)
+  assert concatenates and 'f32' not in concatenates, concatenates
+  padded = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+  np.testing.assert_array_equal(
+      to_cols(x).astype(jnp.float32),
+      jnp.concatenate([padded[:, i:i + 8, j:j + 8] for i in range(3) for j in range(3)],
+                      axis=-1).astype(jnp.float32))
+
+
 @pytest.mark.parametrize('dtype,channels,expected', [('bfloat16', 32, True), ('bfloat16', 3, False),
                                                      ('float32', 32, False)])
 def test_im2col_only_for_deep_bf16_convolutions_on_cpu(dtype, channels, expected):
