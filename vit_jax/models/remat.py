@@ -15,9 +15,9 @@ Measured memory and speed per policy: benchmarks/README.md.
 XLA:CPU removes the optimisation barriers that `jax.checkpoint` uses to keep the
 recomputation in the backward pass, and its scheduler then runs the recomputation during
 the forward pass, where it saves nothing. On that backend each remat'd call therefore also
-gets a custom VJP whose backward adds zero times the sum of the incoming cotangent to the
-saved values: the recomputation then depends on the cotangent, so it cannot run before
-the backward pass reaches the block. The parameters and the gradients are unchanged.
+gets a custom VJP whose backward makes the saved values depend on the incoming cotangent
+(`precision.depending_on`), so that the recomputation cannot run before the backward pass
+reaches the block. The parameters and the gradients are unchanged.
 XLA:CPU's memory-optimised scheduler (vit_jax/xla_cpu_flags.py) then still defers the
 weight-gradient dots to the end of the step, which keeps every block's recomputed values
 alive, so a remat'd step compiles with XLA's default scheduler (`step_compiler_options`).
@@ -124,11 +124,11 @@ def _call_ordered(module, static_argnums, args, recompute_after_cotangent, gradi
 
   def backward(vjp_fn, cotangent):
     if recompute_after_cotangent:
-      # Float multiplication by zero is not simplified away (0 * nan is nan), so this stays
-      # a real dependency; a non-finite cotangent makes the gradients non-finite either way.
-      zero = jnp.sum(jax.tree.leaves(cotangent)[0], dtype=jnp.float32) * 0
+      # A non-finite cotangent makes the gradients non-finite either way.
+      first = jax.tree.leaves(cotangent)[0]
       vjp_fn = jax.tree.map(
-          lambda v: v + zero.astype(v.dtype) if jnp.issubdtype(v.dtype, jnp.inexact) else v, vjp_fn)
+          lambda v: precision.depending_on(v, first)
+          if jnp.issubdtype(v.dtype, jnp.inexact) else v, vjp_fn)
     params_t, *inputs_t = vjp_fn(cotangent)
     if gradients_first:
       inputs_t = inputs_after(inputs_t, params_t)
