@@ -24,6 +24,8 @@ it: the evidence for that choice on this host. `--change`:
                     (flax's nn.Conv for the embedding, lax's for the ResNets' kxk).
   bf16_patches      (bfloat16) conv_as_dot.py's im2col patches concatenated as 16-bit
                     patterns vs jnp.concatenate, which XLA:CPU runs in float32.
+  fused_attention   (bfloat16, GPU) attention.py's cuDNN fused attention vs the unfused
+                    core, which writes the (batch, heads, tokens, tokens) weights out.
   mixed_dots        (bfloat16) precision.py's bf16 x bf16 -> f32 dots, custom VJPs, vs
                     flax's and XLA's own bf16 dots (bf16 results, the backend's own
                     accumulation): the question for TPU and GPU, where bytes cost more.
@@ -59,7 +61,8 @@ harness.add_model_args(parser, dtypes='float32', steps=3)
 parser.add_argument(
     '--change', default='ordered_dots',
     choices=('ordered_dots', 'lean_activations', 'lean_attention', 'prompt_weight_gradients',
-             'parameter_gradients_first', 'conv_as_dot', 'bf16_patches', 'mixed_dots'))
+             'parameter_gradients_first', 'conv_as_dot', 'bf16_patches', 'fused_attention',
+             'mixed_dots'))
 parser.add_argument('--remat', default='', help="one remat policy for both sides ('' off)")
 parser.add_argument('--out', default='')
 args = parser.parse_args()
@@ -99,6 +102,11 @@ def _before(change, dtype):
   if change == 'bf16_patches':
     return _patched(conv_as_dot,
                     {'concatenate_channels': lambda pieces: jnp.concatenate(pieces, axis=-1)})
+  if change == 'fused_attention':
+    if not attention.fuses(dtype, 64):
+      raise SystemExit(f'--change fused_attention: {dtype} on {jax.default_backend()} is not '
+                       'fused; pass --dtypes bfloat16 on an NVIDIA GPU (Ampere or later)')
+    return _patched(attention, {'fuses': lambda dtype, head_dim: False})
   if change == 'mixed_dots':
     if not precision.is_mixed(dtype):
       raise SystemExit('--change mixed_dots compares bfloat16 steps: pass --dtypes bfloat16')
@@ -174,6 +182,11 @@ def main():
           # The XLA convolutions left in each step (conv_as_dot makes dots of some).
           'convolutions': {
               side: step.lowered.as_text().count('stablehlo.convolution')
+              for side, step in (('before', before), ('after', after))
+          },
+          # cuDNN's fused attention calls (fused_attention: one per block, after only).
+          'fused_attention_calls': {
+              side: step.lowered.as_text().count('cudnn$fmha')
               for side, step in (('before', before), ('after', after))
           },
           # The dots with bfloat16 results (mixed_dots: precision.py's have float32 ones).

@@ -1,6 +1,7 @@
 """Tests for vit_jax.models.attention: the recomputing core's values and gradients are
 autodiff's of the same forward, it keeps only q, k and v, and where `attend` uses it the
-compiled step plans less memory."""
+compiled step plans less memory; the fused attention (cuDNN's on a GPU, XLA's same formula
+elsewhere) is the same attention, in the model too."""
 import re
 
 import jax
@@ -92,3 +93,76 @@ def test_the_weights_are_still_sown_and_attention_dropout_still_applies():
   assert not np.allclose(run(0), run(1))
   np.testing.assert_array_equal(dropped.apply(params, x, train=False),
                                 model.apply(params, x, train=False))
+
+
+# cuDNN's fused attention where there is one; elsewhere jax's unfused formula of the same op,
+# which checks our use of it (layout, scale) but not cuDNN's kernel.
+_FUSED = 'cudnn' if jax.default_backend() == 'gpu' else 'xla'
+
+
+def _close_in_bf16(ours, theirs):
+  """Equal up to a few bf16 roundings, relative to the array's scale."""
+  ours, theirs = np.asarray(ours, np.float32), np.asarray(theirs, np.float32)
+  scale = np.abs(theirs).max()
+  assert scale > 0
+  np.testing.assert_allclose(ours, theirs, rtol=0, atol=0.03 * scale)
+
+
+def test_attend_fuses_in_bf16_on_an_ampere_or_later_gpu_with_a_head_size_cudnn_takes(monkeypatch):
+  flash = attention.cuda_capability() >= 8.0
+  assert flash == (jax.default_backend() == 'gpu'
+                   and float(jax.devices()[0].compute_capability) >= 8.0)
+  assert attention.fuses(jnp.bfloat16, 64) == flash
+  for capability, head_dim, fused in ((9.0, 64, True), (8.0, 80, True), (9.0, 128, True), (7.5, 64,
+                                                                                           False),
+                                      (9.0, 20, False), (9.0, 136, False), (0.0, 64, False)):
+    monkeypatch.setattr(attention, 'cuda_capability', lambda capability=capability: capability)
+    assert attention.fuses(jnp.bfloat16, head_dim) == fused, (capability, head_dim)
+    assert not attention.fuses(jnp.float32, head_dim)
+
+
+@pytest.mark.parametrize('tokens', [16, 17])  # cuDNN's takes an even count: 17 is padded
+def test_fused_attention_is_the_same_attention(tokens):
+  q, k, v, g = _qkv(jnp.bfloat16, n=tokens, h=3, d=64)
+  y, vjp = jax.vjp(lambda q, k, v: attention.attend_fused(q, k, v, _FUSED), q, k, v)
+  y_plain, vjp_plain = jax.vjp(lambda q, k, v: _plain(q, k, v, jnp.bfloat16), q, k, v)
+  assert y.shape == (2, tokens, 3, 64) and y.dtype == jnp.bfloat16  # tokens-major
+  _close_in_bf16(y, y_plain.transpose(0, 2, 1, 3))
+  g = g[..., :1].repeat(64, -1)
+  for ours, theirs in zip(vjp(g.transpose(0, 2, 1, 3).astype(y.dtype)), vjp_plain(g)):
+    assert ours.dtype == jnp.bfloat16
+    _close_in_bf16(ours, theirs)
+
+
+def test_a_bf16_model_with_fused_attention_computes_the_same(monkeypatch):
+  # The fused path's output projection contracts (heads, head_dim) where the fused op leaves
+  # them: the parameters are the same tree, and against the float32 model (at full matmul
+  # precision) the fused bf16 model's logits and gradients are as close as the unfused
+  # bf16 model's (over all parameters: the key bias's gradient is zero up to rounding).
+  model = lambda dtype: models.get_model('ViT-Ti_16', num_classes=5, num_layers=2, patch_size=8,
+                                         dtype=dtype)
+  x = jax.random.normal(jax.random.PRNGKey(2), (2, 32, 32, 3))
+  params = model('float32').init(jax.random.PRNGKey(0), x, train=False)
+  params['params']['head']['kernel'] = jax.random.normal(jax.random.PRNGKey(1),
+                                                         params['params']['head']['kernel'].shape)
+
+  def logits_and_grads(dtype):
+    apply = lambda p: model(dtype).apply(p, x, train=False).astype(jnp.float32)
+    flat = lambda tree: jnp.concatenate(
+        [jnp.ravel(g).astype(jnp.float32) for g in jax.tree.leaves(tree)])
+    # A linear loss: its cotangent is exact, so the errors are the model's own.
+    weights = jax.random.normal(jax.random.PRNGKey(3), (2, 5))
+    return apply(params), flat(jax.grad(lambda p: jnp.sum(apply(p) * weights))(params))
+
+  with jax.default_matmul_precision('highest'):
+    reference = logits_and_grads('float32')
+  monkeypatch.setattr(attention, 'fuses', lambda dtype, head_dim: False)
+  plain = logits_and_grads('bfloat16')
+  monkeypatch.setattr(attention, 'fuses', lambda dtype, head_dim: True)
+  monkeypatch.setattr(attention, 'attend_fused',
+                      lambda q, k, v, shipped=attention.attend_fused: shipped(q, k, v, _FUSED))
+  fused = logits_and_grads('bfloat16')
+  for what, ours, theirs, exact in zip(('logits', 'gradients'), fused, plain, reference):
+    error = lambda y, exact=exact: float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact))
+    assert error(theirs) < 0.03, (what, error(theirs))  # bf16 roundings, not a wrong model
+    assert error(ours) < 2 * error(theirs) + 1e-3, (what, error(ours), error(theirs))

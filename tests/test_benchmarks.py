@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from tests.conftest import harmless_preload
+from vit_jax.models import attention
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -119,6 +122,8 @@ def test_before_after_memory_changes(tmp_path, change):
            'num_layers=3', '--override', 'patch_size=4', tmp_path=tmp_path)
   assert p['change'] == change
   r = p['results'][0]
+  if jax.default_backend() != 'cpu':
+    return  # both changes are made on the CPU backend only: the two steps are the same
   assert r['xla_memory_gib']['after'] < r['xla_memory_gib']['before'], r['xla_memory_gib']
 
 
@@ -152,6 +157,26 @@ def test_before_after_mixed_dots(tmp_path):
            '--dtypes', 'bfloat16', '--steps', '1', '--rounds', '1', *TINY, tmp_path=tmp_path)
   dots = p['results'][0]['bf16_result_dots']
   assert dots['before'] > 0 and dots['after'] == 0, dots
+
+
+def test_before_after_fused_attention(tmp_path):
+  # On a GPU: cuDNN's fused attention after, one call per block (there may be a second, the
+  # backward's, per block); none before. Elsewhere it is refused in one line.
+  flags = ('--change', 'fused_attention', '--models', 'ViT-Ti_16', '--batch', '2', '--dtypes',
+           'bfloat16', '--steps', '1', '--rounds', '1', *TINY)
+  if attention.fuses(jnp.bfloat16, 64):
+    calls = _run('before_after', *flags, tmp_path=tmp_path)['results'][0]['fused_attention_calls']
+    assert calls['before'] == 0 and calls['after'] >= 1, calls
+    return
+  proc = subprocess.run(
+      [sys.executable, os.path.join(REPO, 'benchmarks', 'before_after.py'), *flags], cwd=REPO,
+      capture_output=True, text=True, timeout=300, env={
+          **os.environ, 'VIT_JAX_XLA_CPU_FLAGS': '1'
+      })
+  assert proc.returncode != 0
+  assert proc.stderr.strip().splitlines()[-1] == (
+      '--change fused_attention: bfloat16 on cpu is not fused; pass --dtypes bfloat16 on an '
+      'NVIDIA GPU (Ampere or later)')
 
 
 def test_allocator(tmp_path):

@@ -1,5 +1,5 @@
 """The attention core, softmax(q k^T) v; in a bfloat16 model on the CPU backend, with a
-backward that keeps q, k and v only.
+backward that keeps q, k and v only; in a bfloat16 model on a GPU, cuDNN's fused attention.
 
 Autodiff keeps each block's attention weights for the backward pass, (batch, heads,
 tokens, tokens) in float32, and in a bfloat16 model XLA also keeps their bf16 copy (the
@@ -11,6 +11,14 @@ precision.py's in a bf16 model (bf16 operands, float32 results), XLA's in float3
 ones too made the ViT-Ti step 1.02-1.04x flax's against 1.12-1.14x for ordered
 projections alone; benchmarks/README.md); the softmax is float32 either way. q is scaled
 by the caller.
+
+On an NVIDIA GPU, a bf16 model's attention is `attend_fused` (`fuses`): cuDNN's flash
+attention, which never writes the (batch, heads, tokens, tokens) logits or weights to
+memory and recomputes them in its backward pass. It computes the same thing: bf16 q, k
+and v, float32 logits and softmax, the weights rounded to bf16 for their dot with v,
+float32 accumulation. Its output is tokens-major (batch, tokens, heads, head_dim). On an
+H200 the bf16 ViT-B/16 b128 step ran 1.19-1.25x faster and planned 9.0 GiB instead of
+12.7 (benchmarks/README.md, eighteenth session).
 """
 import functools
 
@@ -50,6 +58,43 @@ def recomputes(dtype):
   sixteenth session). In float32 the weights are kept once, not twice: ViT-Ti/16 planned
   10% less but ran at 0.93-1.00x. Not measured on TPU or GPU, which keep autodiff's."""
   return precision.is_mixed(dtype) and jax.default_backend() == 'cpu'
+
+
+def fuses(dtype, head_dim):
+  """Whether the attention is `attend_fused`: for bfloat16 (cuDNN's flash attention takes
+  bf16 and fp16 only) on an NVIDIA GPU it runs on (Ampere or later: not Colab's T4), with a
+  head size it takes on each of them (a multiple of 8 up to 128; the paper's ViTs have 64
+  or 80). Elsewhere the unfused core runs."""
+  return (precision.is_mixed(dtype) and cuda_capability() >= 8.0 and head_dim % 8 == 0
+          and head_dim <= 128)
+
+
+def cuda_capability():
+  """The default backend's CUDA compute capability (9.0 for an H100), 0 where it is not an
+  NVIDIA GPU."""
+  if jax.default_backend() != 'gpu':
+    return 0.0
+  try:
+    return float(jax.devices()[0].compute_capability)
+  except (AttributeError, TypeError, ValueError):  # not CUDA (ROCm)
+    return 0.0
+
+
+def attend_fused(q, k, v, implementation='cudnn'):
+  """values(weights(q, k), v) as one fused op, tokens-major (batch, queries, heads,
+  head_dim) in q's dtype; `implementation` as jax.nn.dot_product_attention takes it ('xla'
+  computes the same thing unfused, on any backend)."""
+  tokens = q.shape[1]
+  if tokens % 2 == 0:
+    return jax.nn.dot_product_attention(q, k, v, scale=1.0, implementation=implementation)
+  # cuDNN's training path refuses an odd number of tokens (ViT's 196 + 1): JAX hands it an
+  # empty bias that its check counts as a bias. One padded token, masked out as a key and
+  # sliced off as a query, makes it even.
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0)))
+  lengths = jnp.full((q.shape[0],), tokens, jnp.int32)
+  y = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), scale=1.0, key_value_seq_lengths=lengths,
+                                   implementation=implementation)
+  return y[:, :tokens]
 
 
 def attend(q, k, v, dtype):

@@ -97,14 +97,19 @@ class MultiHeadDotProductAttention(nn.Module):
         weights = nn.Dropout(self.dropout_rate, broadcast_dims=())(weights,
                                                                    deterministic=deterministic)
       y = attention.values(weights, v, self.dtype)
+      heads_axes = (1, 3)
+    elif attention.fuses(self.dtype, head_dim):  # bf16 on a GPU: cuDNN's, (b, q, h, d)
+      y = attention.attend_fused(q, k, v)
+      heads_axes = (2, 3)
     else:  # no weights to sow or drop: in bf16 on CPU they are not kept (attention.py)
       y = attention.attend(q, k, v, self.dtype)
-    # y stays heads-major (b, h, q, d), as the batched dot leaves it, and `out` contracts
+      heads_axes = (1, 3)
+    # y stays heads-major (b, h, q, d) where a batched dot leaves it so, and `out` contracts
     # (h, d) where they are: no transpose back to (b, q, h, d) in either direction. On
     # XLA:CPU the attention alone ran 1-10% faster, the ViT-Ti f32 step 4-5%
-    # (benchmarks/README.md, tenth session).
+    # (benchmarks/README.md, tenth session). The kernel is (h, d, D) either way.
     return out(
-        nn.DenseGeneral(d, axis=(1, 3), dtype=self.dtype,
+        nn.DenseGeneral(d, axis=heads_axes, dtype=self.dtype,
                         kernel_init=nn.initializers.xavier_uniform(), name='out',
                         **options)(y.astype(self.dtype)))
 
