@@ -160,8 +160,8 @@ def test_before_after_mixed_dots(tmp_path):
 
 
 def test_before_after_fused_attention(tmp_path):
-  # On a GPU: cuDNN's fused attention after, one call per block (there may be a second, the
-  # backward's, per block); none before. Elsewhere it is refused in one line.
+  # Where it fuses: cuDNN's attention calls after (a forward and a backward per block), none
+  # before. Elsewhere it is refused in one line.
   flags = ('--change', 'fused_attention', '--models', 'ViT-Ti_16', '--batch', '2', '--dtypes',
            'bfloat16', '--steps', '1', '--rounds', '1', *TINY)
   if attention.fuses(jnp.bfloat16, 64):

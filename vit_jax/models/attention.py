@@ -75,7 +75,7 @@ def cuda_capability():
   if jax.default_backend() != 'gpu':
     return 0.0
   try:
-    return float(jax.devices()[0].compute_capability)
+    return float(jax.local_devices()[0].compute_capability)
   except (AttributeError, TypeError, ValueError):  # not CUDA (ROCm)
     return 0.0
 
