@@ -233,6 +233,10 @@ def test_quickstart_loads():
   optim.validate(c)
   with pytest.raises(ValueError, match='no argument'):
     QUICKSTART.get_config('x')
+  # Its log lines say the model is smaller than its name: only the changed fields are named.
+  assert models.describe(c.model_name, **c.model) == (
+      'ViT-Ti_16 with hidden_size=64, mlp_dim=128, num_heads=4, num_layers=4, patch_size=4')
+  assert models.describe('ViT-B_16', patch_size=16, dropout_rate=0.0) == 'ViT-B_16'
 
 
 def _parse(argv):

@@ -176,7 +176,8 @@ def test_the_loop_reports_its_speed_and_traces_on_request(idx_dir, tmp_path, cap
                                         (peak * jax.device_count()))
   assert all(s['data/skipped_images'] == 0 for s in scalars.at.values())
   n = sum(x.size for x in jax.tree.leaves(out['params']))
-  assert f'ViT-Ti_16: {n:,} parameters; ' in caplog.text
+  assert (f'ViT-Ti_16 with hidden_size=64, mlp_dim=256, num_heads=2, num_layers=1, patch_size=7: '
+          f'{n:,} parameters; ') in caplog.text
   assert 'Compiled the train step and ran step 1 in' in caplog.text
   assert 'MFU ' in caplog.text and 'epoch 0.33' in caplog.text
   assert glob.glob(str(tmp_path / 'speed' / 'profile' / '**' / '*.xplane.pb'), recursive=True)
@@ -353,7 +354,8 @@ def test_quickstart_command_end_to_end_shortened(idx_dir, tmp_path):
   assert glob.glob(os.path.join(workdir, 'events.out.tfevents.*'))
   log = open(os.path.join(workdir, 'train.INFO')).read()
   assert 'step 20/20' in log and 'img/s/core' in log and 'ETA' in log and 'MFU' in log
-  assert 'ViT-Ti_16: 141,066 parameters; ' in log and 'Compiled the train step' in log
+  assert ('ViT-Ti_16 with hidden_size=64, mlp_dim=128, num_heads=4, num_layers=4, patch_size=4: '
+          '141,066 parameters; ') in log and 'Compiled the train step' in log
   assert 'orbax' not in log  # library chatter is filtered out of the readable log
   assert proc.stderr.count('XLA:CPU flags for float32') == 1 and 'XLA:CPU flags for' in log
   # The CPU flags the run started with are kept for its resumption (rundir.recorded_cpu_flags).

@@ -298,7 +298,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   flops_per_step = flops.step_flops(config, num_classes)
   peak, peak_source = device_peaks.resolve_peak(config.dtype, config.peak_flops_per_device)
   logging.info(
-      '%s: %s', config.model_name,
+      '%s: %s', models.describe(config.model_name, **config.model),
       chrono_lib.setup_text(sum(x.size for x in jax.tree.leaves(state['params'])), flops_per_step,
                             peak, peak_source))
 

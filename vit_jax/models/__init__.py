@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from vit_jax.models import remat
 from vit_jax.models.bit import BiTResNet
-from vit_jax.models.variants import VARIANTS, get_variant, pixels_per_token
+from vit_jax.models.variants import VARIANTS, describe, get_variant, pixels_per_token
 from vit_jax.models.vit import VisionTransformer
 
 # Options of the module that are not architecture fields of the variant table.

@@ -105,6 +105,14 @@ def get_variant(name, **overrides):
   return fields
 
 
+def describe(name, **overrides):
+  """`name`, and the fields `overrides` change from the table, for log lines: e.g.
+  'ViT-Ti_16 with patch_size=4, num_layers=4' (a model smaller than its name says)."""
+  fields = VARIANTS[name]
+  changed = [f'{k}={v}' for k, v in sorted(overrides.items()) if k in fields and fields[k] != v]
+  return f'{name} with {", ".join(changed)}' if changed else name
+
+
 def is_plain_vit(name):
   """A ViT of the table without a ResNet stem ('ViT-B_16', not 'R50+ViT-B_16')."""
   fields = VARIANTS.get(name)
