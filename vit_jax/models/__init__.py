@@ -45,6 +45,6 @@ def from_config(config, num_classes):
 
 
 __all__ = [
-    'VARIANTS', 'from_config', 'get_model', 'get_variant', 'pixels_per_token', 'VisionTransformer',
-    'BiTResNet'
+    'VARIANTS', 'describe', 'from_config', 'get_model', 'get_variant', 'pixels_per_token',
+    'VisionTransformer', 'BiTResNet'
 ]
