@@ -170,6 +170,20 @@ def test_resolve_peak_on_cpu():
     assert 1e9 < device_peaks.measure_cpu_peak(dtype) < os.cpu_count() * 5e9 * 256
 
 
+@pytest.mark.parametrize('given', [0.0, 1e9, 2.75e14])
+def test_a_given_peak_in_flops_is_taken(given):
+  device_peaks.validate_given(given)
+
+
+@pytest.mark.parametrize('given', [-1.0, 275.0, 9.99e8, float('nan'), float('inf')])
+def test_a_given_peak_that_cannot_be_flops_is_refused(given):
+  # Negative, not a number, or a unit slip: 275 meant as TFLOP/s.
+  with pytest.raises(
+      ValueError, match=r'is not a peak in FLOP/s per device: set '
+      r'--config.peak_flops_per_device to FLOP/s \(e.g. 2.75e14'):
+    device_peaks.validate_given(given)
+
+
 def test_step_flops_of_a_config():
   config = common.get_config()
   config.model_name, config.batch_size, config.image_size = 'ViT-Ti_16', 8, 32
@@ -214,3 +228,11 @@ def test_trace_of_chosen_steps(tmp_path):
   assert not os.path.exists(tmp_path / 'off')
   with pytest.raises(ValueError, match='profile_first_step'):
     trace.StepTrace(str(tmp_path), first_step=0, num_steps=3)
+
+
+def test_a_trace_window_after_the_last_step_is_refused():
+  trace.validate(10, 5, last_step=10)  # the last step alone: traced
+  trace.validate(11, 0, last_step=10)  # no trace asked for
+  trace.validate(11, 5)  # the run's length unknown
+  with pytest.raises(ValueError, match="profile_first_step 11 is after the run's last step 10"):
+    trace.validate(11, 5, last_step=10)

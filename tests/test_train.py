@@ -328,6 +328,9 @@ def test_fewshot_evaluation_runs_inside_training(idx_dir, tmp_path, caplog):
     (dict(vtab_task='clevr_cnt'), "vtab_task 'clevr_cnt' is not a VTAB-1k task"),
     (dict(polyak_decay=1.0), 'polyak_decay 1.0 is not in'),
     (dict(profile_steps=2), 'profile_first_step 0 / profile_steps 2: set'),
+    (dict(profile_first_step=4, profile_steps=1), "profile_first_step 4 is after the run's last "
+     'step 3, so nothing would be traced'),
+    (dict(peak_flops_per_device=-1.0), 'peak_flops_per_device -1 is not a peak in FLOP/s'),
 ])
 def test_bad_config_fails_at_start_up(idx_dir, tmp_path, overrides, message):
   with pytest.raises(ValueError, match=message):
@@ -367,12 +370,21 @@ def test_quickstart_command_end_to_end_shortened(idx_dir, tmp_path):
   assert model.apply({'params': params}, np.zeros((1, 28, 28, 3), np.float32)).shape == (1, 10)
 
 
-def test_cli_bad_override_is_one_line(idx_dir, tmp_path):
+@pytest.mark.parametrize(
+    'override,message',
+    [
+        ('image_size=30', 'image_size 30 is not divisible by patch size 4'),
+        # TFLOP/s typed where FLOP/s are asked for.
+        ('peak_flops_per_device=275',
+         'peak_flops_per_device 275 is not a peak in FLOP/s per device: '
+         'set --config.peak_flops_per_device to FLOP/s (e.g. 2.75e14 for 275 TFLOP/s)'),
+    ])
+def test_cli_bad_override_is_one_line(idx_dir, tmp_path, override, message):
   proc = _main([
       '--config=configs/quickstart.py', f'--workdir={tmp_path / "w"}',
-      f'--config.data_dir={idx_dir}', '--config.image_size=30'
+      f'--config.data_dir={idx_dir}', f'--config.{override}'
   ])
   assert proc.returncode != 0
   last_line = proc.stderr.strip().splitlines()[-1]
-  assert last_line.startswith('vit_jax: image_size 30 is not divisible by patch size 4'), last_line
+  assert last_line.startswith(f'vit_jax: {message}'), last_line
   assert 'Traceback' not in proc.stderr

@@ -19,6 +19,7 @@ What "peak" means here:
     for precision='highest' gets a lower ceiling than the table says.
 """
 import functools
+import math
 import time
 
 import jax
@@ -104,6 +105,19 @@ def measure_cpu_peak(dtype):
     jax.block_until_ready(matmul(a, b))
     times.append(time.perf_counter() - start)
   return 2 * n**3 / min(times)
+
+
+# No device computes under a GFLOP/s: a smaller given peak is a unit slip (TFLOP/s typed).
+_MIN_GIVEN_PEAK = 1e9
+
+
+def validate_given(given):
+  """A one-line ValueError if `given` (config.peak_flops_per_device) cannot be a device's
+  peak in FLOP/s: negative, not finite, or so small that it must be in other units."""
+  if not (given == 0 or _MIN_GIVEN_PEAK <= given < math.inf):
+    raise ValueError(f'peak_flops_per_device {given:g} is not a peak in FLOP/s per device: set '
+                     '--config.peak_flops_per_device to FLOP/s (e.g. 2.75e14 for 275 TFLOP/s), '
+                     'or 0 for the device table or, on CPU, a measurement')
 
 
 def resolve_peak(dtype, given=0.0):

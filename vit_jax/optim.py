@@ -52,6 +52,14 @@ def total_steps(config, num_train_examples: Optional[int] = None) -> int:
   return max(1, math.ceil(epochs * int(n) / int(config.batch_size)))
 
 
+def known_total_steps(config, num_train_examples: Optional[int] = None) -> Optional[int]:
+  """total_steps(config, num_train_examples) where it is known (given, or from num_epochs
+  and a known example count), else None."""
+  known = config.total_steps > 0 or config.num_train_examples > 0 or (num_train_examples is not None
+                                                                      and num_train_examples > 0)
+  return total_steps(config, num_train_examples) if known else None
+
+
 def learning_rate_schedule(config, total_steps: int) -> Callable:  # pylint: disable=redefined-outer-name
   """Returns step -> learning rate (a float32 scalar; works under jit).
 
@@ -170,10 +178,8 @@ def validate(config, num_train_examples: Optional[int] = None) -> None:
     if not 0 <= config[field] < 1:
       fail(f'{field} {config[field]} must be in [0, 1): set --config.{field}')
 
-  known = config.total_steps > 0 or config.num_train_examples > 0 or (num_train_examples is not None
-                                                                      and num_train_examples > 0)
-  if known:
-    steps = total_steps(config, num_train_examples)
+  steps = known_total_steps(config, num_train_examples)
+  if steps is not None:
     if config.warmup_steps >= steps:
       fail(f'warmup_steps {config.warmup_steps} >= total_steps {steps}: lower '
            '--config.warmup_steps')

@@ -13,12 +13,17 @@ resumed inside the window traces the rest of it. Each host writes its own trace.
 import jax
 
 
-def validate(first_step, num_steps):
-  """A one-line ValueError naming the config fields if the window is out of range."""
+def validate(first_step, num_steps, last_step=None):
+  """A one-line ValueError naming the config fields if the window is out of range, or (with
+  `last_step`, the run's last step, where known) starts after the run ends."""
   if num_steps < 0 or (num_steps and first_step < 1):
     raise ValueError(f'profile_first_step {first_step} / profile_steps {num_steps}: set '
                      '--config.profile_first_step to 1 or more and --config.profile_steps to '
                      'the number of steps to trace (0: no trace)')
+  if num_steps and last_step is not None and first_step > last_step:
+    raise ValueError(f'profile_first_step {first_step} is after the run\'s last step '
+                     f'{last_step}, so nothing would be traced: set --config.profile_first_step '
+                     f'to a step from 1 to {last_step}')
 
 
 class StepTrace:

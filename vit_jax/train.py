@@ -99,9 +99,11 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
                      '--config.model.representation_size to the checkpoint\'s size')
   masked_patches.validate(config)
   polyak.validate(config)
-  trace.validate(config.profile_first_step, config.profile_steps)
   evaluate_lib.validate_fewshot(config)
+  device_peaks.validate_given(config.peak_flops_per_device)
   optim.validate(config, num_train_examples)
+  trace.validate(config.profile_first_step, config.profile_steps,
+                 optim.known_total_steps(config, num_train_examples))
 
 
 make_eval_step = evaluate_lib.top1_step  # (model) -> the top-1 step the loop jits
