@@ -108,8 +108,8 @@ def get_variant(name, **overrides):
 def describe(name, **overrides):
   """`name`, and the fields `overrides` change from the table, for log lines: e.g.
   'ViT-Ti_16 with patch_size=4, num_layers=4' (a model smaller than its name says)."""
-  fields = VARIANTS[name]
-  changed = [f'{k}={v}' for k, v in sorted(overrides.items()) if k in fields and fields[k] != v]
+  table, fields = VARIANTS[name], get_variant(name, **overrides)
+  changed = [f'{k}={fields[k]}' for k in sorted(overrides) if fields[k] != table[k]]
   return f'{name} with {", ".join(changed)}' if changed else name
 
 
