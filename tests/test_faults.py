@@ -475,3 +475,11 @@ def test_step_that_does_not_fit_is_one_line(tmp_path):
   for fix in ('--config.accum_steps', '--config.remat=True', '--config.fsdp=True',
               '--config.batch_size'):
     assert fix in last
+
+
+def test_a_failed_save_is_named_by_its_errno_whatever_the_text_around_it():
+  # tensorstore's message has held the errno text before the code, and (once in CI) the
+  # file's JSON spec there instead.
+  for text in ('Error writing "a": File too large [os_error_code=27]',
+               'Error writing {"driver": "file", "x": true}\'] [os_error_code=\'27\']'):
+    assert train._save_cause(RuntimeError(text)) == 'File too large (errno 27)'

@@ -589,10 +589,12 @@ def _save_cause(error):
     if isinstance(seen, OSError) and seen.strerror:
       return errors.one_line(seen)
     seen = seen.__cause__ or seen.__context__
-  text = str(error)
-  found = re.search(r'([^:"]+?) \[os_error_code=\'?(\d+)', text)  # tensorstore's errno text
+  # tensorstore's errno; the text around it varies (seen: the file's JSON spec before it),
+  # so the cause is the C library's text for that number.
+  found = re.search(r'os_error_code=\'?(\d+)', str(error))
   if found:
-    return f'{found.group(1).strip()} (errno {found.group(2)})'
+    code = int(found.group(1))
+    return f'{os.strerror(code)} (errno {code})'
   return errors.one_line(error)
 
 
