@@ -165,6 +165,8 @@ def main():
   for r in ratios:
     print(f'bf16/f32 img/s {r["model"]}: per round '
           + ', '.join(f'{v:.2f}' for v in r['bf16_over_f32_per_round']))
+  if payload['machine']['platform'] == 'gpu':
+    print(f'GPU memory: {payload["machine"]["gpu_memory"]}')
   print(f'peak host RSS {payload["peak_rss_gib"]:.2f} GiB; loadavg start '
         f'{load_start[0]:.2f}, end {load_end[0]:.2f}')
   harness.write_json(args.out, payload)

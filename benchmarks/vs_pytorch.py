@@ -12,13 +12,17 @@ CPU torchvision build here, so the worker then falls back to a MINIMAL PYTORCH V
 below in timm's structure (fused qkv Linear + F.scaled_dot_product_attention, LayerNorm,
 tanh-GELU MLP; hybrid: weight-standardised convs, GroupNorm, TF-SAME padding, stages
 (3, 4, 9)), with the same parameter count as the vit_jax model (checked, printed).
-Precisions: float32 vs float32, and vit_jax dtype='bfloat16' (bf16 compute, f32 params)
-vs torch.autocast('cpu', dtype=torch.bfloat16). Each round runs --steps steps of JAX then
+--torch_compile times torch.compile's model instead (on either device; compiled in the
+untimed warm-up step, whose seconds the JSON keeps). Precisions: float32 vs float32, and
+vit_jax dtype='bfloat16' (bf16 compute, f32 params) vs torch.autocast('cpu',
+dtype=torch.bfloat16). Each round runs --steps steps of JAX then
 --steps of PyTorch for every (model, precision); the ratio is per round (pair).
 Where JAX runs on a GPU, the worker runs PyTorch on it too (--torch_device; eager, as timm
 trains by default, with torch.autocast('cuda') for bf16; float32 matmuls in TF32 on both
 sides: XLA's default on an A100/H100 (device_peaks.py), PyTorch's 'high' precision), and
-JAX does not preallocate the GPU's memory, which the two processes share. Each side
+JAX does not preallocate the GPU's memory, which the two processes share. vit-train keeps
+JAX's preallocation, under which the step ran slower on an H200 (benchmarks/README.md,
+twentieth session): train_step.py times the step as vit-train runs it. Each side
 first runs one untimed step per round: vit_jax's first step after the other process ran was
 0.7-1.3 s slower than the next, PyTorch's was not (why is not established; vit_jax unmaps
 its temporaries between steps, PyTorch keeps its heap), which with --steps 2 cost it ~15%.
@@ -49,6 +53,10 @@ parser.add_argument(
     "system, a path); the PyTorch worker is started without it")
 parser.add_argument('--torch_device', default='auto', choices=('auto', 'cpu', 'cuda'),
                     help="PyTorch's device; auto: cuda where JAX's default backend is a GPU")
+parser.add_argument(
+    '--torch_compile', action='store_true',
+    help='torch.compile the PyTorch model (inductor; compiled in its untimed warm-up step); '
+    'default eager, as timm trains by default')
 parser.add_argument('--out', default='')
 parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
 parser.add_argument('--threads', type=int, default=0, help=argparse.SUPPRESS)
@@ -216,6 +224,9 @@ def torch_worker():
         impl = 'minimal PyTorch ViT (timm structure; timm not importable)'
       model.to(device).train()
       opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+      if args.torch_compile:  # the model, not the optimizer: as timm's --torchcompile
+        model = torch.compile(model)
+        impl += ', torch.compile'
       x = (torch.rand(b, 3, size, size) * 2 - 1).to(device)
       y = torch.randint(0, 1000, (b,)).to(device)
       bf16 = cmd['dtype'] == 'bfloat16'
@@ -230,7 +241,9 @@ def torch_worker():
         opt.step()
         return float(loss.detach())  # waits for the device
 
-      step()  # warm-up
+      warmup_start = time.perf_counter()
+      step()  # warm-up (and, with --torch_compile, the compile)
+      warmup_s = time.perf_counter() - warmup_start
       steps[cmd['key']] = step
       reply = {
           'impl': impl,
@@ -238,6 +251,7 @@ def torch_worker():
           'torch': torch.__version__,
           'threads': torch.get_num_threads(),
           'num_params': sum(p.numel() for p in model.parameters()),
+          'warmup_s': warmup_s,
           'baseline_rss_gib': baseline_rss
       }
     elif cmd['cmd'] == 'run':
@@ -261,7 +275,8 @@ class Worker:
     self.proc = subprocess.Popen([
         sys.executable,
         os.path.abspath(__file__), '--worker', '--threads',
-        str(threads), '--torch_impl', args.torch_impl, '--torch_device', device
+        str(threads), '--torch_impl', args.torch_impl, '--torch_device', device,
+        *(['--torch_compile'] if args.torch_compile else [])
     ], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                  env=host_allocator.without_preload(os.environ))
 
@@ -368,6 +383,7 @@ def main():
         'jax_threads(cores)': threads,
         'jax_params': c['jax'].num_params,
         'torch_params': info['num_params'],
+        'torch_warmup_s': info['warmup_s'],
         'jax_step_s': c['jax_times'],
         'torch_step_s': c['torch_times'],
         'jax_img_s_per_round': jax_img,
@@ -415,6 +431,8 @@ def main():
         f'(vit_jax {jax_baseline_rss:.2f}, PyTorch {payload["torch_baseline_rss_gib"]:.2f} GiB): '
         f'vit_jax {payload["jax_peak_rss_gib"] - jax_baseline_rss:.2f} GiB, PyTorch '
         f'{torch_rss - payload["torch_baseline_rss_gib"]:.2f} GiB')
+  if torch_device == 'cuda':  # not as vit-train runs: see the module doc
+    print(f'vit_jax GPU memory: {payload["machine"]["gpu_memory"]}')
   print(f'vit_jax {payload["jax_host_allocator"]}; PyTorch worker LD_PRELOAD='
         f'{payload["torch_ld_preload"] or "(none)"}')
   print(f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')

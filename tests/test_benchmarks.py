@@ -57,6 +57,16 @@ def test_vs_pytorch(tmp_path):
   assert len(r['ratio_per_round']) == 1
 
 
+def test_vs_pytorch_compiled(tmp_path):
+  """--torch_compile times PyTorch's compiled model, and says so."""
+  pytest.importorskip('torch')
+  p = _run('vs_pytorch', '--models', 'ViT-Ti_16', '--batch', '2', '--steps', '2', '--rounds', '1',
+           '--torch_compile', *TINY, tmp_path=tmp_path)
+  r = p['results'][0]
+  assert r['torch_impl'].endswith(', torch.compile')
+  assert r['jax_params'] == r['torch_params'] and r['ratio_per_round'][0] > 0
+
+
 def test_vs_pytorch_device_mismatch():
   """PyTorch on a GPU against JAX on the CPU is no comparison: one line that names the fix."""
   pytest.importorskip('torch')
@@ -157,6 +167,10 @@ def test_before_after_mixed_dots(tmp_path):
            '--dtypes', 'bfloat16', '--steps', '1', '--rounds', '1', *TINY, tmp_path=tmp_path)
   dots = p['results'][0]['bf16_result_dots']
   assert dots['before'] > 0 and dots['after'] == 0, dots
+  # Only the dots change: where the attention fuses (an NVIDIA GPU), on both sides.
+  calls = p['results'][0]['fused_attention_calls']
+  assert calls['before'] == calls['after'], calls
+  assert (calls['after'] > 0) == attention.fuses(jnp.bfloat16, 24), calls
 
 
 def test_before_after_fused_attention(tmp_path):
