@@ -110,18 +110,32 @@ def _before(change, dtype):
   if change == 'mixed_dots':
     if not precision.is_mixed(dtype):
       raise SystemExit('--change mixed_dots compares bfloat16 steps: pass --dtypes bfloat16')
-    shipped = precision.dot_general_for
-    return _patched(
-        precision, {
-            'is_mixed': lambda d: False,
-            'dot_general_for': lambda d: None if jnp.dtype(d) == jnp.bfloat16 else shipped(d)
-        })
+    return _flax_dots()
   if jnp.dtype(dtype) == jnp.float32:
     shipped = precision.dot_general_for
     return _patched(
         precision,
         {'dot_general_for': lambda d: None if jnp.dtype(d) == jnp.float32 else shipped(d)})
   return _patched(precision, {'_cotangent_transposed_is_cheaper': lambda *unused: False})
+
+
+@contextlib.contextmanager
+def _flax_dots():
+  """flax's bf16-result dots, the attention as shipped: `attention.fuses` asks
+  precision.is_mixed, so without this the before side lost cuDNN's fused attention too."""
+  shipped_dot, shipped_is_mixed, shipped_fuses = (precision.dot_general_for, precision.is_mixed,
+                                                  attention.fuses)
+
+  def fuses_as_shipped(dtype, head_dim):
+    with _patched(precision, {'is_mixed': shipped_is_mixed}):
+      return shipped_fuses(dtype, head_dim)
+
+  with _patched(attention, {'fuses': fuses_as_shipped}), _patched(
+      precision, {
+          'is_mixed': lambda d: False,
+          'dot_general_for': lambda d: None if jnp.dtype(d) == jnp.bfloat16 else shipped_dot(d)
+      }):
+    yield
 
 
 @contextlib.contextmanager
