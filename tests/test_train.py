@@ -322,7 +322,11 @@ def test_fewshot_evaluation_runs_inside_training(idx_dir, tmp_path, caplog):
 
 @pytest.mark.parametrize('overrides,message', [
     (dict(image_size=30), 'image_size 30 is not divisible by patch size 7'),
-    (dict(batch_size=12), 'must be a multiple of the 8 devices'),
+    (dict(batch_size=12), '^batch_size 12 must be a multiple of the 8 devices'),
+    (dict(batch_size=24, accum_steps=2), '^batch_size 24 / accum_steps 2 must be a multiple of '
+     'the 8 devices'),
+    (dict(accum_steps=3), '^accum_steps 3 must be >= 1 and divide batch_size 16'),
+    (dict(prefetch=-1), '^prefetch -1 is negative: set --config.prefetch'),
     (dict(dtype='float16'), "dtype 'float16' is unknown"),
     (dict(warmup_steps=5), 'warmup_steps 5 >= total_steps 3'),
     (dict(vtab_task='clevr_cnt'), "vtab_task 'clevr_cnt' is not a VTAB-1k task"),

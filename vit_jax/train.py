@@ -83,10 +83,15 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
   if config.image_size % stride:
     raise ValueError(f'image_size {config.image_size} is not divisible by patch size {stride}: '
                      f'set --config.image_size to a multiple of {stride}')
-  micro = config.batch_size // max(config.accum_steps, 1)
-  if config.batch_size % max(config.accum_steps, 1) or micro % n_dev:
-    raise ValueError(f'batch_size {config.batch_size} / accum_steps {config.accum_steps} must be a '
-                     f'multiple of the {n_dev} devices: set --config.batch_size')
+  # An accum_steps that does not divide batch_size is optim.validate's to name.
+  accum = max(config.accum_steps, 1)
+  if config.batch_size % accum == 0 and config.batch_size // accum % n_dev:
+    per_micro = '' if accum == 1 else f' / accum_steps {accum}'
+    raise ValueError(f'batch_size {config.batch_size}{per_micro} must be a multiple of the '
+                     f'{n_dev} devices: set --config.batch_size')
+  if config.prefetch < 0:
+    raise ValueError(f'prefetch {config.prefetch} is negative: set --config.prefetch to the '
+                     'batches to keep in flight to the devices (0 or more)')
   if config.eval_batch_size % n_dev:
     raise ValueError(f'eval_batch_size {config.eval_batch_size} is not a multiple of the {n_dev} '
                      'devices: set --config.eval_batch_size')
