@@ -1,9 +1,11 @@
 r"""Hyper-parameter sweeps: one vit_jax.main run per grid point, then a summary table.
 
-  python -m launch.sweep --config=configs/finetune.py:ViT-B_16,cifar10,dev --workdir=DIR
+  vit-sweep --config=finetune:ViT-B_16,cifar10,dev --workdir=DIR
       [--sweep 'config.base_lr=[0.001,0.003,0.01,0.03]'] [--sweep 'config.x=[...]' ...]
       [--set config.total_steps=100 ...] [--tpu NAME --zone Z [--project P]]
       [--dry-run] [--summarize-only]
+
+(python -m launch.sweep in a checkout is the same.)
 
 Without --sweep the grid is the config's lr_grid over base_lr (Table 4). Several --sweep
 flags form the cartesian product. Point p runs in DIR/<p> (p like 'base_lr=0.003'),
@@ -296,7 +298,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser():
-  p = _Parser(prog='python -m launch.sweep', description=__doc__.split('\n')[0])
+  p = _Parser(prog='vit-sweep', description=__doc__.split('\n')[0])
   p.add_argument('--config', required=True, help='e.g. configs/finetune.py:ViT-B_16,cifar10,dev')
   p.add_argument('--workdir', required=True, help='one sub-directory per point (may be gs://)')
   p.add_argument('--sweep', action='append', default=[],

@@ -55,3 +55,24 @@ def test_train_then_evaluate_from_elsewhere(wheel_venv, tmp_path):
   assert out.returncode != 0
   assert out.stderr.strip().splitlines()[-1].startswith(
       "vit-train: --config.base_lrr: the config has no field 'base_lrr' (did you mean base_lr?)")
+
+
+def test_console_scripts_help_lists_their_flags(wheel_venv, tmp_path):
+  """`vit-train --help` printed only "USAGE: vit-train [flags]": a console script's __main__
+  is pip's wrapper (cli_help.py). The argparse programs are checked for their names."""
+  env = user_env(wheel_venv)
+  expected = {
+      'vit-train': ('Entry point: vit-train', '--config:', '--workdir:'),
+      'vit-evaluate': ('vit-evaluate: top-1', '--checkpoint:', '--shots:', '--workdir:'),
+      'vit-predict': ('Top-k classes of image files', '--checkpoint:', '--top_k:'),
+      'vit-inspect': ('Inspecting a Vision Transformer', '--checkpoint:', '--outdir:'),
+      'vit-sweep': ('usage: vit-sweep ', '--workdir'),
+      'vit-vtab': ('usage: vit-vtab ', '--model'),
+      'vit-tpu': ('usage: vit-tpu ', '--accelerator_type'),
+  }
+  for script, texts in expected.items():
+    out = subprocess.run([script, '--help'], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    text = out.stdout + out.stderr
+    for t in texts:
+      assert t in text, f'{script} --help lacks {t!r}:\n{text[-2000:]}'

@@ -14,6 +14,7 @@ import sys
 from absl import app
 from absl import flags
 
+from vit_jax import cli_help
 from vit_jax import evaluate
 from vit_jax import input_pipeline
 from vit_jax import model_flags
@@ -155,6 +156,7 @@ def main(argv):
 def run_cli():
   """The `vit-evaluate` console script."""
   _define_flags()
+  cli_help.as_the_program(__name__, model_flags.__name__)
   app.run(main)
 
 

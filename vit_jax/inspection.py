@@ -32,6 +32,7 @@ from absl import flags
 import jax
 import numpy as np
 
+from vit_jax import cli_help
 from vit_jax import model_flags
 from vit_jax.models import variants
 
@@ -382,6 +383,7 @@ def main(argv):
 def run_cli():
   """The `vit-inspect` console script."""
   _define_flags()
+  cli_help.as_the_program(__name__, model_flags.__name__)
   app.run(main)
 
 

@@ -17,6 +17,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from vit_jax import cli_help
 from vit_jax import configs
 from vit_jax import cpu_features
 from vit_jax import host_allocator
@@ -163,6 +164,7 @@ def run():
     host_allocator.reexec_with_jemalloc()  # before JAX starts: see host_allocator.py
   except ValueError as e:  # a bad VIT_JAX_HOST_ALLOCATOR value
     sys.exit(f'vit_jax: {e}')
+  cli_help.as_the_program(__name__)
   app.run(main, flags_parser=parse_flags)
 
 

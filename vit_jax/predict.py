@@ -18,6 +18,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from vit_jax import cli_help
 from vit_jax import data_sources
 from vit_jax import input_pipeline
 from vit_jax import model_flags
@@ -135,6 +136,7 @@ def main(argv):
 def run_cli():
   """The `vit-predict` console script."""
   _define_flags()
+  cli_help.as_the_program(__name__, model_flags.__name__)
   app.run(main)
 
 

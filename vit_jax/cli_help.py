@@ -1,0 +1,20 @@
+"""`--help` for the absl programs run as console scripts (vit-train, vit-evaluate, ...).
+
+absl's `--help` prints `__main__`'s docstring and the flags its module declared. Run as a
+console script, `__main__` is pip's wrapper, with no docstring and no flags, so
+`vit-train --help` printed only "USAGE: vit-train [flags]". `python -m` was not affected.
+"""
+import sys
+
+from absl import flags
+
+
+def as_the_program(module_name, *flag_modules):
+  """Makes `--help` print module `module_name`'s docstring and the flags that it and
+  `flag_modules` (module names) define. Call after the flags are defined, before app.run."""
+  main = sys.modules['__main__']
+  if not main.__doc__:
+    main.__doc__ = sys.modules[module_name].__doc__
+  for name in (module_name, *flag_modules):
+    for flag in flags.FLAGS.get_key_flags_for_module(name):
+      flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
