@@ -342,6 +342,17 @@ def test_bad_config_fails_at_start_up(idx_dir, tmp_path, overrides, message):
   assert not glob.glob(str(tmp_path / 'bad' / 'checkpoints' / '*'))
 
 
+def test_a_bad_config_is_named_before_missing_data(tmp_path):
+  """`--config=finetune:ViT-Z_16,cifar10` on a machine without CIFAR-10 named the data
+  first; once the user had prepared it, the model. The model comes first now."""
+  c = _config(str(tmp_path / 'no_data'), dataset='cifar10', model_name='ViT-Z_16')
+  with pytest.raises(ValueError, match="^Unknown model 'ViT-Z_16'"):
+    train.train_and_evaluate(c, str(tmp_path / 'bad'))
+  c = _config(str(tmp_path / 'no_data'), dataset='cifar10')
+  with pytest.raises(ValueError, match='^dataset cifar10 is not prepared'):
+    train.train_and_evaluate(c, str(tmp_path / 'missing'))
+
+
 def _main(args, env_extra=None):
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2', **(env_extra or {}))
   return subprocess.run([sys.executable, '-m', 'vit_jax.main', *args], cwd=ROOT, env=env,

@@ -179,6 +179,8 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None):
   """
   workdir = paths.resolve(workdir)  # orbax refuses relative checkpoint paths
   try:
+    # What needs no dataset first: a mistyped model is not reported as data that is missing.
+    validate_config(config)
     info = input_pipeline.get_info(config)
     num_classes = config.num_classes if config.num_classes > 0 else info.num_classes
     validate_config(config, info.num_train_examples, dataset_classes=info.num_classes)
