@@ -330,6 +330,9 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   build_seconds = time.perf_counter() - t_build  # ahead-of-time compilation, if any
   heap_wait = host_memory.TemporariesWait(_temp_bytes(jitted_step),
                                           platform=jax.devices()[0].platform)
+  # memory_analysis() in _temp_bytes leaves 50-130 MiB of freed pages that the step's
+  # buffers do not reuse (benchmarks/README.md, twenty-first session).
+  host_memory.release_freed()
   eval_step = jax.jit(
       masked_patches.make_eval_step(model, config) if masked_patches.is_masked(config) else
       make_eval_step(model), in_shardings=(param_sh, batch_sharding), out_shardings=replicated)
@@ -577,8 +580,8 @@ def _fitting_train_step(config, model, tx, schedule, mesh, in_shardings, abstrac
     c = config.copy_and_resolve_references()
     c.accum_steps = accum
     compiled = jitted(c).lower(*abstract_args).compile()
-    host_memory.release_freed()
     need = _step_memory(compiled)
+    host_memory.release_freed()  # after memory_analysis(), which leaves freed pages too
     if limit is None or need is None or need <= limit:
       if config.accum_steps == 0:
         logging.info(
