@@ -206,6 +206,28 @@ def test_damaged_checkpoints_fall_back_to_an_intact_one(good, tmp_path):
       np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+def test_a_checkpoint_whose_bytes_changed_is_not_trained_on_or_exported(good, tmp_path):
+  # Bits overwritten in place: every file stays readable, and orbax alone would restore
+  # the garbage (a 1e38 weight) and rewrite final.npz from it with exit status 0.
+  run = _copy(good, tmp_path)
+  data = run / 'checkpoints/30/default/ocdbt.process_0/d'
+  for name in os.listdir(data):
+    size = os.path.getsize(data / name)
+    if size > 100_000:
+      with open(data / name, 'r+b') as f:
+        f.seek(size // 2)
+        f.write(b'\xde\xad\xbe\xef' * 3)
+  rc, err, last = _cli(tmp_path, 'run')
+  assert rc == 0, err[-3000:]
+  assert re.search(
+      r'Checkpoint of step 30 .* cannot be restored \(\S+ does not match the '
+      r'checksum saved with it \(damaged files\)\): moved to', err), err[-3000:]
+  assert 'Resuming from the checkpoint of step 20' in err
+  with np.load(good / 'final.npz') as a, np.load(run / 'final.npz') as b:
+    for k in a.files:  # retrained from step 20: the same parameters as the good run
+      np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
 def test_workdir_of_another_model_says_so(good, tmp_path):
   _copy(good, tmp_path)
   rc, err, last = _cli(tmp_path, 'run', '--config.model.hidden_size=32',

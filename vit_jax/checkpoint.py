@@ -5,6 +5,7 @@ that hybrid GroupNorm parameters are stored as (1, 1, 1, C). BiT files (BiT-S/Bi
 TF names ('resnet/block1/unit01/a/group_norm/gamma'); the mapping lives here and only
 here. Files are read with allow_pickle=False: an object array is refused.
 """
+import functools
 import io
 import json
 import os
@@ -321,8 +322,61 @@ def train_state_manager(directory, keep):
                                item_handlers=ocp.StandardCheckpointHandler())
 
 
+# orbax restores whatever bytes are on disk: a flipped bit comes back as a wrong weight, and
+# a damaged checkpoint would go on training or be exported as final.npz. Each save stores
+# two wrapping uint32 sums per array in the step's metadata; a restore recomputes them.
+_CHECKSUMS = 'vit_jax_checksums'
+
+
+def _words(x):
+  """The array's bits as a flat uint32 vector (8- and 16-bit items widened)."""
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+  return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).ravel()
+
+
+def _leaf_sums(x):
+  # Integer sums wrap exactly, so the result is the same on any mesh and reduction order;
+  # the odd weights catch values that moved as well as values that changed.
+  words = _words(x)
+  weights = 2 * jnp.arange(words.size, dtype=jnp.uint32) + 1
+  return jnp.stack([jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * weights, dtype=jnp.uint32)])
+
+
+@functools.lru_cache(maxsize=None)
+def _sums_on(mesh):
+  """The jitted per-leaf sums, replicated on `mesh` (None: where the inputs are)."""
+  out = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.jit(lambda tree: jax.tree.map(_leaf_sums, tree), out_shardings=out)
+
+
+def state_checksums(state):
+  """{array path: [sum, weighted sum]} of a train state's arrays (global arrays, any mesh)."""
+  mesh = next((x.sharding.mesh for x in jax.tree.leaves(state)
+               if isinstance(getattr(x, 'sharding', None), jax.sharding.NamedSharding)), None)
+  sums = jax.device_get(_sums_on(mesh)(state))
+  return {
+      jax.tree_util.keystr(path, simple=True, separator='/'): [int(v) for v in value]
+      for path, value in jax.tree_util.tree_leaves_with_path(sums)
+  }
+
+
 def save_train_state(manager, step, state, force=False):
-  return manager.save(step, args=ocp.args.StandardSave(state), force=force)
+  return manager.save(step, args=ocp.args.StandardSave(state), force=force,
+                      custom_metadata={_CHECKSUMS: state_checksums(state)})
+
+
+def _check_sums(manager, step, state):
+  """Raises ValueError naming the first array whose bits differ from those saved at `step`
+  (checkpoints written before checksums were kept pass)."""
+  saved = (manager.metadata(step).custom_metadata or {}).get(_CHECKSUMS)
+  if not saved:
+    return
+  restored = state_checksums(state)
+  for key in sorted(set(saved) | set(restored)):
+    if saved.get(key) != restored.get(key):
+      raise ValueError(f'{key} does not match the checksum saved with it (damaged files)')
 
 
 def _flat_shapes(tree):
@@ -369,8 +423,9 @@ def restore_train_state(manager, abstract_state, *, move_bad=True):
   """The newest restorable state, laid out as `abstract_state` (ShapeDtypeStructs with
   shardings, so it restores onto any mesh), or None when there is none.
 
-  A damaged step (truncated files, missing metadata) is moved aside as
-  `<step>.corrupt-<time>` with a one-line warning, and the previous step is tried.
+  A damaged step (truncated files, missing metadata, arrays whose checksums differ from
+  those saved with them) is moved aside as `<step>.corrupt-<time>` with a one-line
+  warning, and the previous step is tried.
   Checkpoints of another model raise DifferentModelError naming a parameter.
   """
   directory = str(manager.directory)
@@ -380,6 +435,7 @@ def restore_train_state(manager, abstract_state, *, move_bad=True):
     if check_fits(manager, step, abstract_state):
       try:
         state = manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+        _check_sums(manager, step, state)
         if moved:
           manager.reload()
         return state
