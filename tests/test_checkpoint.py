@@ -4,6 +4,7 @@ The fake files are built from the model's own jax.eval_shape tree (ViT, hybrid) 
 BiT's TF naming written out here, filled with random numbers: nothing is downloaded.
 """
 import logging
+import os
 
 import flax
 import jax
@@ -15,6 +16,7 @@ import scipy.ndimage
 from tests import numpy_reference as ref
 from vit_jax import checkpoint
 from vit_jax import models
+from vit_jax.configs import common
 
 
 def _random_like(shape, rng, name):
@@ -151,6 +153,61 @@ def test_not_an_npz_is_a_clear_error(tmp_path):
   path.write_bytes(b'not a zip file')
   with pytest.raises(ValueError, match='not a readable .npz'):
     checkpoint.load_npz(str(path))
+
+
+def _damage(path, at):
+  with open(path, 'r+b') as f:
+    f.seek(at)
+    f.write(b'\xde\xad\xbe\xef')
+
+
+def test_a_damaged_npz_is_one_line_and_a_workdir_is_told_to_rerun(tmp_path):
+  # Bytes overwritten inside a stored array: the zip's CRC catches it (BadZipFile).
+  run = tmp_path / 'run'
+  run.mkdir()
+  model = models.get_model('ViT-Ti_16', 10, **TINY)
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False)['params']
+  checkpoint.save_npz(str(run / 'final.npz'), params)
+  c = common.get_config()
+  c.model_name = 'ViT-Ti_16'
+  c.model.update(TINY)
+  config = c.to_json_best_effort()
+  (run / 'config.json').write_text(config)
+  checkpoint.load_run(str(run))  # intact
+  _damage(run / 'final.npz', os.path.getsize(run / 'final.npz') // 3)
+  with pytest.raises(ValueError, match=r'final.npz is damaged \(.*CRC.*\): download or export'):
+    checkpoint.load_npz(str(run / 'final.npz'))
+  with pytest.raises(
+      ValueError, match=r'final.npz is damaged .*: run vit-train again with the '
+      r'same --workdir to write it again'):
+    checkpoint.load_run(str(run))
+  (run / 'config.json').write_text(config[:40])
+  with pytest.raises(
+      ValueError, match=r'config.json is damaged \(.*\): restore it, or run '
+      r"vit-train again .*--config.resume_changes='\*'"):
+    checkpoint.load_run(str(run))
+
+
+def test_a_write_killed_midway_leaves_no_temporary_behind_the_next(tmp_path):
+  (tmp_path / 'final.npz.abc123.tmp').write_bytes(b'half a file')  # kill -9 during a write
+  checkpoint.save_npz(str(tmp_path / 'final.npz'), {'head': {'bias': np.zeros(3, np.float32)}})
+  assert sorted(os.listdir(tmp_path)) == ['final.npz']
+
+
+def test_checksums_are_those_of_the_bits_on_any_mesh():
+  x = jnp.arange(24, dtype=jnp.float32).reshape(4, 6)
+  state = {'a': x, 'step': jnp.int32(3), 'b': jnp.ones(3, jnp.bfloat16)}
+  sums = checkpoint.state_checksums(state)
+  words = np.asarray(x).view(np.uint32).ravel().astype(np.uint64)
+  weights = 2 * np.arange(words.size, dtype=np.uint64) + 1
+  assert sums['a'] == [int(words.sum() % 2**32), int((words * weights).sum() % 2**32)]
+  assert sums['step'] == [3, 3]
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ('data',))
+  sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data')))
+  assert checkpoint.state_checksums({'a': sharded, 'step': state['step'], 'b': state['b']}) == sums
+  moved = x.at[0, 0].set(x[0, 1]).at[0, 1].set(x[0, 0])  # two values swapped
+  assert checkpoint.state_checksums({**state, 'a': moved})['a'][0] == sums['a'][0]
+  assert checkpoint.state_checksums({**state, 'a': moved})['a'][1] != sums['a'][1]
 
 
 TINY = dict(num_layers=1, hidden_size=32, mlp_dim=32, num_heads=2)

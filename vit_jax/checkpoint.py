@@ -6,6 +6,7 @@ TF names ('resnet/block1/unit01/a/group_norm/gamma'); the mapping lives here and
 here. Files are read with allow_pickle=False: an object array is refused.
 """
 import functools
+import glob
 import io
 import json
 import os
@@ -13,6 +14,7 @@ import re
 import tempfile
 import time
 import zipfile
+import zlib
 
 from absl import logging
 import flax
@@ -23,6 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import scipy.ndimage
 
+from vit_jax import errors
 from vit_jax import models
 from vit_jax import paths
 
@@ -32,15 +35,28 @@ _BIT_NORM_PARAMS = {'gamma': 'scale', 'beta': 'bias'}
 _GN_NAME = re.compile(r'(^|/)gn(_root|_proj|\d)/(scale|bias)$')
 
 
+class UnreadableFileError(ValueError):
+  """An .npz that cannot be read (missing, not a zip, damaged); `reason` says how."""
+
+  def __init__(self, path, reason, fix):
+    super().__init__(f'{path} {reason}: {fix}')
+    self.path, self.reason = path, reason
+
+
 def _read_npz(path):
   try:
-    f = paths.open_file(path, 'rb')
-  except (OSError, IOError) as e:
-    raise ValueError(f'Cannot open checkpoint {path} ({e}): check the path and download') from None
-  with f:
-    data = io.BytesIO(f.read())
+    with paths.open_file(path, 'rb') as f:
+      data = io.BytesIO(f.read())
+  except Exception as e:  # pylint: disable=broad-except
+    # OSError locally; tf.errors.OpError from gs:// (TensorFlow is imported only there).
+    if not isinstance(e, OSError) and not type(e).__module__.startswith('tensorflow'):
+      raise
+    fix = ('download it (gsutil cp or curl) and pass the local file'
+           if paths.is_remote(path) else 'check the path and download')
+    raise UnreadableFileError(path, f'cannot be read ({errors.one_line(e)})', fix) from None
   if not zipfile.is_zipfile(data):
-    raise ValueError(f'{path} is not a readable .npz (zip) file: check the path and download')
+    raise UnreadableFileError(path, 'is not a readable .npz (zip) file',
+                              'check the path and download')
   try:
     with np.load(data, allow_pickle=False) as npz:
       return {k: npz[k] for k in npz.files}
@@ -49,8 +65,11 @@ def _read_npz(path):
       raise ValueError(
           f'{path} holds pickled (object) arrays, which are never loaded: re-export it '
           'with numeric arrays only (e.g. checkpoint.save_npz)') from None
-    raise ValueError(
-        f'{path} is not a readable .npz file ({e}): check the path and download') from None
+    raise UnreadableFileError(path, f'is not a readable .npz file ({e})',
+                              'check the path and download') from None
+  except (zipfile.BadZipFile, EOFError, OSError, zlib.error) as e:  # damaged after writing
+    raise UnreadableFileError(path, f'is damaged ({errors.one_line(e)})',
+                              'download or export it again') from None
 
 
 def _is_bit(flat):
@@ -145,7 +164,9 @@ def save_npz(path, params):
     return
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=directory, suffix='.npz.tmp')
+  for stale in glob.glob(glob.escape(os.path.abspath(path)) + '.*.tmp'):  # a write killed
+    os.remove(stale)
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + '.', suffix='.tmp')
   try:
     with os.fdopen(fd, 'wb') as f:
       np.savez(f, **out)
@@ -284,16 +305,24 @@ def load_run(workdir):
   workdir = paths.resolve(workdir)
   config_path = os.path.join(workdir, 'config.json')
   final_path = os.path.join(workdir, 'final.npz')
+  rerun = 'run vit-train again with the same --workdir'
   try:
     with paths.open_file(config_path, 'r') as f:
       config = ml_collections.ConfigDict(json.load(f))
   except (OSError, IOError):
     raise ValueError(f'{workdir} has no config.json: pass the --workdir of a vit-train '
                      'run') from None
+  except ValueError as e:
+    raise ValueError(f'{config_path} is damaged ({errors.one_line(e)}): restore it, or {rerun} '
+                     'and --config.resume_changes=\'*\' to write it again') from None
   if not paths.exists(final_path):
-    raise ValueError(f'{workdir} has no final.npz: the run has not finished; run vit-train '
-                     'again with the same --workdir to finish it') from None
-  params = load_npz(final_path)
+    raise ValueError(f'{workdir} has no final.npz: the run has not finished; {rerun} to '
+                     'finish it') from None
+  try:
+    params = load_npz(final_path)
+  except UnreadableFileError as e:
+    raise ValueError(f'{final_path} {e.reason}: {rerun} to write it again from the last '
+                     'checkpoint') from None
   flat = flax.traverse_util.flatten_dict(params, sep='/')
   num_classes = flat['head/kernel'].shape[-1] if 'head/kernel' in flat else 0
   model = models.from_config(config, num_classes)
