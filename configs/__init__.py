@@ -18,6 +18,7 @@ import os
 import re
 
 from absl import flags
+import ml_collections
 from ml_collections import config_flags
 
 PACKAGED = ('quickstart', 'finetune', 'pretrain', 'table2', 'masked_patches')
@@ -51,8 +52,17 @@ def load(spec, overrides=()):
   path, _, arg = resolve(spec).partition(':')
   module_spec = importlib.util.spec_from_file_location('_vit_jax_config', path)
   module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
+  try:
+    module_spec.loader.exec_module(module)
+  except SyntaxError as e:
+    raise ValueError(f'{e.filename}:{e.lineno}: {e.msg}: fix the config file') from None
+  except ImportError as e:
+    raise ValueError(f'{path}: {e}: fix the import in the config file') from None
+  if not callable(getattr(module, 'get_config', None)):
+    raise ValueError(f'{path} defines no get_config(): a config file returns its ConfigDict '
+                     'from get_config()')
   config = module.get_config(arg) if arg else module.get_config()
+  _check_complete(config, path)
   if not overrides:
     return config
   check_override_names(config, overrides)
@@ -64,6 +74,19 @@ def load(spec, overrides=()):
   except flags.Error as e:
     raise ValueError(str(e).strip().splitlines()[0]) from None
   return flag_values.config
+
+
+def _check_complete(config, path):
+  """A config of one's own must hold every field of common.py (where each is explained)."""
+  from vit_jax.configs import common  # pylint: disable=g-import-not-at-top  (this package)
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ValueError(f'{path}: get_config() returned a {type(config).__name__}, not an '
+                     'ml_collections.ConfigDict: start from vit_jax.configs.common.get_config()')
+  missing = [k for k in common.get_config() if k not in config]
+  if missing:
+    shown = ', '.join(missing[:5]) + (f' and {len(missing) - 5} more' if len(missing) > 5 else '')
+    raise ValueError(f'{path}: the config lacks {shown}: start from '
+                     'vit_jax.configs.common.get_config() and set what differs')
 
 
 def check_override_names(config, args):

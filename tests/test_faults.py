@@ -107,6 +107,9 @@ def test_diverging_resume_keeps_good_checkpoints_and_final(good, tmp_path):
   assert 'training diverged' in last and 'the checkpoint of step 30 is kept' in last, last
   assert _steps(run) == ['10', '20', '30']
   assert _read(run / 'final.npz') == final
+  # config.json still describes the saved run: the plain command resumes it.
+  with open(run / 'config.json') as f:
+    assert json.load(f)['base_lr'] == 1e-3
 
 
 # 3. Resume safety.
@@ -120,6 +123,31 @@ def test_changed_config_is_refused(good, tmp_path):
   assert '--config.resume_changes=model.hidden_size,seed' in last
   assert _read(run / 'config.json') == config  # written only after the check passes
   assert _steps(run) == ['10', '20', '30']
+
+
+def test_a_damaged_config_json_stops_a_resume_with_another_config(good, tmp_path):
+  run = _copy(good, tmp_path)
+  final = _read(run / 'final.npz')
+  with open(run / 'config.json', 'r+') as f:
+    f.truncate(50)
+  rc, err, last = _cli(tmp_path, 'run', '--config.batch_size=64')
+  assert rc == 1, err[-3000:]
+  assert re.match(
+      r"vit_jax: \S+/config.json cannot be read \(.*\), so this config cannot be "
+      r"checked .*: restore the file, or pass --config.resume_changes='\*'", last), last
+  assert _read(run / 'final.npz') == final
+
+
+def test_total_steps_below_the_saved_step_is_refused(good, tmp_path):
+  run = _copy(good, tmp_path)
+  config = _read(run / 'config.json')
+  rc, err, last = _cli(tmp_path, 'run', '--config.total_steps=20',
+                       '--config.resume_changes=total_steps')
+  assert rc == 1, err[-3000:]
+  assert re.match(
+      r'vit_jax: workdir \S+ holds a run at step 30, past total_steps 20: set '
+      r'--config.total_steps to 30 or more', last), last
+  assert _read(run / 'config.json') == config
 
 
 def test_config_check_fields(good, tmp_path):
@@ -355,7 +383,10 @@ def _config(**overrides):
   c.update(total_steps=3, warmup_steps=1, batch_size=16, eval_batch_size=16,
            train_split='train[:64]', eval_split='test[:16]')
   for k, v in overrides.items():
-    c[k] = v
+    if isinstance(v, dict):
+      c[k].update(v)
+    else:
+      c[k] = v
   return c
 
 
@@ -381,6 +412,12 @@ def _make_folder(root, empty_class):
      r'dataset mnist is not prepared in data_dir .*DATA: run `tfds build mnist '
      r'--data_dir=.*DATA` or set --config.data_dir'),
     (dict(dataset='FOLDER'), r'class folder .*/train/c holds no images'),
+    (dict(pp=dict(eval_crop='center')),
+     r"pp.eval_crop 'center' is unknown: set --config.pp.eval_crop to one of"),
+    (dict(pp=dict(inception_min_area=2.0)), r'pp.inception_min_area 2.0 is a fraction .* \(0, 1\]'),
+    (dict(eval_batch_size=0), r'eval_batch_size 0 is not a positive multiple of the 8 devices'),
+    (dict(model=dict(dropout_rate=2.0)), r'model.dropout_rate 2.0 is a probability: set '
+     r'--config.model.dropout_rate to a value in \[0, 1\)'),
 ])
 def test_bad_values_fail_at_start_up(tmp_path, overrides, message):
   if overrides.get('data_dir') == 'DATA':
@@ -390,6 +427,34 @@ def test_bad_values_fail_at_start_up(tmp_path, overrides, message):
   with pytest.raises(train.ConfigError, match=message):
     train.train_and_evaluate(_config(**overrides), str(tmp_path / 'run'))
   assert not (tmp_path / 'run').exists()
+
+
+def test_a_relative_folder_dataset_is_recorded_as_an_absolute_path(tmp_path, monkeypatch):
+  # vit-evaluate and vit-predict read config.json from other directories.
+  _make_folder(tmp_path / 'images', 'c')
+  os.rmdir(tmp_path / 'images' / 'train' / 'c')
+  monkeypatch.chdir(tmp_path)
+  train.train_and_evaluate(
+      _config(dataset='folder:images', train_split='train', eval_split='test', batch_size=8,
+              eval_batch_size=8), 'run', stop_after_steps=0)
+  with open(tmp_path / 'run' / 'config.json') as f:
+    assert json.load(f)['dataset'] == f'folder:{tmp_path}/images'
+
+
+@pytest.mark.parametrize('text,message', [
+    ('def get_config(:\n', r'my.py:1: invalid syntax: fix the config file'),
+    ('import no_such_module\n', r"my.py: No module named 'no_such_module': fix the import"),
+    ('import ml_collections\ndef get_config():\n  c = ml_collections.ConfigDict()\n'
+     '  c.batch_size = 8\n  return c\n', r'my.py: the config lacks \w+, .* and \d+ more: start '
+     r'from vit_jax.configs.common.get_config\(\)'),
+])
+def test_a_broken_config_file_is_one_line(tmp_path, text, message):
+  (tmp_path / 'my.py').write_text(text)
+  proc = subprocess.run([sys.executable, '-m', 'vit_jax.main', '--config=my.py', '--workdir=w'],
+                        cwd=tmp_path, env=_env(1), capture_output=True, text=True, timeout=120)
+  last = proc.stderr.strip().splitlines()[-1]
+  assert proc.returncode == 1 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+  assert re.search(message, last), last
 
 
 def test_label_beyond_the_head_stops_the_run(tmp_path):

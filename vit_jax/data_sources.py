@@ -229,8 +229,12 @@ class _TfdsSource(Source):
     try:
       self.builder = tfds.builder(name, data_dir=data_dir or None)
     except tfds.core.registered.DatasetNotFoundError:
-      raise ValueError(f"dataset {name!r} is not a TFDS dataset: set --config.dataset "
-                       "to a TFDS name, 'folder:<dir>' or 'fashion_mnist_local'") from None
+      # TFDS also reads a dataset prepared elsewhere (imagenet21k, jft) from data_dir.
+      raise ValueError(f"dataset {name!r} is neither a TFDS dataset nor prepared in data_dir "
+                       f"{data_dir or '~/tensorflow_datasets'}: put its prepared files there "
+                       f"({name}/<version>/, as `tfds build` writes them) and set "
+                       "--config.data_dir, or set --config.dataset to a TFDS name, "
+                       "'folder:<dir>' or 'fashion_mnist_local'") from None
     # The data_dir root, as a user would pass it to `tfds build --data_dir`.
     self.data_dir = data_dir or os.path.dirname(os.path.dirname(self.builder.data_dir))
     # A VTAB-1k task whose label is computed from other features (vit_jax/vtab.py); not

@@ -1,4 +1,5 @@
 """The errors a run ends with: vit-train prints each as one line, `vit_jax: <message>`."""
+import re
 
 
 class ConfigError(ValueError):
@@ -19,3 +20,11 @@ def one_line(error):
   lines = [l.strip() for l in str(error).splitlines() if l.strip()]
   text = lines[-1] if lines else type(error).__name__
   return text if len(text) <= 300 else text[:297] + '...'
+
+
+def op_error_line(error):
+  """The first line of a TensorFlow op error without its graph-node markup ({{...}}, [[...]])."""
+  text = getattr(error, 'message', None) or str(error)
+  text = re.sub(r'\{\{[^}]*\}\}|\[\[.*?\]\]', '', text)
+  lines = [l.strip() for l in text.splitlines() if l.strip()]
+  return lines[0] if lines else type(error).__name__

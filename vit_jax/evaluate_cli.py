@@ -9,6 +9,7 @@ r"""vit-evaluate: top-1 (also ImageNet ReaL) and few-shot linear accuracy of a c
 the run's (--workdir), else those of configs/common.py. The evaluation itself is
 vit_jax/evaluate.py.
 """
+import re
 import sys
 
 from absl import app
@@ -150,7 +151,13 @@ def main(argv):
   try:
     print(run(flags.FLAGS))
   except (ValueError, FileNotFoundError) as e:
-    sys.exit(f'vit-evaluate: {e}')
+    sys.exit(f'vit-evaluate: {_own_flags(str(e))}')
+
+
+def _own_flags(message):
+  """The shared code names vit-train's --config.x; where vit-evaluate has --x, that one."""
+  return re.sub(r'--config\.(\w+)', lambda m: f'--{m.group(1)}'
+                if m.group(1) in flags.FLAGS else m.group(0), message)
 
 
 def run_cli():

@@ -20,6 +20,7 @@ from ml_collections import config_flags
 from vit_jax import cli_help
 from vit_jax import configs
 from vit_jax import cpu_features
+from vit_jax import errors
 from vit_jax import host_allocator
 from vit_jax import paths
 from vit_jax import xla_cpu_flags
@@ -141,7 +142,12 @@ def main(argv):
     sys.exit(f'vit_jax: cannot create {log_dir} ({e.strerror}): choose another --workdir'
              + (' or --local_log_dir' if log_dir != workdir else ''))
   name = 'train' if jax.process_index() == 0 else f'train.process{jax.process_index()}'
-  logging.get_absl_handler().use_absl_log_file(name, log_dir)
+  try:
+    logging.get_absl_handler().use_absl_log_file(name, log_dir)
+  except OSError as e:  # absl: "Can't find a writable directory for logs"
+    sys.exit(f'vit_jax: cannot write the log in {log_dir} ({errors.one_line(e)}): fix its '
+             'permissions or choose another --workdir'
+             + (' or --local_log_dir' if log_dir != workdir else ''))
   logging.get_absl_handler().addFilter(_QuietLibraries())
   FLAGS.alsologtostderr = True
   logging.info('process %d/%d, %d local / %d global devices (%s)', jax.process_index(),
@@ -156,6 +162,10 @@ def main(argv):
     train.train_and_evaluate(FLAGS.config, workdir)
   except train.ConfigError as e:
     sys.exit(f'vit_jax: {e}')
+  except KeyboardInterrupt:  # before the loop's own handler (restore, compile, data set-up)
+    sys.stderr.write('vit_jax: interrupted (Ctrl-C) before training started: nothing new '
+                     'was saved; run the same command to start again\n')
+    sys.exit(130)
 
 
 def run():

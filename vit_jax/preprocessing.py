@@ -67,6 +67,25 @@ def inception_crop(image: tf.Tensor, seed: tf.Tensor, min_area: float = 0.05) ->
   return out
 
 
+TRAIN_CROPS = ('inception', 'resize')
+EVAL_CROPS = ('resize', 'central')
+
+
+def validate(config):
+  """Start-up checks of config.pp: one-line ValueErrors naming the field and the fix."""
+  pp = config.pp
+  if pp.train_crop not in TRAIN_CROPS:
+    raise ValueError(f'pp.train_crop {pp.train_crop!r} is unknown: set --config.pp.train_crop '
+                     f'to one of {TRAIN_CROPS}')
+  if pp.eval_crop not in EVAL_CROPS:
+    raise ValueError(f'pp.eval_crop {pp.eval_crop!r} is unknown: set --config.pp.eval_crop to '
+                     f'one of {EVAL_CROPS}')
+  for name in ('inception_min_area', 'central_crop_fraction'):
+    if not 0 < pp[name] <= 1:
+      raise ValueError(f'pp.{name} {pp[name]} is a fraction of the image: set '
+                       f'--config.pp.{name} to a value in (0, 1]')
+
+
 def _scale(image: tf.Tensor) -> tf.Tensor:
   return tf.cast(image, tf.float32) / 127.5 - 1.0
 
@@ -87,8 +106,7 @@ def preprocess_train(image: tf.Tensor, seed: tf.Tensor, config) -> tf.Tensor:
   elif config.pp.train_crop == 'resize':
     image = _decode(image)
   else:
-    raise ValueError(f"pp.train_crop={config.pp.train_crop!r} is unknown: use "
-                     "'inception' or 'resize'.")
+    validate(config)
   size = config.image_size
   image = tf.image.resize(image, (size, size), method='bilinear')
   if config.pp.flip:
@@ -116,6 +134,5 @@ def preprocess_eval(image: tf.Tensor, config) -> tf.Tensor:
     image = image[top:top + size, left:left + size]
     image.set_shape([size, size, 3])
   else:
-    raise ValueError(f"pp.eval_crop={config.pp.eval_crop!r} is unknown: use "
-                     "'resize' or 'central'.")
+    validate(config)
   return _scale(image)

@@ -45,19 +45,30 @@ def record_cpu_flags(workdir, flags):
   if jax.process_index() == 0:
     path = os.path.join(workdir, CPU_FLAGS_FILE)
     try:
-      with tf.io.gfile.GFile(path, 'w') as f:
-        json.dump({'flags': list(flags)}, f)
+      _write_whole(path, json.dumps({'flags': list(flags)}))
     except (OSError, tf.errors.OpError) as e:
       raise errors.ConfigError(f'cannot write {path}: {errors.one_line(e)}: free space or fix '
                                'permissions, or use another --workdir') from None
+
+
+def _write_whole(path, text):
+  """Writes `path` under a temporary name, then renames it: a crash or a full disk leaves
+  the old file or the new one, never half of one (the resume check reads it)."""
+  tmp = f'{path}.tmp-{os.getpid()}'
+  try:
+    with tf.io.gfile.GFile(tmp, 'w') as f:
+      f.write(text)
+    tf.io.gfile.rename(tmp, path, overwrite=True)
+  finally:
+    if tf.io.gfile.exists(tmp):
+      tf.io.gfile.remove(tmp)
 
 
 def write_config(config, workdir):
   if jax.process_index() == 0:
     path = os.path.join(workdir, 'config.json')
     try:
-      with tf.io.gfile.GFile(path, 'w') as f:
-        f.write(config.to_json_best_effort(indent=2))
+      _write_whole(path, config.to_json_best_effort(indent=2))
     except (OSError, tf.errors.OpError) as e:
       raise errors.ConfigError(f'cannot write {path}: {errors.one_line(e)}: free space or fix '
                                'permissions, or use another --workdir') from None
@@ -91,12 +102,16 @@ def check_resume_config(config, workdir):
     with tf.io.gfile.GFile(path) as f:
       old = _flatten(json.loads(f.read()))
   except (ValueError, OSError, tf.errors.OpError) as e:
-    logging.warning('Cannot read %s (%s): resuming without comparing configs', path, e)
-    return
-  new = _flatten(json.loads(config.to_json_best_effort()))
+    old = e
   allowed = [x.strip() for x in str(config.get('resume_changes', '')).split(',') if x.strip()]
   if '*' in allowed:
     return
+  if isinstance(old, Exception):
+    raise errors.ConfigError(
+        f'{path} cannot be read ({errors.one_line(old)}), so this config cannot be checked '
+        'against the run\'s: restore the file, or pass --config.resume_changes=\'*\' to resume '
+        'with this config') from None
+  new = _flatten(json.loads(config.to_json_best_effort()))
 
   def free(key):
     return (key in _FREE_FIELDS or key.startswith(_FREE_PREFIXES)

@@ -36,6 +36,7 @@ from vit_jax import models
 from vit_jax import optim
 from vit_jax import paths
 from vit_jax import polyak
+from vit_jax import preprocessing
 from vit_jax import rundir
 from vit_jax import sharding
 from vit_jax import trace
@@ -92,13 +93,18 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
   if config.prefetch < 0:
     raise ValueError(f'prefetch {config.prefetch} is negative: set --config.prefetch to the '
                      'batches to keep in flight to the devices (0 or more)')
-  if config.eval_batch_size % n_dev:
-    raise ValueError(f'eval_batch_size {config.eval_batch_size} is not a multiple of the {n_dev} '
-                     'devices: set --config.eval_batch_size')
+  if config.eval_batch_size <= 0 or config.eval_batch_size % n_dev:
+    raise ValueError(f'eval_batch_size {config.eval_batch_size} is not a positive multiple of '
+                     f'the {n_dev} devices: set --config.eval_batch_size')
   if config.vtab_task and config.vtab_task not in vtab.VTAB:
     raise ValueError(f'vtab_task {config.vtab_task!r} is not a VTAB-1k task: set '
                      f'--config.vtab_task to one of {" ".join(vtab.VTAB)}, or \'\'')
   fields = models.get_variant(config.model_name, **config.model)
+  for name in ('dropout_rate', 'attention_dropout_rate'):
+    if not 0 <= fields.get(name, 0.0) < 1:
+      raise ValueError(f'model.{name} {fields[name]} is a probability: set '
+                       f'--config.model.{name} to a value in [0, 1)')
+  preprocessing.validate(config)
   if config.pretrained_keep_prelogits and fields.get('representation_size') is None:
     raise ValueError('pretrained_keep_prelogits needs the pre-logits layer in the model: set '
                      '--config.model.representation_size to the checkpoint\'s size')
@@ -178,6 +184,7 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None):
   run, a workdir in use by another run, checkpoints of another model.
   """
   workdir = paths.resolve(workdir)  # orbax refuses relative checkpoint paths
+  config = _with_absolute_paths(config)
   try:
     # What needs no dataset first: a mistyped model is not reported as data that is missing.
     validate_config(config)
@@ -204,6 +211,18 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None):
                   stop_after_steps, writer)
   finally:
     lock.release()
+
+
+def _with_absolute_paths(config):
+  """A copy of `config` whose local data and checkpoint paths are absolute: config.json is
+  read by vit-evaluate and vit-predict, and by resumed runs, from other directories."""
+  config = config.copy_and_resolve_references()
+  if config.dataset.startswith('folder:'):
+    config.dataset = 'folder:' + paths.resolve(config.dataset[len('folder:'):])
+  for name in ('data_dir', 'fewshot_data_dir', 'pretrained_path'):
+    if config.get(name):
+      config[name] = paths.resolve(config[name])
+  return config
 
 
 def _guard_message(guard, config, last_saved):
@@ -299,9 +318,23 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
         f'or fine-tune from that run with --config.pretrained_path={workdir}/final.npz') from None
   param_sh = state_sh['params']
   start = int(_local(state['step']))
+  if start > total_steps:
+    raise ConfigError(f'workdir {workdir} holds a run at step {start}, past total_steps '
+                      f'{total_steps}: set --config.total_steps to {start} or more, or use '
+                      'another --workdir')
   if start:
     logging.info('Resuming from the checkpoint of step %d in %s', start, workdir)
-  rundir.write_config(config, workdir)
+  # config.json describes the saved results: a resumed run that saves nothing (diverged,
+  # refused, killed) leaves the one they were made with.
+  config_written = {'done': False}
+
+  def write_config():
+    if not config_written['done']:
+      rundir.write_config(config, workdir)
+      config_written['done'] = True
+
+  if not start:
+    write_config()
   if start == 0 and jax.devices()[0].platform == 'cpu':  # what a resumption will run with
     rundir.record_cpu_flags(workdir, xla_cpu_flags.last_flags)
   flops_per_step = flops.step_flops(config, num_classes)
@@ -400,6 +433,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
     check_guard(_local(state['guard']))  # a non-finite state is never saved
     check_save(block=True)
     saves['pending'] = step
+    write_config()
     try:
       checkpoint.save_train_state(manager, step, _without_guard(state), force=True)
     except Exception as e:  # pylint: disable=broad-except
@@ -413,7 +447,12 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
     for step in range(start + 1, last + 1):
       profile.before(step)
       try:
-        batch = next(batches)
+        try:
+          batch = next(batches)
+        except tf.errors.OpError as e:  # not a write: the except around the loop says so
+          raise TrainingError(f'reading the training data failed before step {step}: '
+                              f'{errors.op_error_line(e)}: check --config.dataset and '
+                              '--config.pp') from None
         t_step = time.perf_counter()
         heap_wait.before_step()
         state, metrics = jitted_step(state, batch, rng)
@@ -508,8 +547,12 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
     if finished:
       # Collective under FSDP or on several hosts; only process 0 writes the file.
       params = multihost_utils.process_allgather(eval_params(state), tiled=True)
+      write_config()
       if jax.process_index() == 0:
         checkpoint.save_npz(os.path.join(workdir, 'final.npz'), params)
+      if preemption.requested:  # during the last evaluation, which went on
+        logging.warning('%s came after the last step: the run finished all the same',
+                        preemption.requested)
       logging.info('Final %s %s: %.4f after %d steps (parameters: %s)', config.eval_split, metric,
                    result['accuracy'], total_steps, os.path.join(workdir, 'final.npz'))
   except (OSError, tf.errors.OpError) as e:
