@@ -13,6 +13,9 @@ from PIL import Image
 from vit_jax import checkpoint
 from vit_jax import inspection as vit_inspect
 from vit_jax import models
+from vit_jax import preprocessing
+from tests.test_predict import shell
+from tests.test_predict import write_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(num_layers=2, hidden_size=32, mlp_dim=64, num_heads=2, patch_size=7)
@@ -190,3 +193,51 @@ def test_cli_end_to_end(tiny):
     assert arrays['rollout'].shape == (2, 4, 4)
     assert arrays['posemb_similarity'].shape == (4, 4, 4, 4)
     assert arrays['filter_components'].shape == (12, 7, 7, 3)
+
+
+def test_outdir_that_cannot_be_a_folder(tiny):
+  home = tiny['tmp'] / 'outdir_user'
+  home.mkdir()
+  (home / 'afile').write_text('a file\n')
+  model = [
+      'vit-inspect', '--checkpoint', tiny['path'], '--model', 'ViT-Ti_16', '--model_overrides',
+      ','.join(f'{k}={v}' for k, v in TINY.items()), '--image_size', '28'
+  ]
+  for outdir, message in (('afile', '--outdir afile is a file: pass a folder (new or existing)'),
+                          ('afile/sub', '--outdir afile/sub: part of that path is a file: pass a '
+                           'folder path')):
+    out = shell(model + ['--outdir', outdir], home)
+    assert out.returncode == 1 and 'Traceback' not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.splitlines()[-1] == f'vit-inspect: {message}'
+  (home / 'bad.jpg').write_text('not an image\n')
+  out = shell(model + ['--images', 'bad.jpg'], home)
+  assert out.returncode == 1 and 'Traceback' not in out.stderr, out.stderr[-2000:]
+  assert out.stderr.splitlines()[-1] == (
+      'vit-inspect: Cannot read image bad.jpg (not a JPEG, PNG, GIF, BMP or WebP image): pass '
+      'JPEG, PNG, GIF, BMP or WebP files')
+
+
+def test_images_are_preprocessed_as_the_run_evaluates_them(tmp_path):
+  """As vit-predict: TF decoding (16-bit PNGs scaled, images past Pillow's pixel limit
+  read) and the run's pp.eval_crop (here a central crop)."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  config = write_run(str(tmp_path / 'wd'), eval_crop='central')
+  ramp = np.linspace(0, 65535, 28 * 28).reshape(28, 28).astype(np.uint16)
+  Image.fromarray(ramp).save(tmp_path / 'gray16.png')
+  assert Image.open(tmp_path / 'gray16.png').mode == 'I;16'
+  rng = np.random.default_rng(0)
+  Image.fromarray(rng.integers(0, 256, (30, 60, 3), dtype=np.uint8)).save(tmp_path / 'wide.png')
+  Image.new('L', (14000, 14000)).save(tmp_path / 'big.png')  # Pillow's bomb check refuses it
+  out = shell([
+      'vit-inspect', '--workdir', 'wd', '--images', 'gray16.png,wide.png,big.png', '--outdir',
+      'figs'
+  ], tmp_path)
+  assert out.returncode == 0, out.stderr[-2000:]
+  with np.load(tmp_path / 'figs' / 'arrays.npz') as arrays:
+    images = arrays['images']
+  assert images.shape == (3, 28, 28, 3)
+  for image, name in zip(images[:2], ('gray16.png', 'wide.png')):
+    want = preprocessing.preprocess_eval(tf.io.read_file(str(tmp_path / name)), config).numpy()
+    np.testing.assert_allclose(image, want, atol=1e-6)
+  assert abs(images[0].mean()) < 0.05  # the ramp, not clipped to white
+  assert np.all(images[2] == -1)

@@ -301,18 +301,15 @@ def figure_png(fig):
 
 
 # -------------------------------------------------------------------- CLI
-def load_images(paths, image_size):
-  """Image files -> float32 [n, S, S, 3] in [-1, 1] (resized, bilinear)."""
-  from PIL import Image  # pylint: disable=g-import-not-at-top
-  out = []
-  for path in paths:
-    try:
-      with Image.open(path) as im:
-        im = im.convert('RGB').resize((image_size, image_size), Image.BILINEAR)
-        out.append(np.asarray(im, np.float32) / 127.5 - 1.0)
-    except OSError as e:
-      raise ValueError(f'Cannot read image {path} ({e}): pass JPEG/PNG files') from None
-  return np.stack(out)
+def load_images(paths, image_size, run_config=None):
+  """Image files -> float32 [n, S, S, 3] in [-1, 1]: decoded and preprocessed as vit-predict
+  does (the run's evaluation crop; 16-bit and gray images too)."""
+  from vit_jax import predict  # pylint: disable=g-import-not-at-top  (loads TF)
+  try:
+    return predict.load_images(paths, predict.eval_config(run_config, image_size))
+  except predict.UnreadableImage as e:
+    raise ValueError(f'Cannot read image {e.path} ({e.reason}): pass {predict.FORMATS} '
+                     'files') from None
 
 
 def inspect_model(model, params, image_size, images=None, names=None, outdir='.',
@@ -340,7 +337,8 @@ def inspect_model(model, params, image_size, images=None, names=None, outdir='.'
     grid_maps = attention_rollout(attn, cls)
     masks = upsample_mask(grid_maps, image_size)
     dist = mean_attention_distance(attn, token_spacing(model), cls)
-    arrays.update(rollout=grid_maps, mean_attention_distance=dist)
+    arrays.update(images=np.asarray(images, np.float32), rollout=grid_maps,
+                  mean_attention_distance=dist)
     names = names or [f'image{i}' for i in range(len(images))]
     for i, name in enumerate(names):
       stem = os.path.splitext(os.path.basename(name))[0]
@@ -362,17 +360,39 @@ def _define_flags():
   return flags.FLAGS
 
 
+def _check_outdir(outdir):
+  """Creates --outdir; a ValueError naming the fix when it cannot hold the figures."""
+  try:
+    os.makedirs(outdir, exist_ok=True)
+  except FileExistsError:
+    raise ValueError(f'--outdir {outdir} is a file: pass a folder (new or '
+                     'existing)') from None
+  except NotADirectoryError:
+    raise ValueError(f'--outdir {outdir}: part of that path is a file: pass a folder '
+                     'path') from None
+  except OSError as e:
+    raise ValueError(f'--outdir {outdir}: cannot create it ({e.strerror}): pass a folder '
+                     'you can write to') from None
+  if not os.access(outdir, os.W_OK | os.X_OK):
+    raise ValueError(f'--outdir {outdir} is not writable: pass a folder you can write to')
+
+
 def main(argv):
   flags_ = flags.FLAGS
   paths = list(flags_.images) + list(argv[1:])
   try:
-    _, model, params, image_size = model_flags.load(flags_)
+    _check_outdir(flags_.outdir)  # before the model loads
+    run_config, model, params, image_size = model_flags.load(flags_)
     if 'embedding' not in params:
       raise ValueError('inspect draws Vision Transformer figures: this model has no patch '
                        'embedding (a BiT ResNet?)')
-    images = load_images(paths, image_size) if paths else None
-    written = inspect_model(model, params, image_size, images, paths, flags_.outdir,
-                            flags_.num_components)
+    images = load_images(paths, image_size, run_config) if paths else None
+    try:
+      written = inspect_model(model, params, image_size, images, paths, flags_.outdir,
+                              flags_.num_components)
+    except OSError as e:
+      raise ValueError(f'Cannot write the figures to --outdir {flags_.outdir} '
+                       f'({e.strerror or e}): pass a folder you can write to') from None
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f'vit-inspect: {e}')
   if not paths:

@@ -7,9 +7,13 @@ Images are preprocessed exactly as the run evaluates them (preprocessing.preproc
 its resolution and evaluation crop; gray images become RGB). Class names come from the
 run's dataset (Fashion-MNIST, the class folders of a folder dataset, the TFDS label
 names); for a published checkpoint, from --labels (one name per line), else indices.
-Folders are searched recursively for image files.
+Folders are searched recursively for image files (hidden files and folders are left out).
+Results are printed batch by batch; a file that cannot be read is warned about and
+skipped, and the exit status is then 1.
 """
+import functools
 import os
+import re
 import sys
 
 from absl import app
@@ -24,19 +28,34 @@ from vit_jax import input_pipeline
 from vit_jax import model_flags
 from vit_jax import preprocessing
 
+# What tf.io.decode_image reads (data_sources.IMAGE_EXTENSIONS); not TIFF.
+FORMATS = 'JPEG, PNG, GIF, BMP or WebP'
+
+
+class UnreadableImage(ValueError):
+  """An image file that cannot be read or decoded: `path` and a short `reason`."""
+
+  def __init__(self, path, reason):
+    super().__init__(f'{path}: {reason}')
+    self.path, self.reason = path, reason
+
 
 def image_files(items):
-  """Files as given, and the image files under folders (sorted)."""
+  """Files as given, and the image files under folders (sorted; hidden ones left out)."""
   out = []
   for item in items:
     if os.path.isdir(item):
-      found = sorted(
-          os.path.join(d, f) for d, _, files in os.walk(item) for f in files
-          if f.lower().endswith(data_sources.IMAGE_EXTENSIONS))
+      found = []
+      for d, dirs, files in os.walk(item):
+        dirs[:] = [x for x in dirs if not x.startswith('.')]
+        found += [
+            os.path.join(d, f) for f in files
+            if not f.startswith('.') and f.lower().endswith(data_sources.IMAGE_EXTENSIONS)
+        ]
       if not found:
         raise ValueError(f'{item} holds no image files '
                          f'({", ".join(data_sources.IMAGE_EXTENSIONS)})')
-      out.extend(found)
+      out.extend(sorted(found))
     elif os.path.isfile(item):
       out.append(item)
     else:
@@ -46,19 +65,62 @@ def image_files(items):
   return out
 
 
-def load_images(files, config):
-  """Files -> float32 [n, S, S, 3] in [-1, 1], as the evaluation preprocesses them."""
+def eval_config(run_config, image_size):
+  """The config preprocessing.preprocess_eval reads: the run's pp, else its defaults."""
+  pp = dict(eval_crop='resize', central_crop_fraction=0.875)
+  pp.update(dict((run_config or {}).get('pp', {})))
+  return ml_collections.ConfigDict(dict(image_size=image_size, pp=pp))
+
+
+def _short_reason(error):
+  """A TF error's message without the op and device it names."""
+  text = re.sub(r'\{\{.*?\}\}', '', error.message or '').strip()
+  text = re.sub(r'\s*\[Op:\w+\].*', '', text.splitlines()[0] if text else '')
+  if text.startswith('Unknown image file format'):
+    return f'not a {FORMATS} image'
+  return text or type(error).__name__
+
+
+def read_image(path, config):
+  """One file -> float32 [S, S, 3] in [-1, 1], as the evaluation preprocesses it.
+
+  Raises UnreadableImage when the file cannot be read or decoded.
+  """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top  (preprocessing loaded it)
+  try:
+    return preprocessing.preprocess_eval(tf.io.read_file(path), config).numpy()
+  except tf.errors.OpError as e:
+    raise UnreadableImage(path, _short_reason(e)) from None
+
+
+def load_images(files, config):
+  """Files -> float32 [n, S, S, 3]; UnreadableImage for the first that cannot be read."""
   input_pipeline.keep_tf_off_accelerators()
-  images = []
+  return np.stack([read_image(path, config) for path in files])
+
+
+def batches(files, config, batch_size=32, on_skip=None):
+  """Yields (paths, images [n <= batch_size, S, S, 3]), decoding one batch at a time.
+
+  A file that cannot be read is passed to on_skip(UnreadableImage) and left out
+  (without on_skip, the error is raised).
+  """
+  input_pipeline.keep_tf_off_accelerators()
+  paths, images = [], []
   for path in files:
     try:
-      data = tf.io.read_file(path)
-      images.append(preprocessing.preprocess_eval(data, config).numpy())
-    except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError) as e:
-      raise ValueError(f'Cannot decode {path} ({e.message.splitlines()[0]}): pass JPEG, PNG, '
-                       'GIF or BMP files') from None
-  return np.stack(images)
+      images.append(read_image(path, config))
+    except UnreadableImage as e:
+      if on_skip is None:
+        raise
+      on_skip(e)
+      continue
+    paths.append(path)
+    if len(paths) == batch_size:
+      yield paths, np.stack(images)
+      paths, images = [], []
+  if paths:
+    yield paths, np.stack(images)
 
 
 def top_k(logits, k):
@@ -71,11 +133,16 @@ def top_k(logits, k):
 def class_names(run_config, labels_file, num_classes):
   """Names of the model's classes: --labels, else the run's dataset, else None."""
   if labels_file:
-    with open(labels_file) as f:
-      names = [line.strip() for line in f if line.strip()]
+    try:
+      with open(labels_file, encoding='utf-8-sig') as f:
+        names = [line.strip() for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+      reason = 'not UTF-8 text' if isinstance(e, UnicodeDecodeError) else e.strerror or e
+      raise ValueError(f'--labels {labels_file}: cannot read it ({reason}): pass a UTF-8 '
+                       'text file of class names, one per line') from None
     if len(names) != num_classes:
-      raise ValueError(f'{labels_file} has {len(names)} names but the model has {num_classes} '
-                       'classes: pass the label file of this checkpoint')
+      raise ValueError(f'--labels {labels_file} has {len(names)} names but the model has '
+                       f'{num_classes} classes: pass the label file of this checkpoint')
     return names
   if run_config is None:
     return None
@@ -83,10 +150,14 @@ def class_names(run_config, labels_file, num_classes):
   return list(names) if len(names) == num_classes else None
 
 
+@functools.partial(jax.jit, static_argnums=0)  # compiled once per model and batch shape
+def _logits(model, params, images):
+  return model.apply({'params': params}, images, train=False)
+
+
 def predict(model, params, images, batch_size=32):
-  apply = jax.jit(lambda p, x: model.apply({'params': p}, x, train=False))
   return np.concatenate([
-      np.asarray(apply(params, images[i:i + batch_size]))
+      np.asarray(_logits(model, params, images[i:i + batch_size]))
       for i in range(0, len(images), batch_size)
   ])
 
@@ -101,21 +172,27 @@ def format_predictions(files, order, probs, names):
   return '\n'.join(lines)
 
 
-def run(flags_, items):
+def run(flags_, items, batch_size=32):
+  """Prints the predictions batch by batch; returns (files, files skipped)."""
+  if flags_.top_k < 1:
+    raise ValueError(f'--top_k={flags_.top_k}: pass 1 or more (classes shown per image)')
+  files = image_files(items)
   run_config, model, params, image_size = model_flags.load(flags_)
   if not model.num_classes:
     raise ValueError('The checkpoint has no classification head: use vit-evaluate --mode '
                      'fewshot for its features')
-  pp = (run_config or {}).get('pp', {})
-  config = ml_collections.ConfigDict(
-      dict(
-          image_size=image_size,
-          pp=dict(eval_crop=pp.get('eval_crop', 'resize'),
-                  central_crop_fraction=pp.get('central_crop_fraction', 0.875))))
-  files = image_files(items)
   names = class_names(run_config, flags_.labels, model.num_classes)
-  order, probs = top_k(predict(model, params, load_images(files, config)), flags_.top_k)
-  return format_predictions(files, order, probs, names)
+  k = min(flags_.top_k, model.num_classes)
+  skipped = []
+
+  def skip(error):
+    skipped.append(error.path)
+    print(f'warning: skipped {error}', file=sys.stderr, flush=True)
+
+  for paths, images in batches(files, eval_config(run_config, image_size), batch_size, skip):
+    order, probs = top_k(predict(model, params, images, batch_size), k)
+    print(format_predictions(paths, order, probs, names), flush=True)
+  return len(files), len(skipped)
 
 
 def _define_flags():
@@ -123,14 +200,17 @@ def _define_flags():
   flags.DEFINE_string(
       'labels', None, 'A text file of class names, one per line (for a '
       'published checkpoint; a run knows its dataset\'s names).')
-  flags.DEFINE_integer('top_k', 5, 'Classes shown per image.')
+  flags.DEFINE_integer('top_k', 5, 'Classes shown per image (at most the number of classes).')
 
 
 def main(argv):
   try:
-    print(run(flags.FLAGS, argv[1:]))
+    total, skipped = run(flags.FLAGS, argv[1:])
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f'vit-predict: {e}')
+  if skipped:
+    sys.exit(f'vit-predict: {skipped} of {total} files could not be read (warnings above): '
+             f'convert them to {FORMATS}, or leave them out')
 
 
 def run_cli():

@@ -1,0 +1,168 @@
+"""Tests for vit-predict (vit_jax/predict.py): the console script on a tiny finished run,
+run from the user's directory with relative paths."""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from PIL import Image
+
+from configs import quickstart
+from vit_jax import checkpoint
+from vit_jax import data_sources
+from vit_jax import models
+from vit_jax import predict
+
+BIN = os.path.dirname(sys.executable)
+TINY = dict(num_layers=2, hidden_size=32, mlp_dim=64, num_heads=2, patch_size=7)
+TF_INTERNALS = ('{{function_node', '[Op:', 'Traceback')
+
+
+def write_run(workdir, eval_crop='resize'):
+  """A finished quickstart-like run of a tiny ViT (28 px, 10 classes): config.json and
+  final.npz, as vit-train leaves them."""
+  config = quickstart.get_config()
+  config.model.update(TINY)
+  config.pp.eval_crop = eval_crop
+  model = models.from_config(config, 10)
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 3)), train=False)['params']
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    f.write(config.to_json())
+  checkpoint.save_npz(os.path.join(workdir, 'final.npz'), params)
+  return config
+
+
+def save_random(path, size=(40, 30), mode='RGB', seed=0):
+  rng = np.random.default_rng(seed)
+  shape = (size[1], size[0], 3) if mode == 'RGB' else (size[1], size[0])
+  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+  Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode).save(path)
+
+
+def shell(argv, cwd):
+  env = dict(os.environ, PATH=f'{BIN}:' + os.environ.get('PATH', ''),
+             XLA_FLAGS='--xla_force_host_platform_device_count=1', TF_CPP_MIN_LOG_LEVEL='3')
+  return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def ours(stderr):
+  """The lines of stderr that vit-predict writes (not the libraries' logging)."""
+  return [l for l in stderr.splitlines() if l.startswith(('vit-predict:', 'warning: skipped'))]
+
+
+def predicted(stdout):
+  """{file: number of class lines} of vit-predict's output."""
+  out, last = {}, None
+  for line in stdout.splitlines():
+    if line.startswith('  '):
+      out[last] += 1
+    else:
+      last = line
+      out[last] = 0
+  return out
+
+
+@pytest.fixture(scope='module')
+def home(tmp_path_factory):
+  """A user's directory: a finished run `wd` and images."""
+  home = tmp_path_factory.mktemp('predict')
+  write_run(str(home / 'wd'))
+  save_random(str(home / 'img/mixed/good.png'))
+  save_random(str(home / 'img/mixed/sub/s1.jpg'), seed=1)
+  save_random(str(home / 'img/mixed/sub/deeper/s2.webp'), seed=2)
+  save_random(str(home / 'img/mixed/.cache/hidden_folder.png'), seed=3)
+  (home / 'img/mixed/bad.jpg').write_text('not an image\n')
+  (home / 'img/mixed/.hidden.png').write_text('not an image either\n')
+  for ext in ('gif', 'bmp', 'tiff'):
+    save_random(str(home / f'img/pic.{ext}'), seed=4)
+  (home / 'labels_dir').mkdir()
+  (home / 'latin1.txt').write_bytes('caf\xe9\n'.encode('latin-1') * 10)
+  return home
+
+
+def test_folder_with_unreadable_and_hidden_files(home):
+  out = shell(['vit-predict', '--workdir', 'wd', '--top_k', '2', 'img/mixed'], home)
+  assert out.returncode == 1, out.stderr[-2000:]
+  # The readable images are predicted; hidden files and folders are not listed at all.
+  assert predicted(out.stdout) == {
+      'img/mixed/good.png': 2,
+      'img/mixed/sub/deeper/s2.webp': 2,
+      'img/mixed/sub/s1.jpg': 2
+  }
+  assert ours(out.stderr) == [
+      'warning: skipped img/mixed/bad.jpg: not a JPEG, PNG, GIF, BMP or WebP image',
+      'vit-predict: 1 of 4 files could not be read (warnings above): convert them to JPEG, '
+      'PNG, GIF, BMP or WebP, or leave them out'
+  ]
+  assert not any(s in out.stderr for s in TF_INTERNALS), out.stderr[-2000:]
+  assert '.hidden' not in out.stderr + out.stdout and '.cache' not in out.stderr + out.stdout
+
+
+def test_formats_decode_image_reads_and_tiff_named_on_the_command_line(home):
+  out = shell(['vit-predict', '--workdir', 'wd', 'img/pic.tiff', 'img/pic.gif', 'img/pic.bmp'],
+              home)
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert predicted(out.stdout) == {'img/pic.gif': 5, 'img/pic.bmp': 5}
+  assert ours(out.stderr)[0] == ('warning: skipped img/pic.tiff: not a JPEG, PNG, GIF, BMP or '
+                                 'WebP image')
+  assert ours(out.stderr)[1].startswith('vit-predict: 1 of 3 files could not be read')
+  # Every extension a folder is searched for is a format the message names.
+  names = {
+      '.jpg': 'JPEG',
+      '.jpeg': 'JPEG',
+      '.png': 'PNG',
+      '.gif': 'GIF',
+      '.bmp': 'BMP',
+      '.webp': 'WebP'
+  }
+  assert set(data_sources.IMAGE_EXTENSIONS) == set(names)
+  assert all(n in predict.FORMATS for n in names.values()) and 'TIFF' not in predict.FORMATS
+
+
+@pytest.mark.parametrize('labels,reason', [('labels_dir', 'Is a directory'),
+                                           ('latin1.txt', 'not UTF-8 text')])
+def test_unreadable_labels_file(home, labels, reason):
+  out = shell(['vit-predict', '--workdir', 'wd', '--labels', labels, 'img/mixed/good.png'], home)
+  assert out.returncode == 1 and 'Traceback' not in out.stderr, out.stderr[-2000:]
+  assert ours(out.stderr) == [
+      f'vit-predict: --labels {labels}: cannot read it ({reason}): pass a UTF-8 text file of '
+      'class names, one per line'
+  ]
+
+
+def test_top_k_is_at_least_one_and_at_most_the_classes(home):
+  for k in ('0', '-1'):
+    out = shell(['vit-predict', '--workdir', 'wd', f'--top_k={k}', 'img/mixed/good.png'], home)
+    assert out.returncode == 1 and not out.stdout, out.stderr[-2000:]
+    assert ours(
+        out.stderr) == [f'vit-predict: --top_k={k}: pass 1 or more (classes shown per '
+                        'image)']
+  out = shell(['vit-predict', '--workdir', 'wd', '--top_k=50', 'img/mixed/good.png'], home)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert predicted(out.stdout) == {'img/mixed/good.png': 10}
+
+
+def test_images_are_decoded_one_batch_at_a_time(home, monkeypatch):
+  reads = []
+  monkeypatch.setattr(predict, 'read_image', lambda path, config: reads.append(path) or np.zeros(
+      (28, 28, 3), np.float32))
+  skipped = []
+  stream = predict.batches([f'{i}.png' for i in range(5)], None, batch_size=2,
+                           on_skip=skipped.append)
+  paths, images = next(stream)
+  assert paths == ['0.png', '1.png'] and images.shape == (2, 28, 28, 3)
+  assert reads == ['0.png', '1.png']  # nothing beyond the first batch decoded yet
+  assert [p for p, _ in stream] == [['2.png', '3.png'], ['4.png']]
+
+
+def test_a_16_bit_gray_png_is_scaled_not_clipped(tmp_path):
+  path = str(tmp_path / 'gray16.png')
+  Image.fromarray(np.linspace(0, 65535, 28 * 28).reshape(28, 28).astype(np.uint16)).save(path)
+  assert Image.open(path).mode == 'I;16'
+  image = predict.read_image(path, predict.eval_config(None, 28))
+  assert image.shape == (28, 28, 3) and abs(image.mean()) < 0.02  # a ramp from -1 to 1
+  assert image.min() == -1 and image.max() == 1
