@@ -162,6 +162,7 @@ def tpu_commands(args, config, workdir, sets, points):
   if not workdir.startswith('gs://'):
     raise SweepError('--tpu needs --workdir=gs://BUCKET/..., where this machine can read the '
                      'results')
+  config, _ = tpu_vm.remote_config(config)  # As the workers name it; none outside the tree.
   jobs = [(tpu_vm.train_argv(config, join(workdir, name), overrides(sets,
                                                                     assignments)), f'sweep-{name}')
           for name, assignments in points]
@@ -319,7 +320,14 @@ def main(argv=None, runner=run_local, out=None):
   """The CLI; `runner(argv, log_path) -> exit code` runs a local point (tests inject one)."""
   out = out or sys.stdout
   try:
-    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args, rest = parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    if rest:
+      key, sep, value = rest[0].partition('=')
+      if key.startswith('--config.'):
+        raise SweepError(f'unknown argument {rest[0]!r}: vit-sweep sets a config field for every '
+                         f"point with --set '{key[2:]}={value if sep else 'VALUE'}' (and sweeps "
+                         f"it with --sweep '{key[2:]}=[v1,v2,...]')")
+      raise SweepError(f'unrecognized arguments: {" ".join(rest)}')
     config = load_config(args.config)
     points = grid_points(build_grid(config, args.sweep))
     sets = [parse_set(s) for s in args.sets]
@@ -332,7 +340,9 @@ def main(argv=None, runner=run_local, out=None):
                        'swept: keep one')
     statuses = None
     if args.summarize_only:
-      pass
+      if not paths.exists(args.workdir):
+        raise SweepError(f'nothing to summarize in {args.workdir}: it does not exist; run without '
+                         '--summarize-only first (or pass the --workdir of that run)')
     elif args.tpu:
       if not args.zone:
         raise SweepError('--tpu needs --zone')

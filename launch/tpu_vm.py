@@ -26,9 +26,13 @@ it after the last step; a preempted run saves a checkpoint and exits without it)
 On every worker, in the home directory: the code in vit_jax/, a venv in vit_jax_venv/ with
 the Python that setup.py's python_requires names (the TPU images ship an older one), logs
 in vit_jax_logs/ (<log>.log, and <log>.status with the exit status once the run ended).
+The run starts in ~/vit_jax, so a --config file must be one of the tree that setup ships
+(this repository; with --repo_url, its clone): it is passed by its path there, and a file
+from elsewhere is refused before anything is created (packaged names work as they are).
 """
 import argparse
 import copy
+import fnmatch
 import functools
 import importlib.metadata
 import os
@@ -557,10 +561,62 @@ def check_workdir(args):
   return warnings
 
 
+def remote_config(spec, repo_url=None):
+  """(the --config value for the workers, warnings): what `spec` names from here, as the
+  workers resolve it from the code directory (~/vit_jax, a copy of REPO_ROOT or a clone
+  of --repo_url).
+
+  A packaged name (quickstart, finetune:...) stays as it is. A config file is run from the
+  copy of the working tree that setup ships: a file inside it becomes its path there
+  ('configs/my.py:arg'); one outside it, which would not exist on the TPU VM, is a
+  LaunchError now, before anything is created.
+  """
+  path, sep, arg = spec.partition(':')
+  local = os.path.expanduser(path)
+  if not os.path.isfile(local):
+    return spec, []  # A packaged name, or no file (load_config says so where it checks).
+  root = os.path.realpath(REPO_ROOT)
+  rel = os.path.relpath(os.path.realpath(local), root)
+  parts = rel.split(os.sep)
+  fix = ('use a packaged config (quickstart, finetune:MODEL,DATASET, ...) with '
+         '--config.FIELD=VALUE overrides')
+  if not in_checkout():  # An installed wheel: the workers' tree is a clone of --repo_url.
+    if repo_url and not os.path.isabs(path):
+      return spec, [
+          f'--config {path} is read on the TPU VM from the root of the clone of {repo_url}: '
+          'it must be there'
+      ]
+    raise LaunchError(f'--config {spec!r} is a file of this machine, which the TPU VM does not '
+                      f'have: commit it to the repository of --repo_url and pass its path from '
+                      f'the root of the repository, or {fix}')
+  if parts[0] == os.pardir or os.path.isabs(rel):
+    raise LaunchError(f'--config {spec!r} is a file outside {root}, the tree that setup ships '
+                      f'to the TPU VM: move it under {root} (e.g. to configs/) and pass that '
+                      f'path, or {fix}')
+  excluded = [p for p in TAR_EXCLUDES if any(fnmatch.fnmatch(part, p) for part in parts)]
+  if excluded and not repo_url:
+    raise LaunchError(f'--config {spec!r}: setup leaves {excluded[0]} out of the tree it ships '
+                      f'to the TPU VM: move the file elsewhere under {root} (e.g. to configs/), '
+                      f'or {fix}')
+  warnings = []
+  if repo_url:
+    warnings.append(f'--config {rel} is read from the clone of {repo_url} on the TPU VM: it '
+                    'must be committed and pushed there')
+  return rel.replace(os.sep, '/') + sep + arg, warnings
+
+
+def _remote_config(args):
+  """remote_config of args.config, its warnings added to args.warnings (once)."""
+  spec, warnings = remote_config(args.config, getattr(args, 'repo_url', None))
+  args.warnings += [w for w in warnings if w not in args.warnings]
+  return spec
+
+
 def run_commands(args, preflight=True):
   _require(args, args.action, 'config', 'workdir')
+  config = _remote_config(args)
   steps = preflight_steps(args) if preflight else []
-  job = (train_argv(args.config, args.workdir, args.overrides), args.log)
+  job = (train_argv(config, args.workdir, args.overrides), args.log)
   return steps + [ssh(args, 'all', start_script([job]))]
 
 
@@ -658,6 +714,7 @@ def preflight_steps(args):
   the Check steps that need the network (data prepared, workdir writable).
   """
   _require(args, args.action, 'config', 'workdir')
+  _remote_config(args)  # A config file the TPU VM will not have.
   args.warnings += check_workdir(args)
   if args.skip_preflight:
     return []
@@ -830,7 +887,7 @@ class Runner:
       raise _not_found(cmd) from None
     if rc:
       raise LaunchError(f'`{" ".join(cmd[:6])} ...` failed (exit {rc}): see its output above, '
-                        'fix it and run the action again')
+                        f'{_failure_fix(cmd)}')
 
   def query(self, cmd):
     """(exit code, stdout, stderr) of a command whose output is read, not shown."""
@@ -862,6 +919,21 @@ class Runner:
         self.call(step)
       else:
         step.run(self)
+
+
+def _failure_fix(cmd):
+  """The advice of a failed command's error line: for a delete, how to see what is left."""
+  if cmd[:3] != ['gcloud', 'compute', 'tpus'] or cmd[4:5] != ['delete'] or '--zone' not in cmd:
+    return 'fix it and run the action again'
+  i = cmd.index('--zone')
+  where = cmd[i:i + 2]
+  if '--project' in cmd:
+    where += cmd[cmd.index('--project'):][:2]
+  lists = ' and '.join(f'`{shlex.join(["gcloud", "compute", "tpus", kind, "list", *where])}`'
+                       for kind in ('tpu-vm', 'queued-resources'))
+  what = 'TPU VM' if cmd[3] == 'tpu-vm' else 'queued resource'
+  return (f'fix it and delete again; if it says NOT_FOUND, there is no {what} {cmd[5]} in zone '
+          f'{cmd[i + 1]}: {lists} show what is left to delete (and to pay for)')
 
 
 def _not_found(cmd):

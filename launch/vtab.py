@@ -15,13 +15,16 @@ is the mean over the tasks, not the mean of the three group means; a mean over f
 than its group has says how many it has.
 """
 import argparse
+import difflib
 import json
 import shlex
 import sys
 
 from vit_jax import configs
+from vit_jax import models
 from vit_jax import paths
 from vit_jax import vtab
+from vit_jax.configs import finetune
 from vit_jax.launch import sweep
 
 RESULTS = 'vtab_results'  # DIR/vtab_results.md and .json
@@ -32,15 +35,30 @@ class VtabError(Exception):
 
 
 def parse_tasks(spec):
-  """'dtd,clevr_count' -> ['dtd', 'clevr_count'] (table order); '' -> all 19."""
-  if not spec:
+  """'dtd,clevr_count' -> ['dtd', 'clevr_count'] (table order); None (no --tasks) -> all 19."""
+  if spec is None:
     return vtab.task_names()
+  choose = f'choose among {",".join(vtab.VTAB)}, or leave --tasks out for all 19'
   asked = [t.strip() for t in spec.split(',') if t.strip()]
+  if not asked:
+    raise VtabError(f'--tasks {spec!r} names no task: {choose}')
   unknown = [t for t in asked if t not in vtab.VTAB]
-  if unknown or not asked:
-    raise VtabError(f'--tasks {spec!r}: {", ".join(unknown) or "no task"} is not a VTAB-1k '
-                    f'task; choose among {",".join(vtab.VTAB)}')
+  if unknown:
+    close = difflib.get_close_matches(unknown[0], vtab.VTAB, n=3)
+    hint = f' (did you mean {", ".join(close)}?)' if close else ''
+    raise VtabError(f'--tasks {spec!r}: {", ".join(unknown)} is not a VTAB-1k task{hint}; '
+                    f'{choose}')
   return [t for t in vtab.task_names() if t in asked]
+
+
+def check_model(model):
+  """A model name vit-train knows (the variant table of vit_jax.models), else VtabError."""
+  if model in models.VARIANTS:
+    return
+  close = difflib.get_close_matches(model, models.VARIANTS, n=3, cutoff=0.5)
+  hint = f'did you mean {", ".join(close)}? ' if close else ''
+  raise VtabError(f'--model {model!r} is not a model of vit_jax.models: {hint}e.g. '
+                  f'{", ".join(finetune.MODELS)} (the ones with a published checkpoint)')
 
 
 def task_config(model, task, dev):
@@ -169,7 +187,7 @@ def parser():
   p = _Parser(prog='vit-vtab', description=__doc__.split('\n')[0])
   p.add_argument('--model', required=True, help='a finetune.py model, e.g. ViT-B_16')
   p.add_argument('--workdir', required=True, help='one sub-directory per task (may be gs://)')
-  p.add_argument('--tasks', default='', help='comma-separated VTAB-1k tasks (default: all 19)')
+  p.add_argument('--tasks', default=None, help='comma-separated VTAB-1k tasks (default: all 19)')
   p.add_argument('--dev', action='store_true',
                  help='train on train800, evaluate on val200 (the development protocol)')
   p.add_argument('--dry-run', '--dry_run', dest='dry_run', action='store_true',
@@ -187,6 +205,7 @@ def main(argv=None, runner=sweep.run_local, out=None):
     bad = [a for a in overrides if not a.startswith('--config.')]
     if bad:
       raise VtabError(f'unknown argument {bad[0]!r}: pass config fields as --config.FIELD=VALUE')
+    check_model(args.model)
     tasks = parse_tasks(args.tasks)
     try:  # The first task's config with the overrides, as vit-train will build it.
       configs.load(task_config(args.model, tasks[0], args.dev), overrides)
@@ -200,7 +219,11 @@ def main(argv=None, runner=sweep.run_local, out=None):
         print(skip + shlex.join(task_argv(args.model, task, args.dev, args.workdir, overrides)),
               file=out)
       return
-    if not args.summarize_only:
+    if args.summarize_only:
+      if not paths.exists(args.workdir):
+        raise VtabError(f'nothing to summarize in {args.workdir}: it does not exist; run without '
+                        '--summarize-only first (or pass the --workdir of that run)')
+    else:
       statuses = run_tasks(args, tasks, overrides, runner, out)
     print(write_results(args, collect(args.workdir, tasks, statuses)), file=out)
     failed = [t for t, s in (statuses or {}).items() if s.startswith('failed')]

@@ -160,7 +160,7 @@ def _body(cmd):
 
 
 def test_run_quotes_the_training_command():
-  override = "--config.pp.train_crop=it's a test"
+  override = "--config.pretrained_path=gs://b/it's a test.npz"
   a = args('run', *run_args(override))
   *checks, cmd = tpu_vm.build_commands('run', a)
   assert cmd[:-1] == ssh_prefix()
@@ -192,7 +192,7 @@ def test_run_script_in_a_shell(tmp_path):
   fake.write_text('#!/bin/sh\nprintf "%s\\0" "$PWD" "$PYTHONSAFEPATH" "$@" > "$HOME/argv"\n'
                   'exit 3\n')
   fake.chmod(0o755)
-  override = "--config.pp.train_crop=it's \"a\" $test"
+  override = "--config.pretrained_path=gs://b/it's \"a\" $test.npz"
   [cmd] = commands(build('run', *run_args(override)))
   env = {**os.environ, 'HOME': str(tmp_path)}
   out = subprocess.run(['bash', '-c', cmd[-1]], env=env, capture_output=True, text=True, check=True)
@@ -626,3 +626,90 @@ def test_watch_stops_on_a_failed_run_and_at_max_recoveries(fake_gcloud):
 def _bash_syntax_ok(script):
   if shutil.which('bash'):
     subprocess.run(['bash', '-n', '-c', script], check=True)
+
+
+# ---------------------------------------------------------------- the console script
+
+
+def vit_tpu(cwd, *argv):
+  """The vit-tpu console script of this venv, run as a user runs it from `cwd`."""
+  script = os.path.join(os.path.dirname(sys.executable), 'vit-tpu')
+  return subprocess.run([script, *argv], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def _error_line(p):
+  """The one `tpu_vm: error:` line of a failed run (and no traceback)."""
+  assert p.returncode == 1, p.stdout + p.stderr
+  assert 'Traceback' not in p.stderr, p.stderr
+  [line] = [l for l in p.stderr.splitlines() if l.startswith('tpu_vm: error: ')]
+  return line
+
+
+def test_a_config_file_outside_the_shipped_tree_is_refused(tmp_path):
+  """setup ships the repository: ./my.py of another directory would not exist on the TPU VM,
+  so preflight, run and all refuse it before anything is created."""
+  (tmp_path / 'my.py').write_text('from vit_jax.configs.quickstart import get_config\n')
+  flags = ('--name', NAME, '--zone', 'us-central2-b', '--accelerator_type', 'v4-8',
+           '--config=my.py', '--workdir=tpuwd')
+  for argv in (['preflight',
+                *flags], ['run', *flags,
+                          '--dry-run'], ['all', *flags, '--skip_preflight', '--dry-run']):
+    p = vit_tpu(tmp_path, *argv)
+    line = _error_line(p)
+    assert (f"--config 'my.py' is a file outside {os.path.realpath(tpu_vm.REPO_ROOT)}, the tree "
+            'that setup ships to the TPU VM: move it under') in line, argv
+    assert 'use a packaged config' in line and p.stdout == ''
+
+
+def _started_argv(out):
+  """The vit_jax.main argv of the start ssh line that a dry run prints."""
+  [line] = [l for l in out.splitlines() if 'vit_jax.main' in l]
+  body = _body(shlex.split(line))
+  return body[:body.index('>')]
+
+
+def test_config_files_of_the_shipped_tree_are_named_as_there(tmp_path):
+  """From any directory, a config file of the repository is passed to the workers by its
+  path in the shipped copy (they run from ~/vit_jax); packaged names stay as they are."""
+  finetune = os.path.join(tpu_vm.REPO_ROOT, 'configs', 'finetune.py')
+  base = ('--name', NAME, '--zone', ZONE, '--accelerator_type', 'v3-8', '--workdir=gs://b/w',
+          '--skip_preflight', '--dry-run')
+  for config, remote in [(f'{finetune}:R50+ViT-B_16,cifar10', 'configs/finetune.py:R50+ViT-B_16,'
+                          'cifar10'), (CONFIG, CONFIG), ('quickstart', 'quickstart')]:
+    p = vit_tpu(tmp_path, 'all', *base, f'--config={config}')
+    assert p.returncode == 0, p.stderr
+    assert _started_argv(p.stdout)[:4] == ['python3', '-m', 'vit_jax.main',
+                                           f'--config={remote}'], config
+  p = vit_tpu(tmp_path, 'run', *base, f'--config={finetune}:ViT-B_16,cifar10', '--repo_url',
+              'https://github.com/me/vit_jax.git')
+  assert p.returncode == 0, p.stderr
+  assert '--config=configs/finetune.py:ViT-B_16,cifar10' in _started_argv(p.stdout)
+  assert 'configs/finetune.py is read from the clone of https://github.com/me/vit_jax.git' in (
+      p.stderr)
+
+
+def test_remote_config_from_a_wheel(monkeypatch, tmp_path):
+  monkeypatch.setattr(tpu_vm, 'REPO_ROOT', '/usr/lib/python3/site-packages/vit_jax')
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / 'my.py').write_text('')
+  assert tpu_vm.remote_config('finetune:ViT-B_16,cifar10') == ('finetune:ViT-B_16,cifar10', [])
+  with pytest.raises(tpu_vm.LaunchError, match='commit it to the repository of --repo_url'):
+    tpu_vm.remote_config('my.py')
+  spec, [warning] = tpu_vm.remote_config('my.py:x', 'https://github.com/me/vit_jax.git')
+  assert spec == 'my.py:x' and 'from the root of the clone' in warning
+
+
+def test_a_failed_delete_names_the_list_commands(fake_gcloud, tmp_path):
+  """Deleting what is not there: the error line says how to see what is left."""
+  write, _ = fake_gcloud
+  write()
+  for extra, what, listing in [
+      ((), 'TPU VM', "`gcloud compute tpus tpu-vm list --zone europe-west4-a --project p`"),
+      (('--api', 'queued'), 'queued resource',
+       '`gcloud compute tpus queued-resources list --zone europe-west4-a --project p`')
+  ]:
+    p = vit_tpu(tmp_path, 'delete', '--name', NAME, '--zone', ZONE, '--project', 'p', '--yes',
+                *extra)
+    line = _error_line(p)
+    assert (f'fix it and delete again; if it says NOT_FOUND, there is no {what} vit in zone '
+            f'{ZONE}: ') in line and listing in line, line

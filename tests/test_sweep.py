@@ -2,6 +2,7 @@
 import csv
 import os
 import shlex
+import subprocess
 import sys
 
 import pytest
@@ -245,3 +246,42 @@ def test_real_local_sweep(tmp_path, monkeypatch, capsys):
       assert 'Final test top-1 accuracy' in f.read()
     assert os.path.exists(os.path.join(workdir, point, 'final.npz'))
   assert 'Final test top-1 accuracy' in out  # Streamed.
+
+
+def _vit_sweep(cwd, *argv):
+  """The vit-sweep console script of this venv, run as a user runs it from `cwd`."""
+  script = os.path.join(os.path.dirname(sys.executable), 'vit-sweep')
+  return subprocess.run([script, *argv], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize('argv,message', [
+    (['--config.total_steps=3', '--dry-run'], "unknown argument '--config.total_steps=3': "
+     "vit-sweep sets a config field for every point with --set 'config.total_steps=3'"),
+    (['--config.total_steps', '3', '--dry-run'], "--set 'config.total_steps=VALUE'"),
+    (['--bogus', '--dry-run'], 'unrecognized arguments: --bogus'),
+    (['--summarize-only'], 'nothing to summarize in sw: it does not exist; run without '
+     '--summarize-only first'),
+    (['--config=my.py', '--workdir=gs://b/sw', '--tpu=vit', '--zone=z', '--dry-run'
+     ], "--config 'my.py' is a file outside"),
+])
+def test_bad_arguments_from_the_command_line(tmp_path, argv, message):
+  """Refused before any point runs or any file is written: one line, exit 1."""
+  (tmp_path / 'my.py').write_text('from vit_jax.configs.finetune import get_config as g\n'
+                                  'def get_config():\n  return g("ViT-B_16,cifar10,dev")\n')
+  p = _vit_sweep(tmp_path, '--config=finetune:ViT-B_16,cifar10,dev', '--workdir=sw', *argv)
+  assert p.returncode == 1 and p.stdout == '', p.stdout + p.stderr
+  [line] = [l for l in p.stderr.splitlines() if l.startswith('sweep: ')]
+  assert line.startswith('sweep: error: ') and message in line, p.stderr
+  assert 'Traceback' not in p.stderr and os.listdir(tmp_path) == ['my.py']
+
+
+def test_tpu_sweep_names_a_config_file_as_the_workers_see_it(tmp_path, capsys, monkeypatch):
+  """The workers run from their copy of the repository: a config file of it, given from
+  another directory, is passed by its path there."""
+  monkeypatch.chdir(tmp_path)
+  sweep.main([
+      f'--config={REPO}/{FINETUNE}', '--workdir=gs://b/sw', '--tpu', 'vit', '--zone', 'z',
+      '--dry-run'
+  ])
+  out = capsys.readouterr().out
+  assert f'--config={FINETUNE}' in out and REPO not in out

@@ -313,3 +313,28 @@ def test_vtab_runner_dry_run_and_bad_arguments(capsys):
     with pytest.raises(SystemExit) as e:
       vtab_launch.main(['--model=ViT-B_16', '--workdir=/tmp/v', '--dry-run', *argv])
     assert message in str(e.value) and '\n' not in str(e.value)
+
+
+def _vit_vtab(cwd, *argv):
+  """The vit-vtab console script of this venv, run as a user runs it from `cwd`."""
+  script = os.path.join(os.path.dirname(sys.executable), 'vit-vtab')
+  return subprocess.run([script, *argv], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize('argv,message', [
+    (['--model=ViT-B16', '--dry-run'], "--model 'ViT-B16' is not a model of vit_jax.models: did "
+     'you mean ViT-B_16'),
+    (['--model=ViT-B_16', '--tasks=', '--dry-run'], "--tasks '' names no task"),
+    (['--model=ViT-B_16', '--tasks= , ', '--dry-run'], "--tasks ' , ' names no task"),
+    (['--model=ViT-B_16', '--tasks=dtdd', '--dry-run'], 'dtdd is not a VTAB-1k task (did you '
+     'mean dtd?)'),
+    (['--model=ViT-B_16', '--summarize-only'], 'nothing to summarize in vt: it does not exist; '
+     'run without --summarize-only first'),
+])
+def test_vtab_bad_arguments_from_the_command_line(tmp_path, argv, message):
+  """Refused before any task starts or any file is written: one line, exit 1."""
+  p = _vit_vtab(tmp_path, '--workdir=vt', *argv)
+  assert p.returncode == 1 and p.stdout == '', p.stdout + p.stderr
+  [line] = [l for l in p.stderr.splitlines() if l.startswith('vtab: ')]
+  assert line.startswith('vtab: error: ') and message in line, p.stderr
+  assert 'Traceback' not in p.stderr and os.listdir(tmp_path) == []
