@@ -192,6 +192,8 @@ def test_second_run_in_a_workdir_is_refused(good, tmp_path):
   try:
     lock = {'host': socket.gethostname(), 'pid': holder.pid, 'started': 'earlier'}
     (run / 'lock').write_text(json.dumps(lock))
+    os.symlink('the-holder.INFO', run / 'train.INFO')  # the running run's log
+    files = sorted(os.listdir(run))
     rc, err, last = _cli(tmp_path, 'run', '--config.seed=1')
   finally:
     holder.kill()
@@ -200,6 +202,9 @@ def test_second_run_in_a_workdir_is_refused(good, tmp_path):
   assert f'is in use by pid {holder.pid} on {socket.gethostname()}' in last, last
   assert (run / 'lock').exists()  # the holder's lock is left alone
   assert _steps(run) == ['10', '20', '30']
+  # No log of the refused run: train.INFO still leads to the holder's.
+  assert sorted(os.listdir(run)) == files
+  assert os.readlink(run / 'train.INFO') == 'the-holder.INFO'
 
 
 def test_stale_lock_is_taken_over(tmp_path, caplog):
@@ -517,8 +522,8 @@ def test_workdir_that_cannot_be_created_is_one_line(tmp_path):
   (tmp_path / 'a_file').write_text('')
   rc, err, last = _cli(tmp_path, 'a_file/run')
   assert rc == 1
-  assert last == (f'vit_jax: cannot create {tmp_path}/a_file/run (Not a directory): choose '
-                  'another --workdir'), last
+  assert last == (f'vit_jax: cannot create workdir {tmp_path}/a_file/run: {tmp_path}/a_file is '
+                  'not a directory: choose a writable --workdir'), last
   assert 'Traceback' not in err
 
 

@@ -120,21 +120,10 @@ def _one_line(error):
   return lines[0] if len(lines) == 1 else ' '.join(lines[:2])
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+def _open_log(workdir):
+  """The readable log: train.INFO (process 0), train.process<i>.INFO (the others), and the
+  lines that say what this process runs on."""
   import jax  # pylint: disable=g-import-not-at-top
-  from vit_jax import rundir  # pylint: disable=g-import-not-at-top
-  workdir = paths.resolve(FLAGS.workdir)  # once: orbax refuses relative paths
-  recorded = rundir.recorded_cpu_flags(workdir)  # a resumed run keeps its CPU kernels
-  try:
-    # Before the backend starts; logged below, once the log file is open.
-    xla_cpu_flags.apply(dtype=FLAGS.config.dtype, recorded=recorded, log=False)
-  except ValueError as e:  # a bad VIT_JAX_XLA_CPU_FLAGS value
-    sys.exit(f'vit_jax: {e}')
-  initialize_distributed()
-  from vit_jax import train  # pylint: disable=g-import-not-at-top  (after distributed init)
-  # The readable log: train.INFO (process 0), train.process<i>.INFO (the others).
   log_dir = FLAGS.local_log_dir if paths.is_remote(workdir) else workdir
   try:
     os.makedirs(log_dir, exist_ok=True)
@@ -158,8 +147,25 @@ def main(argv):
     logging.info('%s', host_allocator.describe())
     if note := cpu_features.bf16_note(FLAGS.config.dtype):
       logging.warning('%s', note)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  from vit_jax import rundir  # pylint: disable=g-import-not-at-top
+  workdir = paths.resolve(FLAGS.workdir)  # once: orbax refuses relative paths
+  recorded = rundir.recorded_cpu_flags(workdir)  # a resumed run keeps its CPU kernels
   try:
-    train.train_and_evaluate(FLAGS.config, workdir)
+    # Before the backend starts; logged below, once the log file is open.
+    xla_cpu_flags.apply(dtype=FLAGS.config.dtype, recorded=recorded, log=False)
+  except ValueError as e:  # a bad VIT_JAX_XLA_CPU_FLAGS value
+    sys.exit(f'vit_jax: {e}')
+  initialize_distributed()
+  from vit_jax import train  # pylint: disable=g-import-not-at-top  (after distributed init)
+  try:
+    # The log opens once the workdir is this run's: a run refused there (in use, another
+    # config) leaves the log of the run that owns it as train.INFO.
+    train.train_and_evaluate(FLAGS.config, workdir, on_start=lambda: _open_log(workdir))
   except train.ConfigError as e:
     sys.exit(f'vit_jax: {e}')
   except KeyboardInterrupt:  # before the loop's own handler (restore, compile, data set-up)

@@ -171,13 +171,14 @@ def _local(tree):
   return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
 
 
-def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None):
+def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None, on_start=None):
   """Trains `config` in `workdir`, resuming from its latest checkpoint; returns metrics.
 
   `stop_after_steps` ends the run early at that step (with a checkpoint), as a
   preemption would, without changing the schedule. A local `workdir` may be relative.
   `writer`: a clu metric writer for the scalars (default: TensorBoard events and the
-  log in `workdir`).
+  log in `workdir`). `on_start()` is called once the workdir is this run's (locked, its
+  config checked), before anything is written there (vit-train opens its log file).
   Faults end the run with a one-line ConfigError (TrainingError while training):
   a non-finite loss or gradient (nothing non-finite is ever saved), a failed
   checkpoint write, Ctrl-C (after saving), a config that differs from the workdir's
@@ -207,6 +208,8 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None):
   lock.acquire()
   try:
     rundir.check_resume_config(config, workdir)
+    if on_start:
+      on_start()
     return _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                   stop_after_steps, writer)
   finally:
