@@ -1,6 +1,6 @@
 r"""The offline default: a small ViT on Fashion-MNIST, minutes on 2 CPU cores.
 
-  --config=configs/quickstart.py
+  vit-train --config=quickstart --workdir=workdirs/quickstart
 
 Fashion-MNIST from the local IDX files (see input_pipeline: 'fashion_mnist_local'),
 28x28 gray, 10 classes; the goal is >= 85% test accuracy. The model is ViT-Ti/16

@@ -166,3 +166,13 @@ def test_a_16_bit_gray_png_is_scaled_not_clipped(tmp_path):
   image = predict.read_image(path, predict.eval_config(None, 28))
   assert image.shape == (28, 28, 3) and abs(image.mean()) < 0.02  # a ramp from -1 to 1
   assert image.min() == -1 and image.max() == 1
+
+
+def test_a_published_file_needs_its_model_named(home):
+  # The shapes alone do not say the patch size; ViT-B_16 was silently assumed.
+  out = shell(['vit-predict', '--checkpoint', 'wd/final.npz', 'img/mixed/good.png'], home)
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert ours(out.stderr) == [
+      'vit-predict: --checkpoint wd/final.npz needs --model NAME: the model the file was '
+      'trained as, e.g. ViT-B_16 (names: vit_jax.models.VARIANTS)'
+  ]

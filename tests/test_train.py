@@ -396,6 +396,14 @@ def test_quickstart_command_end_to_end_shortened(idx_dir, tmp_path):
   assert model.apply({'params': params}, np.zeros((1, 28, 28, 3), np.float32)).shape == (1, 10)
 
 
+def test_a_config_field_given_as_a_flag_names_the_config_form(tmp_path):
+  proc = _main(['--config=quickstart', f'--workdir={tmp_path / "w"}', '--batch_size=8'])
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1].endswith(
+      ": Unknown command line flag 'batch_size'; config fields are set as "
+      '--config.batch_size=... (see --help)'), proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize(
     'override,message',
     [

@@ -96,18 +96,23 @@ def parse_flags(argv):
   """absl's flag parsing, with a packaged --config name resolved to its file and every
   mistake (unknown field, bad value, missing file or flag) reported as one line."""
   argv = list(argv)
+  config = None
   try:
     i = _config_value_index(argv)
     if i is not None:
       prefix, eq, value = argv[i].partition('=') if argv[i].startswith('-') else ('', '', argv[i])
       argv[i] = prefix + eq + configs.resolve(value)
       sys.argv[:] = argv  # the config flag reads its --config.x overrides from sys.argv
-      configs.check_override_names(configs.load(value), argv)
+      config = configs.load(value)
+      configs.check_override_names(config, argv)
     rest = FLAGS(argv)
     _ = FLAGS.config  # raises if the config file failed to load
     return rest
   except (flags.Error, ValueError, TypeError, OSError, AttributeError, KeyError) as e:
-    sys.exit(f'{os.path.basename(argv[0])}: {_one_line(e)} (see --help)')
+    hint = ''
+    if isinstance(e, flags.UnrecognizedFlagError) and config is not None and e.flagname in config:
+      hint = f'; config fields are set as --config.{e.flagname}=...'  # big_vision's habit
+    sys.exit(f'{os.path.basename(argv[0])}: {_one_line(e)}{hint} (see --help)')
 
 
 def _one_line(error):

@@ -18,8 +18,9 @@ def define_flags():
       'workdir', None, 'A finished vit-train run: reads its config.json and '
       'final.npz (model, resolution and dataset come from the run).')
   flags.DEFINE_string('checkpoint', None, 'A published-format .npz file (instead of --workdir).')
-  flags.DEFINE_string('model', 'ViT-B_16', 'With --checkpoint: a name from '
-                      'vit_jax.models.VARIANTS.')
+  flags.DEFINE_string(
+      'model', None, 'With --checkpoint (required there): a name from '
+      'vit_jax.models.VARIANTS, e.g. ViT-B_16.')
   flags.DEFINE_string(
       'model_overrides', '', 'With --checkpoint: variant overrides, '
       'name=value,... (e.g. num_layers=2,hidden_size=32).')
@@ -52,6 +53,9 @@ def load(flags_):
     config, model, params = checkpoint.load_run(workdir)
     image_size = config.image_size
   else:
+    if not flags_.model:  # a file's shapes alone do not name its patch size or variant
+      raise ValueError(f'--checkpoint {flags_.checkpoint} needs --model NAME: the model the '
+                       'file was trained as, e.g. ViT-B_16 (names: vit_jax.models.VARIANTS)')
     config, image_size = None, flags_.image_size or 224
     model, params = checkpoint.load_model(flags_.checkpoint, flags_.model, image_size,
                                           **parse_overrides(flags_.model_overrides))
