@@ -18,11 +18,11 @@ Choices where the paper is silent or terse:
   gets at its crop 384 (its VALID 14x14 patch convolution drops the last 6 pixel
   rows and columns), but with the whole image resized into it instead of cut.
   392 = 28 x 14 would keep every one of 384 pixels at ~9% more compute; we keep
-  the published compute. The one place the paper names a /14 resolution:
-  B.1.1 fine-tunes ViT-H/14 at 518 = 37 x 14 for the ImageNet results of
-  Table 2 (and ViT-L/16 at 512, both with Polyak averaging 0.9999; that recipe is
-  configs/table2.py), so the imagenet2012 row uses 518 for /14 models. ViT-L/16
-  on imagenet2012 stays at Table 4's 384 (Table 5's protocol).
+  the published compute. Every row keeps Table 4's resolution, imagenet2012
+  included (Table 5's protocol: its caption says its ImageNet results come
+  "without additional techniques (Polyak averaging and 512 resolution images)").
+  The Table 2 recipe, ViT-H/14 at 518 = 37 x 14 and ViT-L/16 at 512 with Polyak
+  averaging 0.9999 (B.1.1), is configs/table2.py.
 - Splits. Without 'dev' (the default): train on the whole training set and
   evaluate on the test split, the paper's protocol for final results (ImageNet:
   'validation'). With 'dev': the paper's development protocol for choosing the
@@ -40,7 +40,8 @@ Choices where the paper is silent or terse:
 - Warm-up: 500 steps for the 10k and 20k runs (the official repository's
   default), 100 for the 500-step runs, 200 for the 2500-step VTAB runs (20%, 8%).
 - Augmentation: Inception crop (random area 5%-100%, as common.py) + flip for
-  ImageNet, CIFAR, Pets and Flowers. The paper does not say; the official
+  ImageNet, CIFAR, Pets and Flowers. The paper says only that pre-processing
+  follows Kolesnikov et al. (2020) (BiT; Sec. 4.1, B.1.1); the official
   vision_transformer input pipeline applies exactly this crop to every dataset
   it fine-tunes, CIFAR included, and its maintainers state it is what they used
   internally (issue #46). VTAB: whole-image resize (+ flip where it does not change
@@ -131,8 +132,6 @@ FINETUNE_DROPOUT = {
 }
 
 RESOLUTION = 384  # Table 4.
-# B.1.1: the Table 2 ImageNet fine-tuning of ViT-H/14 (the /14 row without a 384).
-IMAGENET_RESOLUTION_14 = 518
 
 
 def rows():
@@ -149,17 +148,13 @@ def pretrained_path(model):
   return f'gs://bit_models/BiT-M-{model}.npz'  # BiT-M: the ImageNet-21k BiT ResNets.
 
 
-def image_size_for(model, dataset):
+def image_size_for(model):
   """Fine-tuning resolution of a row (module docstring): 384, or for a model whose
-  pixels per token do not divide 384 the largest multiple of them below 384 (/14: 378);
-  /14 on imagenet2012: 518. Names outside the variant table get 384."""
+  pixels per token do not divide 384 the largest multiple of them below 384 (/14: 378).
+  Names outside the variant table get 384."""
   if model not in variants.VARIANTS:
     return RESOLUTION
   patch = variants.pixels_per_token(variants.get_variant(model))
-  if RESOLUTION % patch == 0:
-    return RESOLUTION
-  if patch == 14 and dataset == 'imagenet2012':
-    return IMAGENET_RESOLUTION_14
   return RESOLUTION // patch * patch
 
 
@@ -203,7 +198,7 @@ def get_config(arg=None):
   c.dataset = row.tfds_name
   c.train_split = row.dev_train_split if dev else row.train_split
   c.eval_split = row.dev_eval_split if dev else row.test_split
-  c.image_size = image_size_for(model, dataset)
+  c.image_size = image_size_for(model)
   c.pp.train_crop = row.train_crop
   c.pp.flip = row.flip
   c.pp.eval_crop = 'resize'

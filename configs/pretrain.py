@@ -5,7 +5,8 @@ r"""Pre-training, every row of the paper's Table 3 (Appendix B.1).
        configs/pretrain.py:ViT-H_14,imagenet2012
 
 Table 3's "ViT-*" ImageNet row takes any plain ViT name, ViT-<Ti|S|B|L|H>_<8|14|16|32>;
-IMAGENET_MODELS are the five that Table 5 pre-trains on ImageNet.
+IMAGENET_MODELS are Table 5's five models (it reports ImageNet pre-training for all but
+ViT-H/14; the row takes that one all the same).
 
 All rows: batch 4096, 10k warm-up steps, Adam (0.9, 0.999), resolution 224,
 total_steps = ceil(epochs * num_train_examples / batch) (vit_jax.optim.total_steps).
@@ -74,7 +75,7 @@ TABLE3 = tuple(
 # whose builder has another size sets --config.num_train_examples.
 I21K_IMAGES = 12_400_000
 
-# Table 5: the ViTs pre-trained on ImageNet (the "ViT-*" row names no list).
+# Table 5's models (the "ViT-*" row names no list; Table 5 has no ImageNet ViT-H/14).
 IMAGENET_MODELS = ('ViT-B_16', 'ViT-B_32', 'ViT-L_16', 'ViT-L_32', 'ViT-H_14')
 
 # Per dataset: TFDS name, splits, size (Sec. 4.1 / B.1), loss, head bias, end_lr, clip.
