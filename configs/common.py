@@ -56,6 +56,9 @@ def get_config():
   # what evaluation, few-shot and final.npz use. 0 turns it off.
   c.polyak_decay = 0.0
   c.loss = 'softmax_xent'  # 'softmax_xent' or 'sigmoid_xent' (multi-label pre-training).
+  # Targets (1 - s) * y + s / classes. Sec. 4.3 tunes it, with weight decay and dropout, for
+  # the smaller pre-training datasets; the paper gives no value. 0 turns it off.
+  c.label_smoothing = 0.0
   c.objective = 'classification'  # Or 'masked_patches': self-supervised pre-training (Sec. 4.6).
 
   # Masked patch prediction (objective 'masked_patches'; vit_jax/masked_patches.py).

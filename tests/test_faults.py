@@ -421,6 +421,7 @@ def _make_folder(root, empty_class):
      r"pp.eval_crop 'center' is unknown: set --config.pp.eval_crop to one of"),
     (dict(pp=dict(inception_min_area=2.0)), r'pp.inception_min_area 2.0 is a fraction .* \(0, 1\]'),
     (dict(eval_batch_size=0), r'eval_batch_size 0 is not a positive multiple of the 8 devices'),
+    (dict(label_smoothing=1.0), r'label_smoothing 1.0 is a fraction .* in \[0, 1\)'),
     (dict(model=dict(dropout_rate=2.0)), r'model.dropout_rate 2.0 is a probability: set '
      r'--config.model.dropout_rate to a value in \[0, 1\)'),
 ])

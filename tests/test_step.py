@@ -59,3 +59,17 @@ def test_multi_hot_loss_matches_numpy(kind):
   np.testing.assert_array_equal(now, jax.jit(before[kind])(logits, labels))
   hot = np.eye(6, dtype=np.float32)[labels]
   np.testing.assert_array_equal(now, step_lib.per_example_loss(logits, hot, kind))
+
+
+@pytest.mark.parametrize('kind', ['softmax_xent', 'sigmoid_xent'])
+def test_label_smoothing_moves_the_targets_toward_uniform(kind):
+  logits = np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32)
+  labels = np.array([0, 3, 1])
+  y = 0.9 * np.eye(4, dtype=np.float32)[labels] + 0.1 / 4
+  if kind == 'sigmoid_xent':
+    want = -np.sum(y * _log_sigmoid(logits) + (1 - y) * _log_sigmoid(-logits), -1)
+  else:
+    want = -np.sum(y * (logits - np.log(np.sum(np.exp(logits), -1, keepdims=True))), -1)
+  got = step_lib.per_example_loss(logits, labels, kind, label_smoothing=0.1)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  assert not np.allclose(got, step_lib.per_example_loss(logits, labels, kind))

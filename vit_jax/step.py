@@ -14,13 +14,14 @@ from vit_jax import sharding
 from vit_jax.models import remat as remat_lib
 
 
-def per_example_loss(logits, labels, kind):
+def per_example_loss(logits, labels, kind, label_smoothing=0.0):
   """Softmax cross-entropy, or sigmoid cross-entropy summed over classes (multi-label).
 
   `labels`: int [N] classes, or multi-hot float [N, K] label sets (K <= the head's
   classes; units past K are negatives). Sigmoid takes the multi-hot targets as they
   are; softmax takes them normalised to sum 1 (cross-entropy to the uniform
-  distribution over the set; an empty set gives 0).
+  distribution over the set; an empty set gives 0). `label_smoothing` s: the targets
+  become (1 - s) * y + s / C over the head's C classes.
   """
   if labels.ndim == logits.ndim:
     targets = jnp.pad(labels, ((0, 0), (0, logits.shape[-1] - labels.shape[-1])))
@@ -28,6 +29,8 @@ def per_example_loss(logits, labels, kind):
       targets = targets / jnp.maximum(jnp.sum(targets, axis=-1, keepdims=True), 1.0)
   else:
     targets = jax.nn.one_hot(labels, logits.shape[-1])
+  if label_smoothing:
+    targets = optax.smooth_labels(targets, label_smoothing)
   if kind == 'sigmoid_xent':
     return jnp.sum(optax.sigmoid_binary_cross_entropy(logits, targets), axis=-1)
   return -jnp.sum(targets * jax.nn.log_softmax(logits), axis=-1)
@@ -112,7 +115,7 @@ def make_train_step(model, tx, schedule, config, mesh):
       if masked:  # self-supervised (vit_jax/masked_patches.py): labels unused
         return masked_patches.loss_fn(model, p, images, corrupt, config.masked_patches, rng=rng)[0]
       logits = model.apply({'params': p}, images, train=True, rngs={'dropout': rng})
-      return jnp.mean(per_example_loss(logits, labels, config.loss))
+      return jnp.mean(per_example_loss(logits, labels, config.loss, config.label_smoothing))
 
     return jax.value_and_grad(loss)(params)
 

@@ -100,6 +100,9 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
     raise ValueError(f'vtab_task {config.vtab_task!r} is not a VTAB-1k task: set '
                      f'--config.vtab_task to one of {" ".join(vtab.VTAB)}, or \'\'')
   fields = models.get_variant(config.model_name, **config.model)
+  if not 0 <= config.label_smoothing < 1:
+    raise ValueError(f'label_smoothing {config.label_smoothing} is a fraction of the target: '
+                     'set --config.label_smoothing to a value in [0, 1)')
   for name in ('dropout_rate', 'attention_dropout_rate'):
     if not 0 <= fields.get(name, 0.0) < 1:
       raise ValueError(f'model.{name} {fields[name]} is a probability: set '
