@@ -205,8 +205,10 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None, o
   try:
     tf.io.gfile.makedirs(workdir)  # local or gs://
   except (OSError, tf.errors.OpError) as e:
-    raise ConfigError(f'cannot create workdir {workdir}: {errors.one_line(e)}: choose a writable '
-                      '--workdir') from None
+    fix = ('check the bucket name, this machine\'s credentials (gcloud auth '
+           'application-default login) and its access to the bucket, or choose another '
+           '--workdir' if paths.is_remote(workdir) else 'choose a writable --workdir')
+    raise ConfigError(f'cannot create workdir {workdir}: {errors.one_line(e)}: {fix}') from None
   lock = rundir.WorkdirLock(workdir)
   lock.acquire()
   try:
