@@ -528,6 +528,20 @@ def test_workdir_that_cannot_be_created_is_one_line(tmp_path):
   assert 'Traceback' not in err
 
 
+def test_a_bucket_that_cannot_be_written_names_credentials(monkeypatch):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  def denied(path):
+    raise tf.errors.PermissionDeniedError(None, None, f'403 on {path}')
+
+  monkeypatch.setattr(train.tf.io.gfile, 'makedirs', denied)
+  with pytest.raises(
+      train.ConfigError, match=r'cannot create workdir gs://b/wd: 403 on gs://b/wd: '
+      r'check the bucket name, this machine\'s credentials \(gcloud auth '
+      r'application-default login\)'):
+    train.train_and_evaluate(_config(), 'gs://b/wd')
+
+
 def test_skip_mode_leaves_out_non_finite_updates(tmp_path, caplog):
   import logging  # pylint: disable=g-import-not-at-top
   config = _config(base_lr=1e6, on_nonfinite='skip', total_steps=8, log_every_steps=4,
