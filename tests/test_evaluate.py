@@ -1,7 +1,9 @@
 """Tests for vit_jax.evaluate (the closed-form few-shot regression, k-shot draws, feature
 extraction, the evaluator) and its CLI, vit_jax.evaluate_cli, on a tiny ViT and IDX files
 made here."""
+import logging
 import os
+import re
 import subprocess
 import sys
 import types
@@ -159,6 +161,13 @@ def test_extract_features_matches_direct_apply(tiny):
   model0 = tiny['model'].clone(num_classes=0)
   direct = model0.apply({'params': tiny['params']}, images)
   np.testing.assert_allclose(feats, direct, atol=1e-5)
+
+
+def test_a_long_extraction_reports_its_progress(tiny, monkeypatch, caplog):
+  monkeypatch.setattr(evaluate, 'PROGRESS_EVERY_S', 0)
+  with caplog.at_level(logging.INFO):
+    evaluate.extract_features(tiny['model'], tiny['params'], tiny['config'], 'test', batch_size=16)
+  assert re.findall(r'features of (\d+) images so far', caplog.text) == ['16', '20']
 
 
 @pytest.mark.parametrize('standardise', [True, False])

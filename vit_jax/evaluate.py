@@ -33,6 +33,7 @@ The command line, vit-evaluate, is vit_jax/evaluate_cli.py.
 """
 import functools
 import math
+import time
 
 from absl import logging
 import jax
@@ -49,6 +50,7 @@ from vit_jax.configs import common
 _DEFAULTS = common.get_config()
 DEFAULT_L2_REG = _DEFAULTS.fewshot_l2_reg
 DEFAULT_SHOTS = tuple(_DEFAULTS.fewshot_shots)
+PROGRESS_EVERY_S = 30  # a progress line while features are extracted
 DEFAULT_SEEDS = tuple(_DEFAULTS.fewshot_seeds)
 REAL_DATASET, REAL_SPLIT, REAL_LABEL_KEY = 'imagenet2012_real', 'validation', 'real_label'
 
@@ -206,10 +208,15 @@ def _run_batches(fn, params, batches, mesh):
   """Features, labels (and 'row's) of the valid rows of host-local `batches`, all hosts."""
   batch_sharding = sharding.data_sharding(mesh)
   feats, labels, rows = [], [], []
+  start = reported = time.monotonic()
   for batch in batches:
     images = input_pipeline.to_global({'image': batch['image']}, batch_sharding)['image']
     ok = multihost_utils.process_allgather(batch['mask'], tiled=True)
     feats.append(multihost_utils.process_allgather(fn(params, images), tiled=True)[ok])
+    if time.monotonic() - reported > PROGRESS_EVERY_S:  # a long split is not silence
+      reported = time.monotonic()
+      logging.info('features of %d images so far (%.0f s)', sum(len(f) for f in feats),
+                   reported - start)
     labels.append(multihost_utils.process_allgather(batch['label'], tiled=True)[ok])
     if 'row' in batch:
       rows.append(multihost_utils.process_allgather(batch['row'], tiled=True)[ok])
