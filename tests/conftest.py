@@ -81,3 +81,10 @@ def user_env(venv, devices=1):
   env['VIRTUAL_ENV'] = str(venv)
   env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
   return env
+
+
+def console_script(name, cwd, *argv, timeout=300):
+  """This venv's console script `name` (vit-sweep, vit-vtab, ...), run as a user runs it
+  from `cwd`."""
+  script = os.path.join(os.path.dirname(sys.executable), name)
+  return subprocess.run([script, *argv], cwd=cwd, capture_output=True, text=True, timeout=timeout)

@@ -2,13 +2,13 @@
 import csv
 import os
 import shlex
-import subprocess
 import sys
 
 import pytest
 
 from vit_jax.launch import sweep
 from tests import data_fixtures
+from tests.conftest import console_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FINETUNE = 'configs/finetune.py:ViT-B_16,cifar10,dev'
@@ -248,12 +248,6 @@ def test_real_local_sweep(tmp_path, monkeypatch, capsys):
   assert 'Final test top-1 accuracy' in out  # Streamed.
 
 
-def _vit_sweep(cwd, *argv):
-  """The vit-sweep console script of this venv, run as a user runs it from `cwd`."""
-  script = os.path.join(os.path.dirname(sys.executable), 'vit-sweep')
-  return subprocess.run([script, *argv], cwd=cwd, capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.parametrize('argv,message', [
     (['--config.total_steps=3', '--dry-run'], "unknown argument '--config.total_steps=3': "
      "vit-sweep sets a config field for every point with --set 'config.total_steps=3'"),
@@ -268,7 +262,8 @@ def test_bad_arguments_from_the_command_line(tmp_path, argv, message):
   """Refused before any point runs or any file is written: one line, exit 1."""
   (tmp_path / 'my.py').write_text('from vit_jax.configs.finetune import get_config as g\n'
                                   'def get_config():\n  return g("ViT-B_16,cifar10,dev")\n')
-  p = _vit_sweep(tmp_path, '--config=finetune:ViT-B_16,cifar10,dev', '--workdir=sw', *argv)
+  p = console_script('vit-sweep', tmp_path, '--config=finetune:ViT-B_16,cifar10,dev',
+                     '--workdir=sw', *argv)
   assert p.returncode == 1 and p.stdout == '', p.stdout + p.stderr
   [line] = [l for l in p.stderr.splitlines() if l.startswith('sweep: ')]
   assert line.startswith('sweep: error: ') and message in line, p.stderr

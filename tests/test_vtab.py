@@ -14,6 +14,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 from tensorflow_datasets.testing import mocking
 
+from tests.conftest import console_script
 from vit_jax import data_sources
 from vit_jax import input_pipeline
 from vit_jax import vtab
@@ -315,12 +316,6 @@ def test_vtab_runner_dry_run_and_bad_arguments(capsys):
     assert message in str(e.value) and '\n' not in str(e.value)
 
 
-def _vit_vtab(cwd, *argv):
-  """The vit-vtab console script of this venv, run as a user runs it from `cwd`."""
-  script = os.path.join(os.path.dirname(sys.executable), 'vit-vtab')
-  return subprocess.run([script, *argv], cwd=cwd, capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.parametrize('argv,message', [
     (['--model=ViT-B16', '--dry-run'], "--model 'ViT-B16' is not a model of vit_jax.models: did "
      'you mean ViT-B_16'),
@@ -333,7 +328,7 @@ def _vit_vtab(cwd, *argv):
 ])
 def test_vtab_bad_arguments_from_the_command_line(tmp_path, argv, message):
   """Refused before any task starts or any file is written: one line, exit 1."""
-  p = _vit_vtab(tmp_path, '--workdir=vt', *argv)
+  p = console_script('vit-vtab', tmp_path, '--workdir=vt', *argv)
   assert p.returncode == 1 and p.stdout == '', p.stdout + p.stderr
   [line] = [l for l in p.stderr.splitlines() if l.startswith('vtab: ')]
   assert line.startswith('vtab: error: ') and message in line, p.stderr
