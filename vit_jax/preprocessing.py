@@ -71,15 +71,17 @@ TRAIN_CROPS = ('inception', 'resize')
 EVAL_CROPS = ('resize', 'central')
 
 
+def _unknown(name, value, choices):
+  return ValueError(f'pp.{name} {value!r} is unknown: set --config.pp.{name} to one of {choices}')
+
+
 def validate(config):
   """Start-up checks of config.pp: one-line ValueErrors naming the field and the fix."""
   pp = config.pp
   if pp.train_crop not in TRAIN_CROPS:
-    raise ValueError(f'pp.train_crop {pp.train_crop!r} is unknown: set --config.pp.train_crop '
-                     f'to one of {TRAIN_CROPS}')
+    raise _unknown('train_crop', pp.train_crop, TRAIN_CROPS)
   if pp.eval_crop not in EVAL_CROPS:
-    raise ValueError(f'pp.eval_crop {pp.eval_crop!r} is unknown: set --config.pp.eval_crop to '
-                     f'one of {EVAL_CROPS}')
+    raise _unknown('eval_crop', pp.eval_crop, EVAL_CROPS)
   for name in ('inception_min_area', 'central_crop_fraction'):
     if not 0 < pp[name] <= 1:
       raise ValueError(f'pp.{name} {pp[name]} is a fraction of the image: set '
@@ -106,7 +108,7 @@ def preprocess_train(image: tf.Tensor, seed: tf.Tensor, config) -> tf.Tensor:
   elif config.pp.train_crop == 'resize':
     image = _decode(image)
   else:
-    validate(config)
+    raise _unknown('train_crop', config.pp.train_crop, TRAIN_CROPS)
   size = config.image_size
   image = tf.image.resize(image, (size, size), method='bilinear')
   if config.pp.flip:
@@ -134,5 +136,5 @@ def preprocess_eval(image: tf.Tensor, config) -> tf.Tensor:
     image = image[top:top + size, left:left + size]
     image.set_shape([size, size, 3])
   else:
-    validate(config)
+    raise _unknown('eval_crop', config.pp.eval_crop, EVAL_CROPS)
   return _scale(image)
