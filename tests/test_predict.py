@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from configs import quickstart
+from vit_jax.configs import quickstart
 from vit_jax import checkpoint
 from vit_jax import data_sources
 from vit_jax import models
