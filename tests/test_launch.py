@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests.conftest import console_script
 from vit_jax.launch import tpu_vm
 
 GCLOUD = ['gcloud', 'compute', 'tpus', 'tpu-vm']
@@ -632,9 +633,7 @@ def _bash_syntax_ok(script):
 
 
 def vit_tpu(cwd, *argv):
-  """The vit-tpu console script of this venv, run as a user runs it from `cwd`."""
-  script = os.path.join(os.path.dirname(sys.executable), 'vit-tpu')
-  return subprocess.run([script, *argv], cwd=cwd, capture_output=True, text=True, timeout=300)
+  return console_script('vit-tpu', cwd, *argv)
 
 
 def _error_line(p):
