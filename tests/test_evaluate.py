@@ -193,6 +193,23 @@ def test_evaluator_matches_pure_functions(tiny, standardise):
   assert fewshot(tiny['params']) == metrics  # cached data, same answer
 
 
+def test_fewshot_over_splits_smaller_than_one_batch(tiny):
+  """At an eval batch larger than the pool (60) and the held-out split (20), eval_batches
+  reads smaller batches; the k-shot draws still find their rows, and the answer is that
+  of batch 16."""
+  config = tiny['config'].copy_and_resolve_references()
+  want = evaluate.FewShotEvaluator(config, tiny['model'])(tiny['params'])
+  config.eval_batch_size = 512
+  fewshot = evaluate.FewShotEvaluator(config, tiny['model'])
+  task = fewshot.tasks['fashion_mnist_local']
+  assert {len(b['mask']) for b in task._train_batches} == {64}
+  assert [len(b['mask']) for b in task._eval_batches] == [24]
+  got = fewshot(tiny['params'])
+  assert got.keys() == want.keys()
+  for k, v in want.items():
+    assert got[k] == pytest.approx(v, abs=1e-6)
+
+
 def test_library_and_inspect_load_no_evaluation_cli():
   """evaluate.py (the library) loads no CLI; vit-inspect loads neither it nor TensorFlow."""
   code = ('import sys; import vit_jax.{}; '

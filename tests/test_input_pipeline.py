@@ -229,6 +229,26 @@ def test_eval_complete_over_two_processes(idx_dir):
   assert masks.sum() == NUM_TEST  # 3 padding examples, all masked.
 
 
+def test_a_split_smaller_than_one_eval_batch_is_read_in_a_smaller_batch(idx_dir):
+  """13 test images at an eval batch of 512 make one batch of 16 (a multiple of the 8
+  devices), not 512 rows of padding to run; over two hosts, 8 of each host's 7."""
+  c = _config(data_dir=idx_dir)
+  assert jax.local_device_count() == 8
+  (batch,) = ip.eval_batches(c, global_batch=512, process_index=0, process_count=1)
+  assert batch['image'].shape == (16, 28, 28, 3) and batch['mask'].sum() == NUM_TEST
+  assert sorted(i for i, m in zip(_ids(batch), batch['mask']) if m) == list(
+      range(NUM_TRAIN, NUM_TRAIN + NUM_TEST))
+  per_host = [
+      list(ip.eval_batches(c, global_batch=512, process_index=h, process_count=2)) for h in range(2)
+  ]
+  assert [[b['mask'].shape for b in bs] for bs in per_host] == [[(8,)], [(8,)]]
+  assert sum(b['mask'].sum() for bs in per_host for b in bs) == NUM_TEST
+  # A split larger than one batch keeps the batch: 3 batches of 5 (ceil(13 / 5)).
+  assert [
+      len(b['mask']) for b in ip.eval_batches(c, global_batch=5, process_index=0, process_count=1)
+  ] == [5, 5, 5]
+
+
 def test_missing_idx_files_error(tmp_path):
   c = _config(data_dir=str(tmp_path))
   with pytest.raises(FileNotFoundError, match='apt-get install dataset-fashion'):

@@ -406,6 +406,7 @@ class _FewShotTask:
     """
     labels, masks = [], []
     for batch in self._read(self._train_cfg):  # pass 1: labels (of all hosts)
+      local = len(batch['label'])  # the host batch eval_batches chose for this split
       labels.append(multihost_utils.process_allgather(batch['label'], tiled=True))
       masks.append(multihost_utils.process_allgather(batch['mask'], tiled=True))
     labels, masks = np.concatenate(labels), np.concatenate(masks)
@@ -418,7 +419,6 @@ class _FewShotTask:
     keep[np.flatnonzero(masks)[np.concatenate(list(self._draws.values()))]] = True
     # The gathered stream is batch-major: [batch, host, local row].
     hosts, host = jax.process_count(), jax.process_index()
-    local = self.batch_size // hosts
     by_host = lambda a: a.reshape(-1, hosts, local).transpose(1, 0, 2).reshape(hosts, -1)
     keep_hosts = by_host(keep)
     mine, my_rows = keep_hosts[host], by_host(row_of)[host]

@@ -34,9 +34,10 @@ arithmetic are unchanged). Each one is logged and counted by the iterator that m
 it: `train_batches(...).skipped` (likewise eval_batches), which the loop reports.
 
 Evaluation: each host reads its shard once, in order, in batches of
-global_batch // process_count; the last one is padded (mask False, label 0,
-zero image) and hosts with a smaller shard add all-padding batches, so that all
-hosts yield ceil(largest shard / local batch) batches.
+global_batch // process_count (smaller for a split smaller than one batch: see
+_eval_local_batch); the last one is padded (mask False, label 0, zero image) and
+hosts with a smaller shard add all-padding batches, so that all hosts yield
+ceil(largest shard / local batch) batches.
 """
 from __future__ import annotations
 
@@ -289,10 +290,11 @@ def eval_batches(config, *, global_batch: int, process_index: int | None = None,
   keep_tf_off_accelerators()
   host, hosts, local = _hosts(global_batch, process_index, process_count)
   shard = data_sources.source(config).shard(config.eval_split, host, hosts, config.shuffle_buffer)
-  num_batches = math.ceil(shard.max_size / local)
-  if num_batches == 0:
+  if shard.max_size == 0:
     raise ValueError(f'eval_split {config.eval_split!r} is empty: choose '
                      'another split.')
+  local = _eval_local_batch(shard.max_size, local)
+  num_batches = math.ceil(shard.max_size / local)
 
   def example(q, record):
     del q
@@ -309,6 +311,14 @@ def eval_batches(config, *, global_batch: int, process_index: int | None = None,
   pad = _place(tf.zeros([0], tf.int64), _empty(fallback), local, fallback, 0)
   ds = ds.concatenate(tf.data.Dataset.from_tensors(pad).repeat())
   return Batches(_options(ds.take(num_batches).prefetch(2)), 'evaluating')
+
+
+def _eval_local_batch(max_size: int, local: int) -> int:
+  """The host batch of an eval split: `local`, or for a split smaller than one batch the
+  smallest multiple of this host's devices that holds it. A 64-image split at an
+  eval_batch_size of 512 would otherwise run (and hold) eight times the images it has."""
+  unit = jax.local_device_count()
+  return min(local, -(-max_size // unit) * unit)
 
 
 # ------------------------------------------------------------- to devices
