@@ -2,6 +2,7 @@
 data written here."""
 import collections
 import io
+import logging
 import os
 import subprocess
 import sys
@@ -261,7 +262,7 @@ def test_bad_batch_size_error(idx_dir):
 
 
 # ------------------------------------------------------------ image folder
-def test_folder_eval_skips_and_counts_corrupt(folder):
+def test_folder_eval_skips_and_counts_corrupt(folder, caplog):
   root, _, test = folder
   c = _config(dataset='folder:' + root)
   info = ip.get_info(c)
@@ -270,8 +271,12 @@ def test_folder_eval_skips_and_counts_corrupt(folder):
   iterators = [
       ip.eval_batches(c, global_batch=6, process_index=h, process_count=2) for h in range(2)
   ]
-  per_host = [list(it) for it in iterators]
+  with caplog.at_level(logging.WARNING):
+    per_host = [list(it) for it in iterators]
   assert [it.skipped for it in iterators] == [0, 1]  # Host 1 reads the corrupt file.
+  # The warning names the file, so that the user can find it.
+  assert 'Skipped 1 undecodable image(s) while evaluating (1 so far in this stream): ' + \
+      os.path.join(root, 'test', 'c', '00012b.png') in caplog.text
   assert len(per_host[0]) == len(per_host[1]) == 2
   labels = collections.Counter()
   png_ids = []
@@ -288,14 +293,18 @@ def test_folder_eval_skips_and_counts_corrupt(folder):
   np.testing.assert_array_equal(last['image'][1:], 0.0)  # Padding.
 
 
-def test_folder_train_replaces_corrupt_and_resumes(folder):
+def test_folder_train_replaces_corrupt_and_resumes(folder, caplog):
   root, train, _ = folder
   c = _config(dataset='folder:' + root, pp_train_crop='resize', pp_flip=False)
   kw = dict(global_batch=4, process_index=0, process_count=1)
   it = ip.train_batches(c, **kw)
   assert it.skipped == 0
-  full = _take(it, 2)  # 1 epoch of 8 files.
+  with caplog.at_level(logging.WARNING):
+    full = _take(it, 2)  # 1 epoch of 8 files.
   assert it.skipped == 1
+  assert caplog.text.count('undecodable') == 1
+  assert 'while training (1 so far in this stream): ' + os.path.join(root, 'train', 'a',
+                                                                     '99999.png') in caplog.text
   full += _take(it, 4)
   assert it.skipped == 3  # Once per epoch, counted by this iterator only.
   assert ip.train_batches(c, **kw).skipped == 0

@@ -70,6 +70,9 @@ class Shard:
   max_size: int  # Largest shard over all hosts (eval batches per host).
   shuffle_buffer: int  # Per-epoch shuffle window (size = a full permutation).
   load: Callable[[Any], dict[str, tf.Tensor]]  # record -> {'image', 'label'}
+  # Index record -> what a user can look for (a file's path); None where records are not
+  # indices or name nothing.
+  describe: Callable[[int], str] | None = None
 
 
 class Source:
@@ -111,6 +114,7 @@ class _LocalSource(Source):
     parts = [(self.arrays(name), a, b) for name, a, b in hosts[index]]
     items = np.concatenate([x[a:b] for (x, _), a, b in parts])
     labels = np.concatenate([y[a:b] for (_, y), a, b in parts]).astype(np.int32)
+    describe = self.describe_items(items)
     items, labels = tf.constant(items), tf.constant(labels)
     n = len(labels)
     return Shard(
@@ -118,10 +122,15 @@ class _LocalSource(Source):
         shuffle_buffer=max(n, 1), load=lambda i: {
             'image': self.load_item(tf.gather(items, i)),
             'label': tf.gather(labels, i)
-        })
+        }, describe=describe)
 
   def load_item(self, item: tf.Tensor) -> tf.Tensor:
     return item
+
+  def describe_items(self, items: np.ndarray) -> Callable[[int], str] | None:
+    """Shard.describe of a shard holding `items`; in-memory arrays name nothing."""
+    del items
+    return None
 
 
 def _read_idx(path: str, magic: int) -> np.ndarray:
@@ -219,6 +228,9 @@ class _FolderSource(_LocalSource):
 
   def load_item(self, item: tf.Tensor) -> tf.Tensor:
     return tf.io.read_file(item)
+
+  def describe_items(self, items: np.ndarray) -> Callable[[int], str]:
+    return lambda i: str(items[i])  # the file's path
 
 
 class _TfdsSource(Source):

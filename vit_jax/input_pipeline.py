@@ -106,8 +106,9 @@ class Batches:
   training loop reports it as 'data/skipped_images'.
   """
 
-  def __init__(self, ds: tf.data.Dataset, stage: str, finish: Callable[[dict], dict] | None = None):
-    self._ds, self._stage, self._finish = ds, stage, finish
+  def __init__(self, ds: tf.data.Dataset, stage: str, finish: Callable[[dict], dict] | None = None,
+               describe: Callable[[int], str] | None = None):
+    self._ds, self._stage, self._finish, self._describe = ds, stage, finish, describe
     self._numpy = None  # Started by the first next(), not here.
     self.skipped = 0
 
@@ -118,12 +119,20 @@ class Batches:
     if self._numpy is None:
       self._numpy = self._ds.as_numpy_iterator()
     batch = next(self._numpy)
-    skipped = int(batch.pop('skipped'))
+    skipped, failed = int(batch.pop('skipped')), batch.pop('failed')
     if skipped:
       self.skipped += skipped
-      logging.warning('Skipped %d undecodable image(s) while %s (%d so far in this stream).',
-                      skipped, self._stage, self.skipped)
+      logging.warning('Skipped %d undecodable image(s) while %s (%d so far in this stream)%s',
+                      skipped, self._stage, self.skipped, self._names(failed))
     return self._finish(batch) if self._finish else batch
+
+  def _names(self, failed: np.ndarray, shown: int = 5) -> str:
+    """': a.jpg, b.jpg' for the failed records, so that the user can find the files."""
+    if self._describe is None or not len(failed):
+      return '.'
+    names = [self._describe(int(i)) for i in failed[:shown]]
+    more = f' and {len(failed) - shown} more' if len(failed) > shown else ''
+    return ': ' + ', '.join(names) + more
 
 
 def _hosts(global_batch: int, process_index, process_count):
@@ -144,8 +153,9 @@ def _decode_batches(ds: tf.data.Dataset, fn, local: int, fallback: dict,
   Each batch of records is mapped in its own small dataset whose failing
   elements are dropped (`ignore_errors`); the survivors are put back at their
   rows (q % local) and the other rows get `fallback`. A bad image thus costs
-  its row, never the alignment of the stream. Adds 'mask' (row decoded) and
-  'skipped' (records of the batch that failed to decode).
+  its row, never the alignment of the stream. Adds 'mask' (row decoded),
+  'skipped' (records of the batch that failed to decode) and 'failed' (those
+  records where they are indices, for Batches to name; else empty).
   """
   ds = ds.batch(local, drop_remainder=drop_remainder)
 
@@ -155,10 +165,17 @@ def _decode_batches(ds: tf.data.Dataset, fn, local: int, fallback: dict,
                           deterministic=True).ignore_errors().batch(local)
     none = tf.data.Dataset.from_tensors((tf.zeros([0], tf.int64), _empty(fallback)))
     return good.concatenate(none).take(1).map(
-        lambda kept, ex: _place(kept % local, ex, local, fallback,
-                                tf.shape(q)[0]))
+        lambda kept, ex: dict(_place(kept % local, ex, local, fallback,
+                                     tf.shape(q)[0]), failed=_failed_records(q, kept, records)))
 
   return ds.interleave(decode, cycle_length=2, num_parallel_calls=2, deterministic=True)
+
+
+def _failed_records(q, kept, records) -> tf.Tensor:
+  """The index records of the batch (stream positions q) whose position is not in kept."""
+  if not (isinstance(records, tf.Tensor) and records.dtype == tf.int64):
+    return tf.zeros([0], tf.int64)
+  return tf.boolean_mask(records, ~tf.reduce_any(q[:, None] == kept[None, :], axis=1))
 
 
 def _empty(example: dict) -> dict:
@@ -259,7 +276,7 @@ def train_batches(config, *, global_batch: int, start_step: int = 0,
     }
 
   ds = _decode_batches(ds, example, local, _fallback(config), drop_remainder=True)
-  return Batches(_options(ds.prefetch(2)), 'training', _fill_undecodable_rows)
+  return Batches(_options(ds.prefetch(2)), 'training', _fill_undecodable_rows, shard.describe)
 
 
 def _fill_undecodable_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -308,9 +325,10 @@ def eval_batches(config, *, global_batch: int, process_index: int | None = None,
   ds = shard.records.take(shard.size).enumerate()
   ds = _decode_batches(ds, example, local, fallback, drop_remainder=False)
   # Hosts with fewer records finish with all-padding batches.
-  pad = _place(tf.zeros([0], tf.int64), _empty(fallback), local, fallback, 0)
+  pad = dict(_place(tf.zeros([0], tf.int64), _empty(fallback), local, fallback, 0),
+             failed=tf.zeros([0], tf.int64))
   ds = ds.concatenate(tf.data.Dataset.from_tensors(pad).repeat())
-  return Batches(_options(ds.take(num_batches).prefetch(2)), 'evaluating')
+  return Batches(_options(ds.take(num_batches).prefetch(2)), 'evaluating', describe=shard.describe)
 
 
 def _eval_local_batch(max_size: int, local: int) -> int:
