@@ -148,6 +148,13 @@ def test_pickled_file_is_refused(tmp_path):
     checkpoint.load_npz(str(path))
 
 
+def test_an_npz_without_arrays_is_called_empty_not_pickled(tmp_path):
+  path = tmp_path / 'empty.npz'
+  np.savez(path)
+  with pytest.raises(checkpoint.UnreadableFileError, match=r'empty.npz holds no arrays: check'):
+    checkpoint.load_npz(str(path))
+
+
 def test_not_an_npz_is_a_clear_error(tmp_path):
   path = tmp_path / 'broken.npz'
   path.write_bytes(b'not a zip file')

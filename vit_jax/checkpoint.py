@@ -57,6 +57,9 @@ def _read_npz(path):
   if not zipfile.is_zipfile(data):
     raise UnreadableFileError(path, 'is not a readable .npz (zip) file',
                               'check the path and download')
+  if not zipfile.ZipFile(data).namelist():  # np.load would call it pickled
+    raise UnreadableFileError(path, 'holds no arrays', 'check the path and export it again')
+  data.seek(0)
   try:
     with np.load(data, allow_pickle=False) as npz:
       return {k: npz[k] for k in npz.files}
