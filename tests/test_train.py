@@ -404,6 +404,20 @@ def test_a_config_field_given_as_a_flag_names_the_config_form(tmp_path):
       '--config.batch_size=... (see --help)'), proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize('override,expected', [
+    ('batch_size=abc', 'an integer'),
+    ('batch_size=1.5', 'an integer'),
+    ('base_lr=x1', 'a number'),
+    ('model.dropout_rate=', 'a number'),
+    ('fsdp=maybe', 'true or false'),
+])
+def test_a_value_of_the_wrong_type_says_what_the_field_expects(tmp_path, override, expected):
+  proc = _main(['--config=quickstart', f'--workdir={tmp_path / "w"}', f'--config.{override}'])
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f'main.py: flag --config.{override}: expected {expected} (see --help)'), proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize(
     'override,message',
     [

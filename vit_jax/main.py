@@ -112,7 +112,22 @@ def parse_flags(argv):
     hint = ''
     if isinstance(e, flags.UnrecognizedFlagError) and config is not None and e.flagname in config:
       hint = f'; config fields are set as --config.{e.flagname}=...'  # big_vision's habit
-    sys.exit(f'{os.path.basename(argv[0])}: {_one_line(e)}{hint} (see --help)')
+    sys.exit(f'{os.path.basename(argv[0])}: {_plain_value_error(_one_line(e))}{hint} (see --help)')
+
+
+# Python's words for a config value of the wrong type -> what the field expects.
+_CONVERSION_ERRORS = (
+    (r'invalid literal for int\(\) with base \d+: .*', 'expected an integer'),
+    (r'could not convert string to float: .*', 'expected a number'),
+    (r"\('Non-boolean argument to boolean flag', .*\)", 'expected true or false'),
+)
+
+
+def _plain_value_error(line):
+  """'flag --config.batch_size=abc: invalid literal for int()...' -> '...: expected an integer'."""
+  for pattern, plain in _CONVERSION_ERRORS:
+    line = re.sub(f'(?<=: ){pattern}$', plain, line)
+  return line
 
 
 def _one_line(error):
