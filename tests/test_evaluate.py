@@ -127,6 +127,18 @@ def test_fewshot_config_errors_name_the_fix():
   c.fewshot_datasets = (('folder:/a/pets', 'train', 'test'), ('folder:/b/pets/', 'train', 'test'))
   with pytest.raises(ValueError, match="names 'pets' twice"):
     evaluate.validate_fewshot(c)
+  c.fewshot_datasets = (('folder:/a/pets', 'train', 'test'),)
+  for field, value in (('fewshot_shots', ('a', 'b')), ('fewshot_shots', (0, 5)),
+                       ('fewshot_shots', ()), ('fewshot_seeds', (0.5,))):
+    bad = c.copy_and_resolve_references()
+    bad[field] = value
+    with pytest.raises(
+        ValueError, match=f'^{field} .* is not a tuple of whole numbers.*: set e.g. '
+        f'--config.{field}=1,5$'):
+      evaluate.validate_fewshot(bad)
+  c.fewshot_l2_reg = 0.0
+  with pytest.raises(ValueError, match='^fewshot_l2_reg 0.0 is not positive'):
+    evaluate.validate_fewshot(c)
 
 
 def test_other_datasets_are_read_with_their_own_label_feature():

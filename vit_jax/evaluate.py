@@ -325,6 +325,16 @@ def validate_fewshot(config):
                      '"((\'imagenet2012\', \'train[:5%]\', \'validation\'),)"')
   if config.fewshot_every_steps:
     fewshot_tasks(config)
+    for field, ok, want in (('fewshot_shots', lambda k: k >= 1, 'whole numbers >= 1'),
+                            ('fewshot_seeds', lambda s: True, 'whole numbers')):
+      values = config[field]
+      if not (isinstance(values, (tuple, list)) and values
+              and all(isinstance(v, int) and not isinstance(v, bool) and ok(v) for v in values)):
+        raise ValueError(f'{field} {values!r} is not a tuple of {want}: set e.g. '
+                         f'--config.{field}=1,5')
+    if not float(config.fewshot_l2_reg) > 0:
+      raise ValueError(f'fewshot_l2_reg {config.fewshot_l2_reg} is not positive: set '
+                       '--config.fewshot_l2_reg (the paper\'s few-shot ridge: 1024)')
 
 
 class FewShotEvaluator:
