@@ -76,3 +76,10 @@ def test_console_scripts_help_lists_their_flags(wheel_venv, tmp_path):
     text = out.stdout + out.stderr
     for t in texts:
       assert t in text, f'{script} --help lacks {t!r}:\n{text[-2000:]}'
+  # With a config, --help first lists that config's fields and values (no workdir needed).
+  out = subprocess.run(['vit-train', '--config=finetune:ViT-B_16,cifar10', '--help'], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=300)
+  assert out.stdout.startswith('--config=finetune:ViT-B_16,cifar10: the fields and values'), out
+  for t in ('\ndataset: cifar10\n', '\nimage_size: 384\n', '\nmodel_name: ViT-B_16\n',
+            '--workdir:'):
+    assert t in out.stdout, f'{t!r} not in:\n{out.stdout[-3000:]}'

@@ -1,6 +1,8 @@
 r"""Entry point: vit-train (python -m vit_jax.main) --config=NAME[:<args>] --workdir=DIR.
 
 Any config field can be overridden: --config.base_lr=0.01 --config.model.dropout_rate=0.1.
+The fields, one comment line each, are in configs/common.py; `--config=NAME --help` prints
+that config's fields and values first.
 On several hosts the same command runs once per host. On a Cloud TPU VM,
 jax.distributed.initialize() finds the other workers from the TPU metadata (on one host
 it is harmless); elsewhere pass --coordinator_address, --num_processes and --process_id
@@ -29,8 +31,10 @@ from vit_jax import xla_cpu_flags
 # first (host_allocator.py), and should not have paid for them twice.
 
 config_flags.DEFINE_config_file(
-    'config', None, 'A packaged config (quickstart, finetune:<model>,<dataset>, '
-    'pretrain:<model>,<dataset>) or a config file, with its argument after ":".', lock_config=True)
+    'config', None, 'A packaged config (quickstart, finetune:<model>,<dataset>[,dev], '
+    'pretrain:<model>,<dataset>[,<epochs>], table2:<model>[,dev], masked_patches:<model>,<dataset> '
+    'or masked_patches:quickstart) or a '
+    'config file, with its argument after ":".', lock_config=True)
 flags.DEFINE_string('workdir', None, 'Checkpoints, TensorBoard logs and the log go here.')
 flags.DEFINE_string('coordinator_address', os.environ.get('JAX_COORDINATOR_ADDRESS'),
                     'host:port of process 0, for runs on several hosts outside Cloud TPU.')
@@ -92,6 +96,9 @@ def _config_value_index(argv):
   return None
 
 
+_HELP_FLAGS = {'--help', '-help', '--helpshort', '-helpshort', '-?'}
+
+
 def parse_flags(argv):
   """absl's flag parsing, with a packaged --config name resolved to its file and every
   mistake (unknown field, bad value, missing file or flag) reported as one line."""
@@ -105,6 +112,9 @@ def parse_flags(argv):
       sys.argv[:] = argv  # the config flag reads its --config.x overrides from sys.argv
       config = configs.load(value)
       configs.check_override_names(config, argv)
+      if _HELP_FLAGS & set(argv):
+        print(f'--config={value}: the fields and values it trains with (each overridable as '
+              f'--config.FIELD=VALUE):\n\n{config}')
     rest = FLAGS(argv)
     _ = FLAGS.config  # raises if the config file failed to load
     return rest
