@@ -59,7 +59,8 @@ def test_train_then_evaluate_from_elsewhere(wheel_venv, tmp_path):
 
 def test_console_scripts_help_lists_their_flags(wheel_venv, tmp_path):
   """`vit-train --help` printed only "USAGE: vit-train [flags]": a console script's __main__
-  is pip's wrapper (cli_help.py). The argparse programs are checked for their names."""
+  is pip's wrapper (cli_help.py). The argparse programs are checked for their names. Every
+  one exits 0."""
   env = user_env(wheel_venv)
   expected = {
       'vit-train': ('Entry point: vit-train', '--config:', '--workdir:'),
@@ -74,6 +75,7 @@ def test_console_scripts_help_lists_their_flags(wheel_venv, tmp_path):
     out = subprocess.run([script, '--help'], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)
     text = out.stdout + out.stderr
+    assert out.returncode == 0, f'{script} --help exited {out.returncode}'  # absl's is 1
     for t in texts:
       assert t in text, f'{script} --help lacks {t!r}:\n{text[-2000:]}'
   # With a config, --help first lists that config's fields and values (no workdir needed).

@@ -3,10 +3,18 @@
 absl's `--help` prints `__main__`'s docstring and the flags its module declared. Run as a
 console script, `__main__` is pip's wrapper, with no docstring and no flags, so
 `vit-train --help` printed only "USAGE: vit-train [flags]". `python -m` was not affected.
+absl also exits 1 after printing the help; `run` makes it 0, as the argparse programs
+(vit-sweep, vit-vtab, vit-tpu) and most command-line tools do.
 """
 import sys
 
+from absl import app
 from absl import flags
+
+HELP_FLAGS = frozenset({
+    '--help', '-help', '--helpshort', '-helpshort', '--helpfull', '-helpfull', '--helpxml',
+    '-helpxml', '-?'
+})
 
 
 def as_the_program(module_name, *flag_modules):
@@ -18,3 +26,16 @@ def as_the_program(module_name, *flag_modules):
   for name in (module_name, *flag_modules):
     for flag in flags.FLAGS.get_key_flags_for_module(name):
       flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+
+
+def run(main, module_name, *flag_modules, flags_parser=None):
+  """as_the_program, then absl's app.run(main), with --help exiting 0."""
+  as_the_program(module_name, *flag_modules)
+  kwargs = {'flags_parser': flags_parser} if flags_parser else {}
+  try:
+    app.run(main, **kwargs)
+  except SystemExit as e:
+    # absl exits 1 once it has printed the help, before main runs.
+    if e.code == 1 and HELP_FLAGS & set(sys.argv[1:]):
+      sys.exit(0)
+    raise

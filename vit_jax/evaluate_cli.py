@@ -163,8 +163,7 @@ def _own_flags(message):
 def run_cli():
   """The `vit-evaluate` console script."""
   _define_flags()
-  cli_help.as_the_program(__name__, model_flags.__name__)
-  app.run(main)
+  cli_help.run(main, __name__, model_flags.__name__)
 
 
 if __name__ == '__main__':

@@ -27,7 +27,6 @@ import os
 import re
 import sys
 
-from absl import app
 from absl import flags
 import jax
 import numpy as np
@@ -403,8 +402,7 @@ def main(argv):
 def run_cli():
   """The `vit-inspect` console script."""
   _define_flags()
-  cli_help.as_the_program(__name__, model_flags.__name__)
-  app.run(main)
+  cli_help.run(main, __name__, model_flags.__name__)
 
 
 if __name__ == '__main__':

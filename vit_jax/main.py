@@ -96,9 +96,6 @@ def _config_value_index(argv):
   return None
 
 
-_HELP_FLAGS = {'--help', '-help', '--helpshort', '-helpshort', '-?'}
-
-
 def parse_flags(argv):
   """absl's flag parsing, with a packaged --config name resolved to its file and every
   mistake (unknown field, bad value, missing file or flag) reported as one line."""
@@ -112,7 +109,7 @@ def parse_flags(argv):
       sys.argv[:] = argv  # the config flag reads its --config.x overrides from sys.argv
       config = configs.load(value)
       configs.check_override_names(config, argv)
-      if _HELP_FLAGS & set(argv):
+      if cli_help.HELP_FLAGS & set(argv):
         print(f'--config={value}: the fields and values it trains with (each overridable as '
               f'--config.FIELD=VALUE):\n\n{config}')
     rest = FLAGS(argv)
@@ -210,8 +207,7 @@ def run():
     host_allocator.reexec_with_jemalloc()  # before JAX starts: see host_allocator.py
   except ValueError as e:  # a bad VIT_JAX_HOST_ALLOCATOR value
     sys.exit(f'vit_jax: {e}')
-  cli_help.as_the_program(__name__)
-  app.run(main, flags_parser=parse_flags)
+  cli_help.run(main, __name__, flags_parser=parse_flags)
 
 
 if __name__ == '__main__':

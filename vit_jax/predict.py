@@ -16,7 +16,6 @@ import os
 import re
 import sys
 
-from absl import app
 from absl import flags
 import jax
 import ml_collections
@@ -216,8 +215,7 @@ def main(argv):
 def run_cli():
   """The `vit-predict` console script."""
   _define_flags()
-  cli_help.as_the_program(__name__, model_flags.__name__)
-  app.run(main)
+  cli_help.run(main, __name__, model_flags.__name__)
 
 
 if __name__ == '__main__':
