@@ -33,8 +33,8 @@ from vit_jax import xla_cpu_flags
 config_flags.DEFINE_config_file(
     'config', None, 'A packaged config (quickstart, finetune:<model>,<dataset>[,dev], '
     'pretrain:<model>,<dataset>[,<epochs>], table2:<model>[,dev], masked_patches:<model>,<dataset> '
-    'or masked_patches:quickstart) or a '
-    'config file, with its argument after ":".', lock_config=True)
+    'or masked_patches:quickstart) or a config file, with its argument after ":".',
+    lock_config=True)
 flags.DEFINE_string('workdir', None, 'Checkpoints, TensorBoard logs and the log go here.')
 flags.DEFINE_string('coordinator_address', os.environ.get('JAX_COORDINATOR_ADDRESS'),
                     'host:port of process 0, for runs on several hosts outside Cloud TPU.')
