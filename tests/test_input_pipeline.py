@@ -268,12 +268,18 @@ def test_folder_eval_skips_and_counts_corrupt(folder, caplog):
   info = ip.get_info(c)
   assert info.num_classes == 3
   assert info.num_eval_examples == 5 + 2 + 1  # PNGs, JPEGs, the corrupt file.
+  # The files in their fixed order (a hash of class/name): host h reads 4 of the 8.
+  order = [
+      os.path.relpath(p, os.path.join(root, 'test'))
+      for p in data_sources.source(c).arrays('test')[0]
+  ]
+  bad = order.index(os.path.join('c', '00012b.png'))
   iterators = [
       ip.eval_batches(c, global_batch=6, process_index=h, process_count=2) for h in range(2)
   ]
   with caplog.at_level(logging.WARNING):
     per_host = [list(it) for it in iterators]
-  assert [it.skipped for it in iterators] == [0, 1]  # Host 1 reads the corrupt file.
+  assert [it.skipped for it in iterators] == [int(h == bad // 4) for h in range(2)]
   # The warning names the file, so that the user can find it.
   assert 'Skipped 1 undecodable image(s) while evaluating (1 so far in this stream): ' + \
       os.path.join(root, 'test', 'c', '00012b.png') in caplog.text
@@ -285,12 +291,61 @@ def test_folder_eval_skips_and_counts_corrupt(folder, caplog):
     png_ids += [i for i, m in zip(_ids(b), b['mask']) if m and i in test]
   assert labels == {0: 2, 1: 2, 2: 3}  # a=0, b=1 (JPEGs), c=2.
   assert sorted(png_ids) == sorted(test)  # Lossless PNGs: exact pixels.
-  # Host 1 reads c/00012, c/00012b (corrupt), c/00013, c/00014 in file order.
-  first, last = per_host[1]
-  np.testing.assert_array_equal(first['mask'], [True, False, True])
-  assert [_ids(first)[i] for i in (0, 2)] == [12, 13]
-  np.testing.assert_array_equal(last['mask'], [True, False, False])
-  np.testing.assert_array_equal(last['image'][1:], 0.0)  # Padding.
+  # The corrupt file's host: a hole at its row in a batch of 3, then padding after its 4 files.
+  stream = {k: np.concatenate([b[k] for b in per_host[bad // 4]]) for k in ('mask', 'image')}
+  np.testing.assert_array_equal(stream['mask'], [i != bad % 4 for i in range(4)] + [False] * 2)
+  np.testing.assert_array_equal(stream['image'][4:], 0.0)  # Padding.
+
+
+def test_folder_order_is_fixed_and_mixes_the_classes(tmp_path):
+  """A folder lists its files class by class; slices of the split must not follow that."""
+  root = str(tmp_path / 'pets')
+  fx.write_folder(root, 'train', {'a': list(range(0, 20)), 'b': list(range(20, 40))})
+  c = _config(dataset='folder:' + root)
+  paths, labels = data_sources.source(c).arrays('train')
+  assert set(labels[:10]) == set(labels[-10:]) == {0, 1}  # both classes in each end
+  # The order of files is a function of their names: one more file keeps the others' order.
+  fx.write_folder(root, 'train', {'a': [99]})
+  data_sources.clear_cache()
+  again = list(data_sources.source(c).arrays('train')[0])
+  assert len(again) == 41 and [p for p in again if not p.endswith('00099.png')] == list(paths)
+
+
+def test_folder_hidden_folders_and_other_files_are_left_out_and_said(tmp_path):
+  root = str(tmp_path / 'pets')
+  fx.write_folder(root, 'train', {'a': [1, 2], 'b': [3, 4]})
+  fx.write_folder(root, 'test', {'a': [5], 'b': [6]})
+  fx.write_folder(root, 'train', {'.thumbs': [7]})  # a hidden folder is not a class
+  os.makedirs(os.path.join(root, 'test', '.ipynb_checkpoints'))  # nor an empty one
+  os.makedirs(os.path.join(root, '.cache', 'a'))  # nor a split
+  fx.write_folder(os.path.join(root, 'train', 'a'), 'nested', {'deep': [8]})
+  with open(os.path.join(root, 'train', 'b', 'scan.tif'), 'wb') as f:
+    f.write(b'II*')
+  c = _config(dataset='folder:' + root)
+  assert ip.class_names(c) == ('a', 'b')
+  assert ip.validate_splits(c) == (
+      f'folder:{root}: 2 classes (a, b); train: 4 images, test: 2 images; not read (not '
+      '.jpg/.jpeg/.png/.gif/.bmp/.webp files, or sub-folders): 2, e.g. train/a/nested, '
+      'train/b/scan.tif')
+
+
+def test_folder_splits_are_checked_before_training(tmp_path):
+  root = str(tmp_path / 'pets')
+  fx.write_folder(root, 'train', {'Cat': [1], 'dog': [2]})
+  fx.write_folder(root, 'test', {'cat': [3], 'dog': [4]})
+  os.makedirs(os.path.join(root, 'val'))
+  c = _config(dataset='folder:' + root)
+  with pytest.raises(
+      ValueError, match=r"1 class\(es\) without training images in 'train': "
+      r"'cat' \(in test\)\. Class folders are matched by name \(case-sensitive\)"):
+    ip.validate_splits(c)
+  c.train_split = 'train+test'  # every class has training images now
+  assert ip.validate_splits(c).startswith(f'folder:{root}: 3 classes (Cat, cat, dog); ')
+  c.eval_split = 'val'
+  with pytest.raises(
+      ValueError, match=f"^eval_split 'val' of folder:{root} holds no examples: "
+      'choose another --config.eval_split$'):
+    ip.validate_splits(c)
 
 
 def test_folder_train_replaces_corrupt_and_resumes(folder, caplog):

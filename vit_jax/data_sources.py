@@ -7,7 +7,10 @@ Sources (`config.dataset`):
   'folder:<dir>'         one sub-folder per split, one sub-sub-folder per class:
                          <dir>/<split>/<class>/<image>. Class index = position
                          of the class name in the sorted union of the class
-                         folders of all splits. JPEG/PNG/GIF/BMP/WebP files.
+                         folders of all splits. JPEG/PNG/GIF/BMP/WebP files;
+                         hidden files and folders are left out. Files are in a
+                         fixed pseudo-random order, so that slices hold every
+                         class (_FolderSource.arrays).
   anything else          a TFDS dataset (features 'image' and `config.label_key`,
                          default 'label'). A ClassLabel feature gives int32
                          labels; a Sequence(ClassLabel) feature (a set of labels,
@@ -29,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gzip
+import hashlib
 import os
 import types
 from typing import Any, Callable
@@ -98,6 +102,15 @@ class Source:
   def shard(self, spec: str, index: int, count: int, shuffle_buffer: int) -> Shard:
     """Part `index` of `count` of the split `spec`."""
     raise NotImplementedError
+
+  def check_classes(self, train_spec: str) -> None:
+    """Raises ValueError where a class cannot be learnt from `train_spec` (folders)."""
+    del train_spec
+
+  def summary(self, splits: tuple[str, ...]) -> str | None:
+    """A line for the log on what the run reads of these splits, where it is not obvious."""
+    del splits
+    return None
 
 
 class _LocalSource(Source):
@@ -180,6 +193,13 @@ class _IdxSource(_LocalSource):
     return images, labels
 
 
+def _subfolders(path: str) -> list[str]:
+  """The sorted sub-folders of `path`, hidden ones (.ipynb_checkpoints, ...) left out."""
+  return sorted(
+      d.rstrip('/') for d in tf.io.gfile.listdir(path)
+      if not d.startswith('.') and tf.io.gfile.isdir(os.path.join(path, d)))
+
+
 class _FolderSource(_LocalSource):
   """<root>/<split>/<class>/<image>; images are read and decoded lazily."""
 
@@ -188,15 +208,9 @@ class _FolderSource(_LocalSource):
     if not tf.io.gfile.isdir(root):
       raise FileNotFoundError(f'Folder dataset {root} not found: expected '
                               '<dir>/<split>/<class>/<image> (dataset=folder:<dir>).')
-    self.splits = sorted(
-        d.rstrip('/') for d in tf.io.gfile.listdir(root)
-        if tf.io.gfile.isdir(os.path.join(root, d)))
-    classes = set()
-    for split in self.splits:
-      classes.update(
-          d.rstrip('/') for d in tf.io.gfile.listdir(os.path.join(root, split))
-          if tf.io.gfile.isdir(os.path.join(root, split, d)))
-    self.classes = sorted(classes)
+    self.splits = _subfolders(root)
+    self.classes_by_split = {s: _subfolders(os.path.join(root, s)) for s in self.splits}
+    self.classes = sorted(set().union(*self.classes_by_split.values()))
     if not self.classes:
       raise ValueError(f'Folder dataset {root} has no class folders: expected '
                        '<dir>/<split>/<class>/<image>.')
@@ -205,22 +219,63 @@ class _FolderSource(_LocalSource):
 
   @functools.cache
   def arrays(self, split: str) -> tuple[np.ndarray, np.ndarray]:
-    paths, labels = [], []
+    """(paths, labels) of a split, in a fixed pseudo-random order: that of a hash of each
+    file's class/name. A folder lists its files class by class; TFDS shuffles a dataset
+    once as it prepares it. In class order a slice such as 'train[90%:]' would hold only
+    the last classes; in this order each slice holds every class in proportion, and a
+    file keeps its place among the others when files are added or removed."""
+    paths, labels, names = [], [], []
     for label, name in enumerate(self.classes):
       folder = os.path.join(self.root, split, name)
-      if not tf.io.gfile.isdir(folder):
+      if name not in self.classes_by_split[split]:
         continue
-      found = [
-          f for f in sorted(tf.io.gfile.listdir(folder))
-          if not f.startswith('.') and f.lower().endswith(IMAGE_EXTENSIONS)
-      ]
+      found, other = self._listing(split, name)
       if not found:  # would still count as a class: a head unit never trained
         raise ValueError(f'class folder {folder} holds no images '
-                         f'({"/".join(IMAGE_EXTENSIONS)}): add its images or '
-                         'remove the folder.')
+                         f'({"/".join(IMAGE_EXTENSIONS)}; sub-folders are not read): add its '
+                         'images or remove the folder.')
       paths += [os.path.join(folder, f) for f in found]
       labels += [label] * len(found)
-    return np.array(paths, dtype=object), np.array(labels, np.int32)
+      names += [f'{name}/{f}' for f in found]
+    order = np.array(
+        sorted(range(len(names)), key=lambda i: hashlib.sha256(names[i].encode()).digest()),
+        np.int64)
+    return np.array(paths, dtype=object)[order], np.array(labels, np.int32)[order]
+
+  @functools.cache
+  def _listing(self, split: str, name: str) -> tuple[list[str], list[str]]:
+    """(image files, other entries that are not hidden) of one class folder, sorted."""
+    entries = sorted(
+        e.rstrip('/') for e in tf.io.gfile.listdir(os.path.join(self.root, split, name)))
+    visible = [e for e in entries if not e.startswith('.')]
+    found = [e for e in visible if e.lower().endswith(IMAGE_EXTENSIONS)]
+    return found, [e for e in visible if e not in found]
+
+  def check_classes(self, train_spec: str) -> None:
+    """Every class has training images: a class found only in other splits (often a name
+    spelt differently, as 'Cat' and 'cat') gets a head unit that can never be learnt."""
+    trained = set()
+    for split in {name for name, _, _ in self.host_ranges(train_spec, 1)[0]}:
+      trained.update(self.classes_by_split[split])
+    missing = [c for c in self.classes if c not in trained]
+    if missing:
+      where = {c: [s for s in self.splits if c in self.classes_by_split[s]] for c in missing}
+      listed = '; '.join(f'{c!r} (in {", ".join(where[c])})' for c in missing[:5])
+      raise ValueError(f'Folder dataset {self.root}: {len(missing)} class(es) without training '
+                       f'images in {train_spec!r}: {listed}. Class folders are matched by name '
+                       '(case-sensitive) across splits: rename or remove them.')
+
+  def summary(self, splits: tuple[str, ...]) -> str:
+    """One line: classes, images per split, and what in the class folders is not read."""
+    names = ', '.join(self.classes[:10]) + (', ...' if self.num_classes > 10 else '')
+    counts = ', '.join(f'{s}: {self.count(s)} images' for s in splits)
+    other = [
+        f'{s}/{c}/{e}' for s in self.splits for c in self.classes_by_split[s]
+        for e in self._listing(s, c)[1]
+    ]
+    left_out = (f'; not read (not {"/".join(IMAGE_EXTENSIONS)} files, or sub-folders): '
+                f'{len(other)}, e.g. {", ".join(other[:3])}' if other else '')
+    return f'folder:{self.root}: {self.num_classes} classes ({names}); {counts}{left_out}'
 
   @functools.cache
   def sizes(self) -> dict[str, int]:

@@ -91,6 +91,19 @@ def get_info(config) -> DatasetInfo:
                      num_eval_examples=src.count(config.eval_split), multi_label=src.multi_label)
 
 
+def validate_splits(config) -> str | None:
+  """Start-up check of a training run's data: both splits hold examples, and every class
+  has training images. Returns a line for the log on what is read (folders), or None."""
+  keep_tf_off_accelerators()
+  src = data_sources.source(config)
+  for field in ('train_split', 'eval_split'):
+    if src.count(config[field]) == 0:
+      raise ValueError(f'{field} {config[field]!r} of {config.dataset} holds no examples: '
+                       f'choose another --config.{field}')
+  src.check_classes(config.train_split)
+  return src.summary((config.train_split, config.eval_split))
+
+
 def class_names(config) -> tuple[str, ...]:
   """The dataset's class names, index i naming label i (known without reading the data)."""
   keep_tf_off_accelerators()
@@ -308,7 +321,8 @@ def eval_batches(config, *, global_batch: int, process_index: int | None = None,
   host, hosts, local = _hosts(global_batch, process_index, process_count)
   shard = data_sources.source(config).shard(config.eval_split, host, hosts, config.shuffle_buffer)
   if shard.max_size == 0:
-    raise ValueError(f'eval_split {config.eval_split!r} is empty: choose '
+    # Few-shot and vit-evaluate read other splits through here too: name the split only.
+    raise ValueError(f'split {config.eval_split!r} of {config.dataset} is empty: choose '
                      'another split.')
   local = _eval_local_batch(shard.max_size, local)
   num_batches = math.ceil(shard.max_size / local)
