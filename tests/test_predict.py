@@ -176,3 +176,39 @@ def test_a_published_file_needs_its_model_named(home):
       'vit-predict: --checkpoint wd/final.npz needs --model NAME: the model the file was '
       'trained as, e.g. ViT-B_16 (names: vit_jax.models.VARIANTS)'
   ]
+
+
+def test_a_folder_run_keeps_its_class_names_for_predict_and_evaluate(tmp_path):
+  """vit-train records the head's class names (class_names.txt). vit-predict names classes
+  after the training folder moved; vit-evaluate refuses a folder that names them otherwise."""
+  from tests import data_fixtures  # pylint: disable=g-import-not-at-top
+  data_fixtures.write_folder(str(tmp_path / 'pets'), 'train', {
+      'Ant': [0, 1],
+      'cat': [2, 3],
+      'dog': [4, 5]
+  })
+  data_fixtures.write_folder(str(tmp_path / 'pets'), 'test', {'Ant': [6], 'cat': [7], 'dog': [8]})
+  data_fixtures.write_folder(str(tmp_path / 'zoo'), 'test', {'zebra': [6], 'cat': [7], 'dog': [8]})
+  train = shell([
+      'vit-train', '--config=quickstart', '--config.dataset=folder:pets', '--workdir=wd',
+      '--config.total_steps=2', '--config.warmup_steps=1', '--config.batch_size=6',
+      '--config.model.num_layers=1'
+  ], tmp_path)
+  assert train.returncode == 0, train.stderr[-2000:]
+  assert 'folder:' + str(tmp_path / 'pets') + ': 3 classes (Ant, cat, dog); train: 6 images, ' \
+      'test: 3 images' in train.stderr
+  assert (tmp_path / 'wd' / 'class_names.txt').read_text() == 'Ant\ncat\ndog\n'
+  os.rename(tmp_path / 'pets', tmp_path / 'pets_moved')
+  out = shell(['vit-predict', '--workdir', 'wd', '--top_k', '3', 'zoo/test/cat/00007.png'],
+              tmp_path)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert sorted(
+      line.split()[-2:][0] for line in out.stdout.splitlines()[1:]) == ['Ant', 'cat', 'dog']
+  out = shell(['vit-evaluate', '--workdir', 'wd', '--mode', 'top1', '--dataset', 'folder:zoo'],
+              tmp_path)
+  assert out.returncode == 1
+  assert out.stderr.strip().splitlines()[-1:] == [
+      "vit-evaluate: folder:zoo names its class 0 'cat' where the run trained 'Ant' "
+      "(class_names.txt of wd): its labels are not the head's; evaluate on the run's classes, or "
+      'use --mode fewshot'
+  ]

@@ -422,6 +422,9 @@ def test_a_value_of_the_wrong_type_says_what_the_field_expects(tmp_path, overrid
     'override,message',
     [
         ('image_size=30', 'image_size 30 is not divisible by patch size 4'),
+        # Found at start-up, not at the first evaluation.
+        ('eval_split=test[:0]', "eval_split 'test[:0]' of fashion_mnist_local holds no examples: "
+         'choose another --config.eval_split'),
         # TFLOP/s typed where FLOP/s are asked for.
         ('peak_flops_per_device=275',
          'peak_flops_per_device 275 is not a peak in FLOP/s per device: '

@@ -19,6 +19,8 @@ from vit_jax import cli_help
 from vit_jax import evaluate
 from vit_jax import input_pipeline
 from vit_jax import model_flags
+from vit_jax import paths
+from vit_jax import rundir
 from vit_jax.configs import common
 
 _DEFAULTS = common.get_config()
@@ -113,12 +115,28 @@ def run(flags_):
     if model.num_classes != num_classes:
       raise ValueError(f'The checkpoint head has {model.num_classes} classes but '
                        f'{config.dataset} has {num_classes}: use --mode fewshot')
+    _check_class_names(flags_, config, eval_split)
     acc, n = evaluate.top1_accuracy(model, params, config, eval_split, flags_.batch_size)
     rows.append(('top1', f'{eval_split} ReaL' if real else eval_split,
                  f'{acc:.4f}  ({n} images{" with a ReaL label" if real else ""})'))
   if mode in ('fewshot', 'all'):
     rows += _fewshot_rows(flags_, model, params, config, train_split, eval_split)
   return format_table(rows)
+
+
+def _check_class_names(flags_, config, eval_split):
+  """Top-1 reads the head's class i as the dataset's label i: refuses a dataset that names
+  its classes otherwise than the run recorded (a folder renamed, or another folder)."""
+  workdir = getattr(flags_, 'workdir', None)
+  recorded = rundir.recorded_class_names(paths.resolve(workdir)) if workdir else None
+  names = list(input_pipeline.class_names(evaluate.data_config(config, split=eval_split)))
+  if recorded is None or len(names) != len(recorded) or names == recorded:
+    return
+  i = next(i for i, (a, b) in enumerate(zip(recorded, names)) if a != b)
+  raise ValueError(
+      f'{config.dataset} names its class {i} {names[i]!r} where the run trained '
+      f'{recorded[i]!r} ({rundir.CLASS_NAMES_FILE} of {workdir}): its labels are not the '
+      "head's; evaluate on the run's classes, or use --mode fewshot")
 
 
 def _fewshot_rows(flags_, model, params, config, train_split, eval_split):

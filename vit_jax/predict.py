@@ -25,7 +25,9 @@ from vit_jax import cli_help
 from vit_jax import data_sources
 from vit_jax import input_pipeline
 from vit_jax import model_flags
+from vit_jax import paths
 from vit_jax import preprocessing
+from vit_jax import rundir
 
 # What tf.io.decode_image reads (data_sources.IMAGE_EXTENSIONS); not TIFF.
 FORMATS = 'JPEG, PNG, GIF, BMP or WebP'
@@ -129,8 +131,9 @@ def top_k(logits, k):
   return order, np.take_along_axis(probs, order, axis=-1)
 
 
-def class_names(run_config, labels_file, num_classes):
-  """Names of the model's classes: --labels, else the run's dataset, else None."""
+def class_names(run_config, labels_file, num_classes, workdir=None):
+  """Names of the model's classes: --labels, else those the run recorded
+  (rundir.record_class_names), else the run's dataset's, else None."""
   if labels_file:
     try:
       with open(labels_file, encoding='utf-8-sig') as f:
@@ -145,6 +148,9 @@ def class_names(run_config, labels_file, num_classes):
     return names
   if run_config is None:
     return None
+  recorded = rundir.recorded_class_names(paths.resolve(workdir)) if workdir else None
+  if recorded is not None:
+    return recorded if len(recorded) == num_classes else None
   names = input_pipeline.class_names(run_config)
   return list(names) if len(names) == num_classes else None
 
@@ -180,7 +186,8 @@ def run(flags_, items, batch_size=32):
   if not model.num_classes:
     raise ValueError('The checkpoint has no classification head: use vit-evaluate --mode '
                      'fewshot for its features')
-  names = class_names(run_config, flags_.labels, model.num_classes)
+  names = class_names(run_config, flags_.labels, model.num_classes,
+                      getattr(flags_, 'workdir', None))
   k = min(flags_.top_k, model.num_classes)
   skipped = []
 
@@ -188,9 +195,9 @@ def run(flags_, items, batch_size=32):
     skipped.append(error.path)
     print(f'warning: skipped {error}', file=sys.stderr, flush=True)
 
-  for paths, images in batches(files, eval_config(run_config, image_size), batch_size, skip):
+  for batch_files, images in batches(files, eval_config(run_config, image_size), batch_size, skip):
     order, probs = top_k(predict(model, params, images, batch_size), k)
-    print(format_predictions(paths, order, probs, names), flush=True)
+    print(format_predictions(batch_files, order, probs, names), flush=True)
   return len(files), len(skipped)
 
 

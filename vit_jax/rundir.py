@@ -51,6 +51,33 @@ def record_cpu_flags(workdir, flags):
                                'permissions, or use another --workdir') from None
 
 
+CLASS_NAMES_FILE = 'class_names.txt'  # the head's classes, one per line (vit-predict --labels)
+
+
+def record_class_names(workdir, names):
+  """Keeps the names of the classes the head is trained on, index i on line i: vit-predict
+  and vit-evaluate then name and check classes without the training data (which may have
+  moved, or gained a class folder since)."""
+  if jax.process_index() == 0 and names:
+    path = os.path.join(workdir, CLASS_NAMES_FILE)
+    try:
+      _write_whole(path, ''.join(f'{n}\n' for n in names))
+    except (OSError, tf.errors.OpError) as e:
+      raise errors.ConfigError(f'cannot write {path}: {errors.one_line(e)}: free space or fix '
+                               'permissions, or use another --workdir') from None
+
+
+def recorded_class_names(workdir):
+  """The class names record_class_names kept for the run in `workdir`, or None (runs
+  from before it, or without names)."""
+  path = os.path.join(workdir, CLASS_NAMES_FILE)
+  try:
+    with tf.io.gfile.GFile(path) as f:
+      return f.read().rstrip('\n').split('\n')
+  except (tf.errors.NotFoundError, FileNotFoundError):
+    return None
+
+
 def _write_whole(path, text):
   """Writes `path` under a temporary name, then renames it: a crash or a full disk leaves
   the old file or the new one, never half of one (the resume check reads it)."""

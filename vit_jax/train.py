@@ -193,6 +193,7 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None, o
     # What needs no dataset first: a mistyped model is not reported as data that is missing.
     validate_config(config)
     info = input_pipeline.get_info(config)
+    data_summary = input_pipeline.validate_splits(config)
     num_classes = config.num_classes if config.num_classes > 0 else info.num_classes
     validate_config(config, info.num_train_examples, dataset_classes=info.num_classes)
     total_steps = optim.total_steps(config, info.num_train_examples)
@@ -215,6 +216,8 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None, o
     rundir.check_resume_config(config, workdir)
     if on_start:
       on_start()
+    if data_summary:
+      logging.info('%s', data_summary)
     return _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                   stop_after_steps, writer)
   finally:
@@ -339,6 +342,9 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   def write_config():
     if not config_written['done']:
       rundir.write_config(config, workdir)
+      names = input_pipeline.class_names(config)
+      if not masked_patches.is_masked(config) and len(names) == num_classes:
+        rundir.record_class_names(workdir, names)
       config_written['done'] = True
 
   if not start:
