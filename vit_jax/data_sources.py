@@ -229,7 +229,7 @@ class _FolderSource(_LocalSource):
       folder = os.path.join(self.root, split, name)
       if name not in self.classes_by_split[split]:
         continue
-      found, other = self._listing(split, name)
+      found, _ = self._listing(split, name)
       if not found:  # would still count as a class: a head unit never trained
         raise ValueError(f'class folder {folder} holds no images '
                          f'({"/".join(IMAGE_EXTENSIONS)}; sub-folders are not read): add its '
@@ -269,8 +269,9 @@ class _FolderSource(_LocalSource):
     """One line: classes, images per split, and what in the class folders is not read."""
     names = ', '.join(self.classes[:10]) + (', ...' if self.num_classes > 10 else '')
     counts = ', '.join(f'{s}: {self.count(s)} images' for s in splits)
+    read = sorted({name for spec in splits for name, _, _ in self.host_ranges(spec, 1)[0]})
     other = [
-        f'{s}/{c}/{e}' for s in self.splits for c in self.classes_by_split[s]
+        f'{s}/{c}/{e}' for s in read for c in self.classes_by_split[s]
         for e in self._listing(s, c)[1]
     ]
     left_out = (f'; not read (not {"/".join(IMAGE_EXTENSIONS)} files, or sub-folders): '
