@@ -364,6 +364,27 @@ def test_ctrl_c_saves_then_exits_non_zero(tmp_path):
   assert 'run the same command to resume' in last
 
 
+def test_sigterm_before_the_loop_releases_the_lock_and_exits_0(tmp_path):
+  """A TPU VM preempted while the run restores or compiles (minutes on a large model) got
+  a plain signal death (143), no message, and a lock left behind."""
+  code = ('import os, signal, sys\n'
+          'from vit_jax import main, rundir\n'
+          'check = rundir.check_resume_config\n'
+          'def preempted(*args):  # once the workdir is locked\n'
+          '  os.kill(os.getpid(), signal.SIGTERM)\n'
+          '  return check(*args)\n'
+          'rundir.check_resume_config = preempted\n'
+          'main.run()\n')
+  proc = subprocess.run([sys.executable, '-c', code, *ARGS, '--workdir=run'], cwd=tmp_path,
+                        env=dict(_env(), VIT_JAX_HOST_ALLOCATOR='system'), capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stderr.strip().splitlines()[-1] == (
+      'vit_jax: preempted (SIGTERM) outside the training steps (set-up, compile or wrap-up): the '
+      'saved checkpoints are kept; run the same command to resume')
+  assert not (tmp_path / 'run' / 'lock').exists()
+
+
 # 7. Bad values: one line at start-up.
 def test_zero_periods_mean_only_at_the_end(tmp_path):
   rc, err, last = _cli(tmp_path, 'run', '--config.total_steps=12',

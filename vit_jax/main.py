@@ -195,6 +195,11 @@ def main(argv):
     train.train_and_evaluate(FLAGS.config, workdir, on_start=lambda: _open_log(workdir))
   except train.ConfigError as e:
     sys.exit(f'vit_jax: {e}')
+  except train.PreemptedOutsideTheLoop:
+    sys.stderr.write('vit_jax: preempted (SIGTERM) outside the training steps (set-up, '
+                     'compile or wrap-up): the saved checkpoints are kept; run the same command '
+                     'to resume\n')
+    sys.exit(0)  # as a preemption inside the loop: a TPU resume loop carries on
   except KeyboardInterrupt:  # before the loop's own handler (restore, compile, data set-up)
     sys.stderr.write('vit_jax: interrupted (Ctrl-C) before training started: nothing new '
                      'was saved; run the same command to start again\n')

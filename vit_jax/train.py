@@ -6,6 +6,7 @@ jax.Arrays. The state is {'step', 'params', 'opt_state'}; everything random in s
 (data order, augmentation, dropout) is a function of (seed, s), so a run resumed from
 its orbax checkpoint continues exactly where it stopped.
 """
+import contextlib
 import logging as std_logging
 import os
 import re
@@ -185,8 +186,40 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None, o
   Faults end the run with a one-line ConfigError (TrainingError while training):
   a non-finite loss or gradient (nothing non-finite is ever saved), a failed
   checkpoint write, Ctrl-C (after saving), a config that differs from the workdir's
-  run, a workdir in use by another run, checkpoints of another model.
+  run, a workdir in use by another run, checkpoints of another model. SIGTERM outside
+  the training steps (set-up, restore, compile) raises PreemptedOutsideTheLoop.
   """
+  with _sigterm_outside_the_loop():
+    return _set_up_and_train(config, workdir, stop_after_steps, writer, on_start)
+
+
+class PreemptedOutsideTheLoop(BaseException):
+  """SIGTERM (a preempted TPU VM) while the training loop did not hold the signal: data
+  set-up, restore and compile (minutes on a large model) or the wrap-up. A BaseException,
+  so that no library's `except Exception` swallows it; the workdir's lock is released as
+  it passes."""
+
+
+@contextlib.contextmanager
+def _sigterm_outside_the_loop():
+  """One process: SIGTERM raises PreemptedOutsideTheLoop until _Preemption takes it over
+  (and again once it gives it back). Several: JAX's preemption sync manager has it."""
+  if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def raise_preempted(signum, frame):
+    del signum, frame
+    raise PreemptedOutsideTheLoop()
+
+  previous = signal.signal(signal.SIGTERM, raise_preempted)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
   workdir = paths.resolve(workdir)  # orbax refuses relative checkpoint paths
   config = _with_absolute_paths(config)
   try:
