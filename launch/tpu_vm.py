@@ -97,10 +97,29 @@ def _parse_type(accelerator_type):
   return (m.group(1), int(m.group(2))) if m else (None, None)
 
 
+def _known_size(generation, n):
+  """Whether `n` is a slice size of `generation` (cores for v2-v4/v5p, chips for v5e/v6e)."""
+  if generation in ('v2', 'v3', 'v4', 'v5p'):  # TensorCores: 8 per host
+    return n >= 8 and n % 8 == 0
+  if generation in ('v5litepod', 'v5e', 'v6e'):  # chips: 1, 4 or 8 on one host, then 4 per host
+    return n in (1, 4) or n % 8 == 0
+  return False
+
+
+def type_warning(accelerator_type):
+  """A line for an accelerator type this tool does not know (None if it does)."""
+  generation, n = _parse_type(accelerator_type)
+  if generation is not None and _known_size(generation, n):
+    return None
+  return (f'--accelerator_type {accelerator_type} is not a TPU type this tool knows '
+          f'({", ".join(RUNTIME_VERSIONS)}; e.g. v4-8, v5litepod-16): check it with gcloud '
+          'compute tpus accelerator-types list --zone ZONE; its devices and hosts are not checked')
+
+
 def num_hosts(accelerator_type):
   """Workers (hosts) of a slice: v3-8 -> 1, v3-32 -> 4, v4-32 -> 4; None if unknown."""
   generation, n = _parse_type(accelerator_type)
-  if generation is None:
+  if generation is None or not _known_size(generation, n):
     return None
   if generation in ('v5litepod', 'v5e', 'v6e'):  # Counted in chips: 8 on one host, else 4 per host.
     return 1 if n <= 8 else n // 4
@@ -110,6 +129,8 @@ def num_hosts(accelerator_type):
 def num_devices(accelerator_type):
   """jax.device_count() on a slice: v3-8 -> 8 (a device per core), v4-8 -> 4 (per chip)."""
   generation, n = _parse_type(accelerator_type)
+  if generation is None or not _known_size(generation, n):
+    return None
   if generation in ('v2', 'v3', 'v5litepod', 'v5e', 'v6e'):  # One device per core / per chip.
     return n
   if generation in ('v4', 'v5p'):  # Counted in TensorCores, two per chip (megacore device).
@@ -771,9 +792,10 @@ def build_commands(action, args):
   if action in ('create', 'all', 'preflight', 'resume', 'watch'):
     _require(args, action, 'accelerator_type')
   if args.accelerator_type:
-    warning = zone_warning(args.accelerator_type, args.zone)
-    if warning:
-      args.warnings.append(warning)
+    for warning in (type_warning(args.accelerator_type),
+                    zone_warning(args.accelerator_type, args.zone)):
+      if warning:
+        args.warnings.append(warning)
   if action == 'preflight':
     return preflight_steps(args)
   if action in ('all', 'resume', 'watch'):

@@ -103,9 +103,22 @@ def test_zone_warning():
 
 @pytest.mark.parametrize('accel,devices', [('v2-8', 8), ('v3-32', 32), ('v4-8', 4), ('v4-32', 16),
                                            ('v5p-8', 4), ('v5litepod-8', 8), ('v6e-16', 16),
-                                           ('x1', None)])
+                                           ('x1', None), ('v4-9', None), ('v9-8', None)])
 def test_num_devices(accel, devices):
   assert tpu_vm.num_devices(accel) == devices
+
+
+def test_an_unknown_accelerator_type_is_warned_about():
+  for known in ('v2-8', 'v3-2048', 'v4-8', 'v4-24', 'v5p-128', 'v5litepod-1', 'v5litepod-4',
+                'v6e-256'):
+    assert tpu_vm.type_warning(known) is None, known
+  a = args('create', '--accelerator_type', 'v4-9')
+  tpu_vm.build_commands('create', a)
+  assert [w for w in a.warnings if 'not a TPU type' in w] == [
+      '--accelerator_type v4-9 is not a TPU type this tool knows (v2, v3, v4, v5litepod, v5p, '
+      'v6e; e.g. v4-8, v5litepod-16): check it with gcloud compute tpus accelerator-types list '
+      '--zone ZONE; its devices and hosts are not checked'
+  ]
 
 
 @pytest.mark.parametrize('accel,hosts', [('v2-8', 1), ('v3-8', 1), ('v3-32', 4), ('v3-256', 32),
