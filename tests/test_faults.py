@@ -138,6 +138,18 @@ def test_a_damaged_config_json_stops_a_resume_with_another_config(good, tmp_path
   assert _read(run / 'final.npz') == final
 
 
+def test_a_finished_run_started_again_with_a_change_keeps_its_config(good, tmp_path):
+  """Nothing is trained when a finished run starts again: config.json still describes
+  final.npz, and the plain command is not refused afterwards."""
+  run = _copy(good, tmp_path)
+  config, final = _read(run / 'config.json'), _read(run / 'final.npz')
+  rc, err, _ = _cli(tmp_path, 'run', '--config.base_lr=0.01', '--config.resume_changes=base_lr')
+  assert rc == 0 and 'top-1 accuracy: ' in err, err[-3000:]
+  assert _read(run / 'config.json') == config and _read(run / 'final.npz') == final
+  rc, err, _ = _cli(tmp_path, 'run')
+  assert rc == 0, err[-3000:]
+
+
 def test_total_steps_below_the_saved_step_is_refused(good, tmp_path):
   run = _copy(good, tmp_path)
   config = _read(run / 'config.json')

@@ -594,7 +594,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
     if finished:
       # Collective under FSDP or on several hosts; only process 0 writes the file.
       params = multihost_utils.process_allgather(eval_params(state), tiled=True)
-      write_config()
+      if start < total_steps:  # a finished run started again trained nothing under this config
+        write_config()
       if jax.process_index() == 0:
         checkpoint.save_npz(os.path.join(workdir, 'final.npz'), params)
       if preemption.requested:  # during the last evaluation, which went on
