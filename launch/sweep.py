@@ -98,6 +98,30 @@ def _has_field(config, key):
   return True
 
 
+_BOOLEANS = ('true', 't', '1', 'false', 'f', '0')  # what vit-train's bool fields take
+
+
+def check_value(config, key, text):
+  """SweepError if `text` cannot set the field `key` (by the type of its value in the config),
+  as vit-train would refuse it: at start-up, not after the points before it have trained."""
+  node = config
+  for part in key.split('.'):
+    node = node[part]
+  if isinstance(node, bool):
+    ok, want = text.strip().lower() in _BOOLEANS, 'true or false'
+  elif isinstance(node, (int, float)):
+    want = 'an integer' if isinstance(node, int) else 'a number'
+    try:
+      (int if isinstance(node, int) else float)(text)
+      ok = True
+    except ValueError:
+      ok = False
+  else:
+    return  # strings, tuples, None: vit-train's own checks
+  if not ok:
+    raise SweepError(f'config.{key}={text}: expected {want}')
+
+
 def build_grid(config, sweeps):
   """[(key, values)] from the --sweep specs, or the config's lr_grid over base_lr."""
   if sweeps:
@@ -334,6 +358,9 @@ def main(argv=None, runner=run_local, out=None):
     for key in [k for k, _ in sets] + [p[0] for p in points[0][1]]:
       if not _has_field(config, key):
         raise SweepError(f'config.{key} is not a field of {args.config}: check the name')
+    for flag in overrides(sets, [a for _, point in points for a in point]):
+      key, _, text = flag[len('--config.'):].partition('=')
+      check_value(config, key, text)
     swept = {k for k, _ in points[0][1]}
     if swept & {k for k, _ in sets}:
       raise SweepError(f'config.{sorted(swept & {k for k, _ in sets})[0]} is both --set and '

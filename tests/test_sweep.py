@@ -112,17 +112,26 @@ def test_tpu_sweep_chains_the_points(capsys):
         [f'--config={FINETUNE}', '--workdir=/tmp/sw', '--tpu', 'vit', '--zone', 'z', '--dry-run'])
 
 
-@pytest.mark.parametrize('argv,message', [
-    (['--config=configs/quickstart.py', '--workdir=w'], 'no lr_grid'),
-    (['--config=configs/nope.py', '--workdir=w'], 'no config file configs/nope.py'),
-    ([f'--config={FINETUNE}', '--workdir=w', '--sweep', 'config.base_lrr=[1]'
-     ], 'config.base_lrr is not a field'),
-    ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.total_steps'], "--set"),
-    ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.base_lr=0.1'], 'both --set and'),
-    ([f'--config={FINETUNE}', '--workdir=w', '--tpu', 'vit'], '--tpu needs --zone'),
-    (['--workdir=w'], 'required: --config'),
-    (['--config=configs/finetune.py:ViT-B_16', '--workdir=w'], 'Bad finetune argument'),
-])
+@pytest.mark.parametrize(
+    'argv,message',
+    [
+        (['--config=configs/quickstart.py', '--workdir=w'], 'no lr_grid'),
+        (['--config=configs/nope.py', '--workdir=w'], 'no config file configs/nope.py'),
+        ([f'--config={FINETUNE}', '--workdir=w', '--sweep', 'config.base_lrr=[1]'
+         ], 'config.base_lrr is not a field'),
+        ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.total_steps'], "--set"),
+        ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.base_lr=0.1'], 'both --set and'),
+        ([f'--config={FINETUNE}', '--workdir=w', '--tpu', 'vit'], '--tpu needs --zone'),
+        # Values are checked before any point trains (vit-train refused them only at its point).
+        ([f'--config={FINETUNE}', '--workdir=w', '--sweep', 'config.base_lr=[0.001,abc]'
+         ], 'config.base_lr=abc: expected a number'),
+        ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.batch_size=1.5'
+         ], 'config.batch_size=1.5: expected an integer'),
+        ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.fsdp=maybe'
+         ], 'config.fsdp=maybe: expected true or false'),
+        (['--workdir=w'], 'required: --config'),
+        (['--config=configs/finetune.py:ViT-B_16', '--workdir=w'], 'Bad finetune argument'),
+    ])
 def test_bad_arguments_give_one_line(argv, message):
   with pytest.raises(SystemExit) as e:
     sweep.main(argv + ['--dry-run'])
