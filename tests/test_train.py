@@ -415,7 +415,7 @@ def test_a_value_of_the_wrong_type_says_what_the_field_expects(tmp_path, overrid
   proc = _main(['--config=quickstart', f'--workdir={tmp_path / "w"}', f'--config.{override}'])
   assert proc.returncode == 1
   assert proc.stderr.strip().splitlines()[-1] == (
-      f'main.py: flag --config.{override}: expected {expected} (see --help)'), proc.stderr[-2000:]
+      f'vit-train: flag --config.{override}: expected {expected} (see --help)'), proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize(

@@ -119,7 +119,8 @@ def parse_flags(argv):
     hint = ''
     if isinstance(e, flags.UnrecognizedFlagError) and config is not None and e.flagname in config:
       hint = f'; config fields are set as --config.{e.flagname}=...'  # big_vision's habit
-    sys.exit(f'{os.path.basename(argv[0])}: {_plain_value_error(_one_line(e))}{hint} (see --help)')
+    program = 'vit-train' if argv[0].endswith('main.py') else os.path.basename(argv[0])  # python -m
+    sys.exit(f'{program}: {_plain_value_error(_one_line(e))}{hint} (see --help)')
 
 
 # Python's words for a config value of the wrong type -> what the field expects.
