@@ -196,6 +196,9 @@ def main(argv):
     train.train_and_evaluate(FLAGS.config, workdir, on_start=lambda: _open_log(workdir))
   except train.ConfigError as e:
     sys.exit(f'vit_jax: {e}')
+  except Exception as e:  # pylint: disable=broad-except
+    _exit_if_a_peer_failed(e)
+    raise
   except train.PreemptedOutsideTheLoop:
     sys.stderr.write('vit_jax: preempted (SIGTERM) outside the training steps (set-up, '
                      'compile or wrap-up): the saved checkpoints are kept; run the same command '
@@ -205,6 +208,25 @@ def main(argv):
     sys.stderr.write('vit_jax: interrupted (Ctrl-C) before training started: nothing new '
                      'was saved; run the same command to start again\n')
     sys.exit(130)
+
+
+def _exit_if_a_peer_failed(error):
+  """On several processes, a runtime error (most often: a collective whose peer process
+  died) is one line and exit status 1. Python's own exit would shut the distributed runtime
+  down, which aborts the process (status 134) with a page of C++ stack and no word of what
+  to do."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_count() == 1 or not isinstance(error, jax.errors.JaxRuntimeError):
+    return
+  logging.flush()
+  sys.stderr.write(
+      f'vit_jax: process {jax.process_index()} of {jax.process_count()} stopped: '
+      f'{errors.one_line(re.sub(r"(Error dispatching computation: )+", "", str(error)))}'
+      '; if another process stopped (killed, preempted or crashed: see its log), '
+      'start every process again with the same command: they resume from the last '
+      'checkpoint\n')
+  sys.stderr.flush()
+  os._exit(1)  # pylint: disable=protected-access  (skips the shutdown that aborts)
 
 
 def run():
