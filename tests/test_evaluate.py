@@ -63,8 +63,10 @@ def test_sample_k_shot_exact_and_deterministic():
                             evaluate.sample_k_shot(labels, 5, 1))
   # Nested: the 1-shot draw of a seed is inside its 5-shot draw.
   assert set(evaluate.sample_k_shot(labels, 1, 2)) <= set(evaluate.sample_k_shot(labels, 5, 2))
-  with pytest.raises(ValueError, match='fewer than 6 shots'):
+  with pytest.raises(ValueError, match='^Class 0 has 5 examples, fewer than 6 shots'):
     evaluate.sample_k_shot(labels, 6, 0)
+  with pytest.raises(ValueError, match=r'^Class 0 \(bird\) has 5 examples, fewer than 6 shots'):
+    evaluate.sample_k_shot(labels, 6, 0, class_names=('bird', 'cat', 'dog', 'eel'))
 
 
 def test_separable_features_give_accuracy_one():

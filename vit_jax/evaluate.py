@@ -101,10 +101,11 @@ def standardised(train_x, test_x):
   return (train_x - mean) / std, (test_x - mean) / std
 
 
-def sample_k_shot(labels, k, seed):
+def sample_k_shot(labels, k, seed, class_names=()):
   """Indices of k examples of each class present in `labels`, sorted.
 
   Deterministic in `seed`; nested in k (the first k of a per-class permutation).
+  `class_names` (index i names label i) only make an error message clearer.
   """
   labels = np.asarray(labels)
   rng = np.random.default_rng(seed)
@@ -112,7 +113,8 @@ def sample_k_shot(labels, k, seed):
   for c in np.unique(labels):
     members = np.flatnonzero(labels == c)
     if len(members) < k:
-      raise ValueError(f'Class {c} has {len(members)} examples, fewer than {k} shots: '
+      name = f' ({class_names[c]})' if c < len(class_names) else ''
+      raise ValueError(f'Class {c}{name} has {len(members)} examples, fewer than {k} shots: '
                        'use a larger few-shot train split or fewer shots')
     picked.append(members[rng.permutation(len(members))[:k]])
   return np.sort(np.concatenate(picked))
@@ -422,8 +424,9 @@ class _FewShotTask:
     labels, masks = np.concatenate(labels), np.concatenate(masks)
     self._pool_labels = labels[masks]
     row_of = np.cumsum(masks) - 1  # stream position -> valid-row index
+    names = input_pipeline.class_names(self._train_cfg)
     self._draws = {
-        (k, s): sample_k_shot(self._pool_labels, k, s) for k in self.shots for s in self.seeds
+        (k, s): sample_k_shot(self._pool_labels, k, s, names) for k in self.shots for s in self.seeds
     }
     keep = np.zeros(len(labels), bool)
     keep[np.flatnonzero(masks)[np.concatenate(list(self._draws.values()))]] = True
