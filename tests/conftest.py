@@ -19,8 +19,8 @@ import pytest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What a copy of the checkout leaves out: local state that a wheel build must not see.
-_NOT_SOURCE = shutil.ignore_patterns('.venv', '.git', 'workdirs', 'build', '*.egg-info',
-                                     '__pycache__', '.pytest_cache')
+NOT_SOURCE = shutil.ignore_patterns('.venv', '.git', 'workdirs', 'build', '*.egg-info',
+                                    '__pycache__', '.pytest_cache')
 
 
 @pytest.fixture(scope='session')
@@ -29,7 +29,7 @@ def wheel_venv(tmp_path_factory):
   installed with the tested constraints: what a user gets from `pip install`."""
   tmp = tmp_path_factory.mktemp('wheel')
   src = tmp / 'src'
-  shutil.copytree(ROOT, src, ignore=_NOT_SOURCE)  # build from a copy: no build/ in the checkout
+  shutil.copytree(ROOT, src, ignore=NOT_SOURCE)  # build from a copy: no build/ in the checkout
   subprocess.run(
       [sys.executable, '-m', 'pip', 'wheel', '-q', '--no-deps', '-w',
        str(tmp / 'dist'),

@@ -8,9 +8,10 @@ package installed the set-up cell must not need it.
 """
 import json
 import os
+import shutil
 import subprocess
 
-from tests.conftest import ROOT, user_env
+from tests.conftest import NOT_SOURCE, ROOT, user_env
 
 # Runs inside the wheel's venv: nbclient executes the notebook with that venv's kernel.
 _EXECUTE = '''
@@ -82,3 +83,30 @@ def test_unset_repo_url_stops_with_one_line(wheel_venv, tmp_path):
   assert out.returncode != 0
   assert out.stderr.strip().splitlines()[-1].startswith(
       'vit_jax is not installed: set REPO_URL in the first code cell')
+
+
+def test_the_set_up_cell_installs_the_checkout_it_sits_in(wheel_venv, tmp_path):
+  """A kernel of a venv with the dependencies but not vit_jax, in a checkout (its root, or
+  notebooks/): the cell installs the checkout and imports it in the same process. Before,
+  an editable install was not importable until a restart, and at the root the bare source
+  tree counted as installed (vit_jax.configs is mapped from configs/ only by installing)."""
+  venv, src = tmp_path / 'venv', tmp_path / 'src'
+  shutil.copytree(ROOT, src, ignore=NOT_SOURCE)
+  subprocess.run([str(wheel_venv / 'bin' / 'python'), '-m', 'venv', str(venv)], check=True)
+  wheel, = (wheel_venv.parent / 'dist').glob('vit_jax-*.whl')
+  pip = [str(venv / 'bin' / 'python'), '-m', 'pip', '-q']
+  subprocess.run(
+      pip + ['install', '-c', os.path.join(ROOT, 'constraints.txt'),
+             str(wheel)], check=True, capture_output=True)
+  with open(os.path.join(ROOT, 'notebooks', 'quickstart.ipynb')) as f:
+    cells = [''.join(c['source']) for c in json.load(f)['cells'] if c['cell_type'] == 'code']
+  code = '\n'.join(
+      cells[:2]) + '\nfrom vit_jax.configs import quickstart\nprint(quickstart.__file__)'
+  for cwd in (src, src / 'notebooks'):
+    subprocess.run(pip + ['uninstall', '-y', 'vit_jax'], check=True, capture_output=True)
+    out = subprocess.run([str(venv / 'bin' / 'python'), '-c', code], cwd=cwd, env=user_env(venv),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[-2:] == [
+        f'vit_jax from {src}/vit_jax', f'{src}/configs/quickstart.py'
+    ], out.stdout
