@@ -1,7 +1,7 @@
 r"""Fine-tuning, every row of the paper's Table 4 (Appendix B.1.1).
 
-  --config=configs/finetune.py:<model>,<dataset>[,dev]
-  e.g. configs/finetune.py:ViT-B_16,cifar10   configs/finetune.py:ViT-L_16,vtab/dmlab,dev
+  --config=finetune:<model>,<dataset>[,dev]
+  e.g. finetune:ViT-B_16,cifar10   finetune:ViT-L_16,vtab/dmlab,dev
 
 All rows: SGD momentum 0.9, cosine decay to 0 after a linear warm-up, batch 512,
 no weight decay, gradient clipping at global norm 1, softmax cross-entropy, a new
@@ -170,7 +170,7 @@ def _vtab_row(task):
 def get_config(arg=None):
   """Config of one Table 4 row; arg is '<model>,<dataset>[,dev]'."""
   parts = [p.strip() for p in (arg or '').split(',')]
-  usage = ('configs/finetune.py:<model>,<dataset>[,dev] with a dataset among: ' + ' '.join(rows()))
+  usage = ('--config=finetune:<model>,<dataset>[,dev] with a dataset among: ' + ' '.join(rows()))
   if len(parts) not in (2, 3) or not parts[0] or (len(parts) == 3 and parts[2] != 'dev'):
     raise ValueError(f'Bad finetune argument {arg!r}: use {usage}')
   model, dataset = parts[:2]

@@ -1,9 +1,9 @@
 r"""Masked patch prediction pre-training (paper Sec. 4.6, Appendix B.1.2).
 
-  --config=configs/masked_patches.py:<model>,<dataset>   or   ...:quickstart
-  e.g. configs/masked_patches.py:ViT-B_16,jft300m
-       configs/masked_patches.py:ViT-B_16,imagenet21k
-       configs/masked_patches.py:quickstart            (Fashion-MNIST miniature, offline)
+  --config=masked_patches:<model>,<dataset>   or   masked_patches:quickstart
+  e.g. masked_patches:ViT-B_16,jft300m
+       masked_patches:ViT-B_16,imagenet21k
+       masked_patches:quickstart            (Fashion-MNIST miniature, offline)
 
 The paper's run (B.1.2): ViT-B/16 on JFT, "1M steps (ca. 14 epochs) with batch size
 4096", "Adam, with a base learning rate of 2*10^-4, warmup of 10k steps and cosine
@@ -46,8 +46,8 @@ QUICKSTART_LR = 1e-3
 
 def _usage():
   rows = ' '.join(f'ViT-B_16,{d}' for d in STEPS)
-  return (f'configs/masked_patches.py:<model>,<dataset> (e.g. {rows}; any plain ViT-<size>_'
-          '<patch>) or configs/masked_patches.py:quickstart')
+  return (f'--config=masked_patches:<model>,<dataset> (e.g. {rows}; any plain ViT-<size>_'
+          '<patch>) or --config=masked_patches:quickstart')
 
 
 def add_fields(c):

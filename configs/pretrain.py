@@ -1,8 +1,8 @@
 r"""Pre-training, every row of the paper's Table 3 (Appendix B.1).
 
-  --config=configs/pretrain.py:<model>,<dataset>[,<epochs>]
-  e.g. configs/pretrain.py:ViT-B_16,jft300m   configs/pretrain.py:ViT-L_16,imagenet21k,30
-       configs/pretrain.py:ViT-H_14,imagenet2012
+  --config=pretrain:<model>,<dataset>[,<epochs>]
+  e.g. pretrain:ViT-B_16,jft300m   pretrain:ViT-L_16,imagenet21k,30
+       pretrain:ViT-H_14,imagenet2012
 
 Table 3's "ViT-*" ImageNet row takes any plain ViT name, ViT-<Ti|S|B|L|H>_<8|14|16|32>;
 IMAGENET_MODELS are Table 5's five models (it reports ImageNet pre-training for all but
@@ -117,7 +117,7 @@ def _find_row(model, dataset):
 def get_config(arg=None):
   """Config of one Table 3 row; arg is '<model>,<dataset>[,<epochs>]'."""
   parts = [p.strip() for p in (arg or '').split(',')]
-  usage = ('configs/pretrain.py:<model>,<dataset>[,<epochs>] with one of the rows: '
+  usage = ('--config=pretrain:<model>,<dataset>[,<epochs>] with one of the rows: '
            + ' '.join(_usage_rows()))
   if len(parts) not in (2, 3):
     raise ValueError(f'Bad pretrain argument {arg!r}: use {usage}')

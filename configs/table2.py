@@ -25,7 +25,7 @@ def get_config(arg=None):
   """Config of one Table 2 ImageNet row; arg is '<model>[,dev]'."""
   parts = [p.strip() for p in (arg or '').split(',')]
   if parts[0] not in RESOLUTION or len(parts) > 2 or parts[1:] not in ([], ['dev']):
-    raise ValueError(f'Bad table2 argument {arg!r}: use configs/table2.py:<model>[,dev] with a '
+    raise ValueError(f'Bad table2 argument {arg!r}: use --config=table2:<model>[,dev] with a '
                      f'model among: {" ".join(RESOLUTION)}')
   c = finetune.get_config(','.join([parts[0], 'imagenet2012', *parts[1:]]))
   c.image_size = RESOLUTION[parts[0]]

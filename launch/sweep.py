@@ -324,7 +324,8 @@ class _Parser(argparse.ArgumentParser):
 
 def parser():
   p = _Parser(prog='vit-sweep', description=__doc__.split('\n')[0])
-  p.add_argument('--config', required=True, help='e.g. configs/finetune.py:ViT-B_16,cifar10,dev')
+  p.add_argument('--config', required=True,
+                 help='e.g. finetune:ViT-B_16,cifar10,dev (or a config file)')
   p.add_argument('--workdir', required=True, help='one sub-directory per point (may be gs://)')
   p.add_argument('--sweep', action='append', default=[],
                  help="'config.KEY=[v1,v2,...]'; several flags: the cartesian product")

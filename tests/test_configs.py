@@ -450,5 +450,5 @@ def test_table2_row_starts(model, size):
   _check_posemb(c, _start(c, 1000))
   dev = configs.load(f'table2:{model},dev')
   assert (dev.train_split, dev.eval_split, dev.eval_real) == ('train[:99%]', 'train[99%:]', False)
-  with pytest.raises(ValueError, match='table2.py:<model>'):
+  with pytest.raises(ValueError, match='use --config=table2:<model>'):
     configs.load('table2:ViT-B_16')

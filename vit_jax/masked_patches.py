@@ -84,7 +84,7 @@ def validate(config):
     return
   if 'masked_patches' not in config:
     raise ValueError('objective masked_patches needs the config.masked_patches fields: start '
-                     'from configs/masked_patches.py or common.get_config()')
+                     'from --config=masked_patches:... or common.get_config()')
   m = config.masked_patches
 
   def fail(field, msg):
