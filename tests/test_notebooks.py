@@ -2,9 +2,9 @@
 venv holding only the installed wheel, and the working directory is outside the checkout.
 
 The cell tagged 'parameters' keeps its defaults and gets overrides appended (as papermill
-injects them): TINY, OFFLINE, a DATA_DIR that does not exist yet (so the synthetic
-Fashion-MNIST stand-in is written) and a temporary WORKDIR. REPO_URL stays unset: with the
-package installed the set-up cell must not need it.
+injects them): TINY, OFFLINE, a DATA_DIR that does not exist (so the synthetic
+Fashion-MNIST stand-in is written, under WORKDIR) and a temporary WORKDIR. REPO_URL stays
+unset: with the package installed the set-up cell must not need it.
 """
 import json
 import os
@@ -56,7 +56,8 @@ def _run(name, wheel_venv, tmp_path, **params):
 def test_quickstart_notebook(wheel_venv, tmp_path):
   outputs, text = _run('quickstart.ipynb', wheel_venv, tmp_path, FINETUNE_STEPS=4)
   assert f'vit_jax from {wheel_venv}' in text  # the installed package, not the checkout
-  assert 'synthetic stand-in' in text
+  assert f"synthetic stand-in goes to {tmp_path / 'work' / 'fashion_mnist_synthetic'}" in text
+  assert not os.path.exists(tmp_path / 'data')  # the user's DATA_DIR is never written
   assert 'step 4: loss' in text and 'top-1 accuracy' in text
   assert os.path.exists(tmp_path / 'work' / 'finetune' / 'final.npz')
   assert any('image/png' in o.get('data', {}) for o in outputs)
