@@ -165,8 +165,11 @@ def test_runs_as_written(argv, user_dir):
     assert len([l for l in out.stdout.splitlines() if l.startswith('  ')]) % 5 == 0
   if argv[0] == 'vit-sweep' and '--dry-run' not in argv + rule(argv)[1]:
     assert 'failed (exit' not in out.stdout and 'Winner (best final accuracy): **' in out.stdout
-  if argv[0] == 'vit-inspect':
-    assert os.path.exists(user_dir / _flag(argv, 'outdir') / 'position_embedding_similarity.png')
+  if argv[0] == 'vit-inspect':  # all four figures: the rollout and distance need --images
+    figures = os.listdir(user_dir / _flag(argv, 'outdir'))
+    assert {'position_embedding_similarity.png', 'embedding_filters.png',
+            'attention_distance.png'} <= set(figures), figures
+    assert any(f.startswith('rollout_') for f in figures), figures
 
 
 @pytest.mark.parametrize('argv', [a for a in readme_commands()[1] if rule(a)[0] == 'parse'],
