@@ -394,10 +394,10 @@ def main(argv=None, runner=run_local, out=None):
     print(write_summary(args.workdir, rows, winner, args.config, points, sets), file=out)
     failed = [name for name, status in (statuses or {}).items() if status != 'ok']
     if failed:
-      sys.exit(f'sweep: {len(failed)} of {len(points)} points failed (the summary lists them): '
+      sys.exit(f'vit-sweep: {len(failed)} of {len(points)} points failed (the summary lists them): '
                f'see {join(join(args.workdir, failed[0]), "sweep.log")}')
   except (SweepError, tpu_vm.LaunchError) as e:
-    sys.exit(f'sweep: error: {e}')
+    sys.exit(f'vit-sweep: error: {e}')
 
 
 if __name__ == '__main__':

@@ -899,7 +899,7 @@ class Runner:
     self._call, self.out, self.sleep = call, out or sys.stdout, sleep
 
   def say(self, line):
-    print(f'tpu_vm: {line}', file=self.out, flush=True)
+    print(f'vit-tpu: {line}', file=self.out, flush=True)
 
   def call(self, cmd):
     print(f'+ {shlex.join(cmd)[:300]}', file=self.out, flush=True)
@@ -979,12 +979,12 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     commands = build_commands(args.action, args)
     for warning in args.warnings:
-      print(f'tpu_vm: warning: {warning}', file=sys.stderr)
+      print(f'vit-tpu: warning: {warning}', file=sys.stderr)
     execute(commands, args.dry_run)
   except LaunchError as e:
-    sys.exit(f'tpu_vm: error: {e}')
+    sys.exit(f'vit-tpu: error: {e}')
   except KeyboardInterrupt:
-    sys.exit('tpu_vm: interrupted (what was created stays: vit-tpu delete ... removes it)')
+    sys.exit('vit-tpu: interrupted (what was created stays: vit-tpu delete ... removes it)')
   return 0
 
 

@@ -228,10 +228,10 @@ def main(argv=None, runner=sweep.run_local, out=None):
     print(write_results(args, collect(args.workdir, tasks, statuses)), file=out)
     failed = [t for t, s in (statuses or {}).items() if s.startswith('failed')]
     if failed:
-      sys.exit(f'vtab: {len(failed)} of {len(tasks)} tasks failed (the table lists them): see '
+      sys.exit(f'vit-vtab: {len(failed)} of {len(tasks)} tasks failed (the table lists them): see '
                f'{sweep.join(sweep.join(args.workdir, failed[0]), "vtab.log")}')
   except VtabError as e:
-    sys.exit(f'vtab: error: {e}')
+    sys.exit(f'vit-vtab: error: {e}')
 
 
 if __name__ == '__main__':

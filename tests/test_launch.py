@@ -304,8 +304,8 @@ def test_preflight_runs_its_checks(monkeypatch, capsys):
   monkeypatch.setattr(tpu_vm, 'check_writable', lambda w: f'--workdir {w} is writable')
   assert tpu_vm.main(['preflight', '--name', NAME, '--zone', ZONE, *run_args()]) == 0
   assert capsys.readouterr().out.splitlines() == [
-      'tpu_vm: preflight: TFDS cifar10 is prepared in gs://b/tfds',
-      'tpu_vm: preflight: --workdir gs://b/w is writable'
+      'vit-tpu: preflight: TFDS cifar10 is prepared in gs://b/tfds',
+      'vit-tpu: preflight: --workdir gs://b/w is writable'
   ]
 
   def not_prepared(name, data_dir):
@@ -441,7 +441,7 @@ def test_bad_arguments_give_one_line(argv, message, capsys):
   with pytest.raises(SystemExit) as e:
     tpu_vm.main(argv + ['--dry-run'])
   assert message in str(e.value) and '\n' not in str(e.value)
-  assert str(e.value).startswith('tpu_vm: error: ')
+  assert str(e.value).startswith('vit-tpu: error: ')
   assert capsys.readouterr().out == ''
 
 
@@ -502,7 +502,7 @@ def test_create_waits_for_the_queued_resource(fake_gcloud, capsys):
   out = capsys.readouterr().out
   progress = [
       l.split(': ')[2].split()[0] for l in out.splitlines()
-      if l.startswith('tpu_vm: queued resource vit:')
+      if l.startswith('vit-tpu: queued resource vit:')
   ]
   assert progress == ['WAITING_FOR_RESOURCES', 'PROVISIONING', 'ACTIVE']
   assert _verbs(read()['calls']) == ['queued-resources create'] + ['queued-resources describe'] * 4
@@ -650,10 +650,10 @@ def vit_tpu(cwd, *argv):
 
 
 def _error_line(p):
-  """The one `tpu_vm: error:` line of a failed run (and no traceback)."""
+  """The one `vit-tpu: error:` line of a failed run (and no traceback)."""
   assert p.returncode == 1, p.stdout + p.stderr
   assert 'Traceback' not in p.stderr, p.stderr
-  [line] = [l for l in p.stderr.splitlines() if l.startswith('tpu_vm: error: ')]
+  [line] = [l for l in p.stderr.splitlines() if l.startswith('vit-tpu: error: ')]
   return line
 
 

@@ -163,7 +163,7 @@ def test_failing_point_does_not_stop_the_sweep(tmp_path, capsys):
   workdir = str(tmp_path / 'sw')
   with pytest.raises(SystemExit) as failed:  # the whole sweep exits non-zero, after the summary
     sweep.main([f'--config={FINETUNE}', f'--workdir={workdir}'], runner=runner)
-  assert str(failed.value).startswith('sweep: 2 of 4 points failed (the summary lists them)')
+  assert str(failed.value).startswith('vit-sweep: 2 of 4 points failed (the summary lists them)')
   assert ran == ['0.001', '0.003', '0.01', '0.03']
   out = capsys.readouterr().out
   with open(os.path.join(workdir, 'summary.csv')) as f:
@@ -274,8 +274,8 @@ def test_bad_arguments_from_the_command_line(tmp_path, argv, message):
   p = console_script('vit-sweep', tmp_path, '--config=finetune:ViT-B_16,cifar10,dev',
                      '--workdir=sw', *argv)
   assert p.returncode == 1 and p.stdout == '', p.stdout + p.stderr
-  [line] = [l for l in p.stderr.splitlines() if l.startswith('sweep: ')]
-  assert line.startswith('sweep: error: ') and message in line, p.stderr
+  [line] = [l for l in p.stderr.splitlines() if l.startswith('vit-sweep: ')]
+  assert line.startswith('vit-sweep: error: ') and message in line, p.stderr
   assert 'Traceback' not in p.stderr and os.listdir(tmp_path) == ['my.py']
 
 

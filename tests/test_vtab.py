@@ -330,6 +330,6 @@ def test_vtab_bad_arguments_from_the_command_line(tmp_path, argv, message):
   """Refused before any task starts or any file is written: one line, exit 1."""
   p = console_script('vit-vtab', tmp_path, '--workdir=vt', *argv)
   assert p.returncode == 1 and p.stdout == '', p.stdout + p.stderr
-  [line] = [l for l in p.stderr.splitlines() if l.startswith('vtab: ')]
-  assert line.startswith('vtab: error: ') and message in line, p.stderr
+  [line] = [l for l in p.stderr.splitlines() if l.startswith('vit-vtab: ')]
+  assert line.startswith('vit-vtab: error: ') and message in line, p.stderr
   assert 'Traceback' not in p.stderr and os.listdir(tmp_path) == []
