@@ -129,8 +129,10 @@ def _check_class_names(flags_, config, eval_split):
   its classes otherwise than the run recorded (a folder renamed, or another folder)."""
   workdir = getattr(flags_, 'workdir', None)
   recorded = rundir.recorded_class_names(paths.resolve(workdir)) if workdir else None
+  if recorded is None:
+    return
   names = list(input_pipeline.class_names(evaluate.data_config(config, split=eval_split)))
-  if recorded is None or len(names) != len(recorded) or names == recorded:
+  if len(names) != len(recorded) or names == recorded:
     return
   i = next(i for i, (a, b) in enumerate(zip(recorded, names)) if a != b)
   raise ValueError(
