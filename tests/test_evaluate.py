@@ -264,6 +264,48 @@ def test_cli_end_to_end(tiny):
     evaluate_cli.run(types.SimpleNamespace(**{**args, 'checkpoint': head_free, 'batch_size': 8}))
 
 
+def test_cli_default_shots_skip_what_a_small_pool_cannot_draw(tiny):
+  """6 train images a class: the default shots 10 and 25 get a row saying why, the rest
+  are evaluated; shots typed on the command line that do not fit, or bad values, stop with
+  one line naming the fix."""
+  cmd = [
+      sys.executable, '-m', 'vit_jax.evaluate_cli', '--checkpoint', tiny['path'], '--model',
+      'ViT-Ti_16', '--model_overrides', ','.join(f'{k}={v}' for k, v in TINY.items()), '--dataset',
+      'fashion_mnist_local', '--data_dir', tiny['idx_dir'], '--image_size', '28', '--seeds', '0',
+      '--batch_size', '8'
+  ]
+  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  rows = {l.split()[2]: l.split(None, 3)[3] for l in out.stdout.strip().splitlines()[1:]}
+  assert list(rows) == ['1-shot', '5-shot', '10-shot', '25-shot']
+  assert re.match(r'0\.\d{4} ± 0\.0000', rows['5-shot'])
+  assert rows['10-shot'] == "skipped: class 0 (T-shirt/top) has 6 train images, fewer than 10"
+  assert rows['25-shot'].endswith('fewer than 25')
+  typed = subprocess.run(cmd + ['--shots', '1,10'], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+  assert typed.returncode == 1 and typed.stdout == ''
+  assert typed.stderr.strip().splitlines()[-1] == (
+      "vit-evaluate: fashion_mnist_local: class 0 (T-shirt/top) has 6 train images, fewer "
+      'than 10 shots: use --shots=1 or a larger --train_split')
+  args = dict(checkpoint=tiny['path'], model='ViT-Ti_16',
+              model_overrides=','.join(f'{k}={v}' for k, v in TINY.items()),
+              dataset='fashion_mnist_local', data_dir=tiny['idx_dir'], image_size=28,
+              eval_crop='resize', mode='fewshot', train_split='train', eval_split='test',
+              shots=['1'], seeds=['0'], l2_reg=1.0, batch_size=8)
+  for bad, message in ((dict(shots=['1', 'five']), '--shots=1,five: expected whole numbers >= 1'),
+                       (dict(shots=['0']), '--shots=0: expected whole numbers >= 1'),
+                       (dict(seeds=['-1']), '--seeds=-1: expected whole numbers >= 0'),
+                       (dict(l2_reg=0.0), '--l2_reg=0.0 is not positive: use e.g. --l2_reg=1024')):
+    with pytest.raises(ValueError, match='^' + re.escape(message)):
+      evaluate_cli.run(types.SimpleNamespace(**{**args, **bad}))
+
+
+def test_mean_over_datasets_takes_the_shots_every_dataset_has():
+  results = {'a': {1: {'mean': 0.5}, 5: {'mean': 0.7}}, 'b': {1: {'mean': 0.3}}}
+  assert evaluate.mean_over_datasets(results) == {1: 0.4}
+  assert evaluate.smallest_class([2, 2, 0, 1, 1, 0, 2]) == (0, 2)
+
+
 # ------------------------------------------------------------- ImageNet ReaL
 def test_top1_hits_on_label_sets_matches_numpy():
   rng = np.random.default_rng(2)

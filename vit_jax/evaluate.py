@@ -19,7 +19,7 @@ details open; the choices here:
   - several datasets (config.fewshot_datasets): accuracy per dataset, and for each k
     the mean over the datasets, as the paper averages few-shot results (Fig. 4, Table 8).
 
-Pure functions: fit_linear, predict, standardised, sample_k_shot, fewshot_accuracy.
+Pure functions: fit_linear, predict, standardised, sample_k_shot, smallest_class, fewshot_accuracy.
 Features come from extract_features; FewShotEvaluator caches images for periodic use
 in training.
 
@@ -168,9 +168,18 @@ def top1_hits(logits, labels, mask):
 
 
 def mean_over_datasets(results):
-  """{name: {k: {'mean': ...}}} -> {k: mean over the datasets of their mean accuracy}."""
-  shots = next(iter(results.values())).keys()
+  """{name: {k: {'mean': ...}}} -> {k: mean over the datasets of their mean accuracy}, for
+  the k that every dataset has."""
+  shots = [k for k in next(iter(results.values())) if all(k in r for r in results.values())]
   return {k: float(np.mean([r[k]['mean'] for r in results.values()])) for k in shots}
+
+
+def smallest_class(labels):
+  """(label, count) of the class with the fewest examples in `labels` (non-empty): the
+  largest k of a k-shot draw from them (sample_k_shot)."""
+  classes, counts = np.unique(np.asarray(labels), return_counts=True)
+  i = int(np.argmin(counts))
+  return int(classes[i]), int(counts[i])
 
 
 # ------------------------------------------------------------- data & models
