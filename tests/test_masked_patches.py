@@ -1,5 +1,6 @@
 """Masked patch prediction (vit_jax/masked_patches.py, configs/masked_patches.py)."""
 import shutil
+import types
 
 import flax
 import jax
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from vit_jax import checkpoint
+from vit_jax import evaluate_cli
 from vit_jax import masked_patches as mp
 from vit_jax import models
 from vit_jax import train
@@ -325,6 +327,13 @@ def test_train_resume_and_load_pretrained(tmp_path, compilation_cache):  # pylin
   its final.npz fine-tunes through load_pretrained (head and mask embedding dropped)."""
   c = _tiny_run_config(checkpoint_every_steps=2, keep_checkpoints=-1)
   straight = train.train_and_evaluate(c, str(tmp_path / 'a'))
+  # vit-evaluate on the run: few-shot by default, as its head predicts pixels, not classes.
+  args = dict(workdir=str(tmp_path / 'a'), checkpoint=None, mode=None, train_split='train[:64]',
+              eval_split='test[:64]', shots=['1'], seeds=['0'], l2_reg=1024.0, batch_size=64)
+  table = evaluate_cli.run(types.SimpleNamespace(**args)).splitlines()
+  assert [row.split()[:3] for row in table[1:]] == [['fewshot', 'fashion_mnist_local', '1-shot']]
+  with pytest.raises(ValueError, match=r'is a masked_patches run: .* use --mode fewshot'):
+    evaluate_cli.run(types.SimpleNamespace(**{**args, 'mode': 'top1'}))
   # The run as if it had stopped after step 2: its files then, without what came after.
   shutil.copytree(tmp_path / 'a', tmp_path / 'b', ignore=shutil.ignore_patterns('final.npz'))
   shutil.rmtree(tmp_path / 'b' / 'checkpoints' / '4')

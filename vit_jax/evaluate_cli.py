@@ -47,8 +47,10 @@ def _define_flags():
                       '(default: the run\'s).')
   flags.DEFINE_enum('eval_crop', None, ['resize', 'central'], 'Evaluation crop (default: the '
                     'run\'s, else resize).')
-  flags.DEFINE_enum('mode', None, ['fewshot', 'top1', 'all'], 'What to evaluate (default: all '
-                    'for --workdir, fewshot for --checkpoint).')
+  flags.DEFINE_enum(
+      'mode', None, ['fewshot', 'top1', 'all'], 'What to evaluate (default: all '
+      'for the --workdir of a classifier, fewshot for --checkpoint or a '
+      'masked-patch run).')
   flags.DEFINE_string('train_split', None, 'Split the k-shot examples come from (default: the '
                       'run\'s, else train).')
   flags.DEFINE_string('eval_split', None, 'Held-out split, top-1 and few-shot (default: the '
@@ -104,14 +106,17 @@ def run(flags_):
   eval_split = (getattr(flags_, 'eval_split', None) or evaluate.REAL_SPLIT) if real else get(
       'eval_split', _DEFAULTS.eval_split)
   train_split = get('train_split', _DEFAULTS.train_split)
-  mode = getattr(flags_, 'mode',
-                 None) or ('top1' if real else 'all' if run_config is not None else 'fewshot')
+  classifier = run_config is not None and rc.get('objective', 'classification') == 'classification'
+  mode = getattr(flags_, 'mode', None) or ('top1' if real else 'all' if classifier else 'fewshot')
   if real and mode != 'top1':
     raise ValueError(f'{evaluate.REAL_DATASET} holds only the ReaL labels of ImageNet\'s '
                      'validation images, for top-1: use --mode top1')
   num_classes = input_pipeline.get_info(evaluate.data_config(config, split=eval_split)).num_classes
   rows = []
   if mode in ('top1', 'all'):
+    if run_config is not None and not classifier:
+      raise ValueError(f'{flags_.workdir} is a {rc["objective"]} run: its head predicts '
+                       'no class, so there is no top-1: use --mode fewshot (its default)')
     if model.num_classes != num_classes:
       raise ValueError(f'The checkpoint head has {model.num_classes} classes but '
                        f'{config.dataset} has {num_classes}: use --mode fewshot')
@@ -143,26 +148,74 @@ def _check_class_names(flags_, config, eval_split):
 
 def _fewshot_rows(flags_, model, params, config, train_split, eval_split):
   """Table rows: each dataset's k-shot accuracy, then the mean over datasets if several."""
-  shots = [int(k) for k in flags_.shots]
-  seeds = [int(s) for s in flags_.seeds]
+  shots = _whole_numbers(flags_, 'shots', 1)
+  seeds = _whole_numbers(flags_, 'seeds', 0)
+  if not flags_.l2_reg > 0:
+    raise ValueError(f'--l2_reg={flags_.l2_reg} is not positive: use e.g. '
+                     f'--l2_reg={evaluate.DEFAULT_L2_REG:g} (the default)')
   standardise = getattr(flags_, 'standardise', _DEFAULTS.fewshot_standardise)
   results, rows = {}, []
   for dataset in getattr(flags_, 'fewshot_datasets', None) or [config.dataset]:
     cfg = evaluate.data_config(config, dataset=dataset, split=eval_split)
     num_classes = input_pipeline.get_info(cfg).num_classes
-    train_x, train_y = evaluate.extract_features(model, params, cfg, train_split, flags_.batch_size)
-    test_x, test_y = evaluate.extract_features(model, params, cfg, eval_split, flags_.batch_size)
     label = evaluate.dataset_label(dataset)
-    results[label] = evaluate.fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes, shots,
+    train_x, train_y = evaluate.extract_features(model, params, cfg, train_split, flags_.batch_size)
+    fit, skipped = _shots_that_fit(flags_, shots, train_y, cfg, train_split, label)
+    test_x, test_y = evaluate.extract_features(model, params, cfg, eval_split, flags_.batch_size)
+    results[label] = evaluate.fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes, fit,
                                                seeds, flags_.l2_reg, standardise=standardise)
     for k, r in results[label].items():
       per_seed = ' '.join(f'{a:.4f}' for a in r['per_seed'])
       rows.append(('fewshot', f'{label} {k}-shot', f'{r["mean"]:.4f} ± {r["std"]:.4f}  '
                    f'(seeds {",".join(map(str, seeds))}: {per_seed})'))
+    rows += [('fewshot', f'{label} {k}-shot', f'skipped: {why}') for k, why in skipped]
   if len(results) > 1:
     rows += [('fewshot', f'mean {k}-shot', f'{acc:.4f}  (over {len(results)} datasets)')
              for k, acc in evaluate.mean_over_datasets(results).items()]
   return rows
+
+
+def _whole_numbers(flags_, name, minimum):
+  """The comma-separated whole numbers of flag `name`, each >= minimum (one line if not)."""
+  values = list(getattr(flags_, name))
+  try:
+    numbers = [int(v) for v in values]
+  except ValueError:
+    numbers = []
+  if not numbers or min(numbers) < minimum:
+    raise ValueError(f'--{name}={",".join(values)}: expected whole numbers >= {minimum}, '
+                     f'comma-separated: e.g. --{name}=1,5')
+  return numbers
+
+
+def _shots_that_fit(flags_, shots, train_y, cfg, train_split, label):
+  """(the shots the k-shot pool holds for every class, [(k, why) skipped]).
+
+  The default shots (1, 5, 10, 25) that a small pool cannot draw are skipped with their
+  reason, so that a small folder still gets its other rows; shots typed on the command
+  line that it cannot draw stop the evaluation, before the held-out features.
+  """
+  if not len(train_y):
+    raise ValueError(f'{label} split {train_split!r} holds no images for the k-shot draws: '
+                     'use another --train_split')
+  c, n = evaluate.smallest_class(train_y)
+  names = input_pipeline.class_names(cfg)
+  why = (f'class {c}{f" ({names[c]})" if c < len(names) else ""} has {n} {train_split} '
+         f'image{"s" if n != 1 else ""}')
+  fit = [k for k in shots if k <= n]
+  typed = _typed(flags_, 'shots')
+  if len(fit) < len(shots) and (typed or not fit):
+    raise ValueError(f'{label}: {why}, fewer than {max(shots)} shots: use '
+                     f'--shots={",".join(map(str, fit or [n]))} or a larger --train_split')
+  return fit, [(k, f'{why}, fewer than {k}') for k in shots if k > n]
+
+
+def _typed(flags_, name):
+  """Whether flag `name` was given on the command line (a plain namespace: taken as given)."""
+  try:
+    return flags_[name].present
+  except (TypeError, KeyError):
+    return True
 
 
 def main(argv):
