@@ -11,7 +11,8 @@ Without --sweep the grid is the config's lr_grid over base_lr (Table 4). Several
 flags form the cartesian product. Point p runs in DIR/<p> (p like 'base_lr=0.003'),
 locally one after another (output also in DIR/<p>/sweep.log; a failed point is recorded
 and the sweep goes on), or with --tpu one after another in the background on every worker
-of a TPU VM (see launch/tpu_vm.py; DIR must then be gs://). The summary reads the
+of a TPU VM (see launch/tpu_vm.py; DIR must then be gs://). Before any point runs, each
+point's config goes through vit-train's start-up checks (preflight). The summary reads the
 'accuracy' scalars of each point's TensorBoard events and writes DIR/summary.md and
 DIR/summary.csv; the winner is the point with the best final accuracy, as the paper
 picks the learning rate on the held-out development split.
@@ -120,6 +121,18 @@ def check_value(config, key, text):
     return  # strings, tuples, None: vit-train's own checks
   if not ok:
     raise SweepError(f'config.{key}={text}: expected {want}')
+
+
+def preflight(config, sets, points):
+  """vit-train's start-up checks (train.validate_config) of every point's config, so that a
+  value only a later point has (a string, a tuple, a range) stops the sweep before the first
+  point trains. The devices are not counted here, so that this process does not take the
+  accelerator its points need: each point checks its batch against them at its start."""
+  for name, assignments in points:
+    try:
+      tpu_vm.validate_for_slice(tpu_vm.load_config(config, overrides(sets, assignments)), None)
+    except tpu_vm.LaunchError as e:
+      raise SweepError(f'point {name}: {e}') from None
 
 
 def build_grid(config, sweeps):
@@ -366,6 +379,8 @@ def main(argv=None, runner=run_local, out=None):
     if swept & {k for k, _ in sets}:
       raise SweepError(f'config.{sorted(swept & {k for k, _ in sets})[0]} is both --set and '
                        'swept: keep one')
+    if not args.summarize_only:
+      preflight(args.config, sets, points)
     statuses = None
     if args.summarize_only:
       if not paths.exists(args.workdir):

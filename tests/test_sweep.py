@@ -2,6 +2,7 @@
 import csv
 import os
 import shlex
+import subprocess
 import sys
 
 import pytest
@@ -76,14 +77,28 @@ def test_default_grid_is_the_lr_grid_of_table4():
 
 
 def test_dry_run_argv_per_point(capsys):
-  sweep.main(
-      [f'--config={FINETUNE}', '--workdir=/tmp/sw', '--set', 'config.total_steps=100', '--dry-run'])
+  sweep.main([
+      f'--config={FINETUNE}', '--workdir=/tmp/sw', '--set', 'config.total_steps=1000', '--dry-run'
+  ])
   lines = capsys.readouterr().out.splitlines()
   assert [shlex.split(line) for line in lines] == [[
       sys.executable, '-m', 'vit_jax.main', f'--config={FINETUNE}',
-      f'--workdir=/tmp/sw/base_lr={lr}', '--config.total_steps=100', f'--config.base_lr={lr}'
+      f'--workdir=/tmp/sw/base_lr={lr}', '--config.total_steps=1000', f'--config.base_lr={lr}'
   ] for lr in ('0.001', '0.003', '0.01', '0.03')]
   assert not os.path.exists('/tmp/sw/base_lr=0.001')
+
+
+def test_preflight_leaves_the_accelerator_to_the_points(tmp_path):
+  """vit-sweep checks every point's config without starting a JAX backend (on a TPU VM that
+  would hold the TPU its points need): with a platform this machine lacks, it still runs."""
+  env = dict(os.environ, JAX_PLATFORMS='tpu')
+  p = subprocess.run([
+      os.path.join(os.path.dirname(sys.executable),
+                   'vit-sweep'), '--config=finetune:ViT-B_16,cifar10,dev', '--workdir=sw',
+      '--sweep', 'config.batch_size=[256,512]', '--dry-run'
+  ], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert len(p.stdout.splitlines()) == 2 and os.listdir(tmp_path) == []
 
 
 def test_tpu_sweep_chains_the_points(capsys):
@@ -129,6 +144,15 @@ def test_tpu_sweep_chains_the_points(capsys):
          ], 'config.batch_size=1.5: expected an integer'),
         ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.fsdp=maybe'
          ], 'config.fsdp=maybe: expected true or false'),
+        # Strings, tuples and ranges: vit-train's start-up checks of every point, up front.
+        ([f'--config={FINETUNE}', '--workdir=w', '--sweep', 'config.dtype=[float32,bf16]'
+         ], "point dtype=bf16: preflight (devices not checked): dtype 'bf16' is unknown"),
+        ([f'--config={FINETUNE}', '--workdir=w', '--sweep', 'config.model.dropout_rate=[0.1,1.0]'
+         ], 'point model.dropout_rate=1.0: preflight (devices not checked): model.dropout_rate'),
+        ([
+            f'--config={FINETUNE}', '--workdir=w', '--set', 'config.fewshot_every_steps=10',
+            '--set', 'config.fewshot_shots=(0,5)'
+        ], 'fewshot_shots (0, 5) is not a tuple of whole numbers'),
         (['--workdir=w'], 'required: --config'),
         (['--config=configs/finetune.py:ViT-B_16', '--workdir=w'], 'Bad finetune argument'),
     ])
