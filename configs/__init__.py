@@ -25,6 +25,14 @@ PACKAGED = ('quickstart', 'finetune', 'pretrain', 'table2', 'masked_patches')
 EXAMPLES = '--config=quickstart, --config=finetune:ViT-B_16,cifar10 or a file path'
 
 
+def bad_argument(name, arg, usage):
+  """The one-line ValueError of a packaged config whose argument does not parse (arg None or
+  empty: none was given)."""
+  given = arg and arg.strip()
+  what = f'Bad {name} argument {arg!r}' if given else f'--config={name} needs an argument'
+  return ValueError(f'{what}: use {usage}')
+
+
 class ConfigNotFoundError(ValueError):
   """A --config value that names neither a file nor a packaged config."""
 

@@ -60,6 +60,7 @@ Choices where the paper is silent or terse:
 """
 from typing import NamedTuple
 
+from vit_jax import configs
 from vit_jax import vtab
 from vit_jax.configs import common
 from vit_jax.models import variants
@@ -172,7 +173,7 @@ def get_config(arg=None):
   parts = [p.strip() for p in (arg or '').split(',')]
   usage = ('--config=finetune:<model>,<dataset>[,dev] with a dataset among: ' + ' '.join(rows()))
   if len(parts) not in (2, 3) or not parts[0] or (len(parts) == 3 and parts[2] != 'dev'):
-    raise ValueError(f'Bad finetune argument {arg!r}: use {usage}')
+    raise configs.bad_argument('finetune', arg, usage)
   model, dataset = parts[:2]
   dev = len(parts) == 3
 

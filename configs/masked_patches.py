@@ -26,6 +26,7 @@ Choices where the paper is silent:
 - Any plain ViT name is accepted (the paper ran only ViT-B/16); hybrids and BiT are
   refused, as the targets are pixel patches.
 """
+from vit_jax import configs
 from vit_jax.configs import common
 from vit_jax.configs import pretrain
 from vit_jax.configs import quickstart
@@ -73,7 +74,7 @@ def get_config(arg=None):
     return c
   parts = [p.strip() for p in arg.split(',')]
   if len(parts) != 2:
-    raise ValueError(f'Bad masked_patches argument {arg!r}: use {_usage()}')
+    raise configs.bad_argument('masked_patches', arg, _usage())
   model, dataset = parts
   if dataset not in STEPS:
     raise ValueError(f'dataset {dataset!r} has no masked-patch row: use one of '

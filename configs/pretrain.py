@@ -30,6 +30,7 @@ Choices where the paper is silent or terse:
 """
 from typing import NamedTuple
 
+from vit_jax import configs
 from vit_jax.configs import common
 from vit_jax.models import variants
 
@@ -120,7 +121,7 @@ def get_config(arg=None):
   usage = ('--config=pretrain:<model>,<dataset>[,<epochs>] with one of the rows: '
            + ' '.join(_usage_rows()))
   if len(parts) not in (2, 3):
-    raise ValueError(f'Bad pretrain argument {arg!r}: use {usage}')
+    raise configs.bad_argument('pretrain', arg, usage)
   model, dataset = parts[:2]
   row = _find_row(model, dataset)
   if row is None:

@@ -15,6 +15,7 @@ imagenet2012_real must be prepared in data_dir beside imagenet2012
 The published ImageNet-21k checkpoints stand in for the JFT-300M ones, which are not
 public: ViT-L_16 gives Table 2's "ViT-L/16 (I21k)" column (85.30 on ImageNet).
 """
+from vit_jax import configs
 from vit_jax.configs import finetune
 
 RESOLUTION = {'ViT-L_16': 512, 'ViT-H_14': 518}  # B.1.1
@@ -25,8 +26,9 @@ def get_config(arg=None):
   """Config of one Table 2 ImageNet row; arg is '<model>[,dev]'."""
   parts = [p.strip() for p in (arg or '').split(',')]
   if parts[0] not in RESOLUTION or len(parts) > 2 or parts[1:] not in ([], ['dev']):
-    raise ValueError(f'Bad table2 argument {arg!r}: use --config=table2:<model>[,dev] with a '
-                     f'model among: {" ".join(RESOLUTION)}')
+    raise configs.bad_argument(
+        'table2', arg, '--config=table2:<model>[,dev] with a model '
+        f'among: {" ".join(RESOLUTION)}')
   c = finetune.get_config(','.join([parts[0], 'imagenet2012', *parts[1:]]))
   c.image_size = RESOLUTION[parts[0]]
   c.polyak_decay = POLYAK_DECAY

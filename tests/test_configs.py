@@ -2,6 +2,7 @@
 here, and every row started (config checks, model, optimizer, position embeddings) for every
 model it names, as shapes only (jax.eval_shape: no parameters are made)."""
 import functools
+import os
 
 from absl import flags
 import flax
@@ -11,6 +12,7 @@ from ml_collections import config_flags
 import numpy as np
 import pytest
 
+from tests.conftest import console_script
 from vit_jax import checkpoint
 from vit_jax import configs
 from vit_jax import models
@@ -222,6 +224,26 @@ def test_finetune_bad_row(arg):
     FINETUNE.get_config(arg)
   msg = str(e.value)
   assert '\n' not in msg and 'cifar10' in msg and 'vtab/dmlab' in msg
+
+
+@pytest.mark.parametrize('name,usage', [('finetune', '--config=finetune:<model>,<dataset>[,dev]'),
+                                        ('pretrain', '--config=pretrain:<model>,<dataset>'),
+                                        ('table2', '--config=table2:<model>[,dev]'),
+                                        ('masked_patches', '--config=masked_patches:<model>,')])
+def test_a_packaged_config_without_its_argument_says_what_it_takes(name, usage):
+  for spec in (name, f'{name}:', f'{name}: '):
+    with pytest.raises(ValueError) as e:
+      configs.load(spec)
+    assert str(e.value).startswith(f'--config={name} needs an argument: use {usage}'), e.value
+    assert '\n' not in str(e.value)
+
+
+def test_vit_train_with_a_packaged_config_lacking_its_argument(tmp_path):
+  """From the shell: one line, exit 1, nothing written."""
+  p = console_script('vit-train', tmp_path, '--config=finetune', '--workdir=w')
+  assert p.returncode == 1 and os.listdir(tmp_path) == [], p.stderr
+  assert p.stderr.strip().splitlines()[-1].startswith(
+      'vit-train: --config=finetune needs an argument: use --config=finetune:<model>,<dataset>')
 
 
 def test_quickstart_loads():
