@@ -1,6 +1,7 @@
 """Tests for vit_jax.inspection: rollout, attention distance, position-embedding similarity,
 filters, figures and the CLI on a tiny ViT saved with checkpoint.save_npz."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -215,6 +216,36 @@ def test_outdir_that_cannot_be_a_folder(tiny):
   assert out.stderr.splitlines()[-1] == (
       'vit-inspect: Cannot read image bad.jpg (not a JPEG, PNG, GIF, BMP or WebP image): pass '
       'JPEG, PNG, GIF, BMP or WebP files')
+
+
+def test_images_from_a_folder_as_vit_predict_reads_them(tiny):
+  """--images DIR: the image files under it, sorted, hidden ones left out; a folder of more
+  than MAX_IMAGES, or a path that is not there, is one line."""
+  home = tiny['tmp'] / 'folder_user'
+  (home / 'photos' / 'sub').mkdir(parents=True)
+  for i, path in enumerate(tiny['images']):
+    shutil.copy(path, home / 'photos' / ('sub' if i else '') / os.path.basename(path))
+  shutil.copy(tiny['images'][0], home / 'photos' / '.hidden.jpg')
+  (home / 'photos' / 'notes.txt').write_text('not an image\n')
+  model = [
+      'vit-inspect', '--checkpoint', tiny['path'], '--model', 'ViT-Ti_16', '--model_overrides',
+      ','.join(f'{k}={v}' for k, v in TINY.items()), '--image_size', '28'
+  ]
+  out = shell(model + ['--images', 'photos', '--outdir', 'figs'], home)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert sorted(n for n in os.listdir(home / 'figs') if n.startswith('rollout')) == [
+      'rollout_00_photo0.png', 'rollout_01_photo1.png'
+  ]
+  for i in range(vit_inspect.MAX_IMAGES):
+    shutil.copy(tiny['images'][0], home / 'photos' / f'copy{i}.jpg')
+  for images, message in (('photos', f'--images names {vit_inspect.MAX_IMAGES + 2} images; '
+                           'vit-inspect draws a figure for each and runs them as one batch: pass '
+                           f'at most {vit_inspect.MAX_IMAGES}'),
+                          ('nope.jpg', 'nope.jpg: no such file or folder: pass image files or '
+                           'folders')):
+    out = shell(model + ['--images', images, '--outdir', 'figs2'], home)
+    assert out.returncode == 1 and 'Traceback' not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.splitlines()[-1] == f'vit-inspect: {message}'
 
 
 def test_images_are_preprocessed_as_the_run_evaluates_them(tmp_path):

@@ -20,6 +20,7 @@ Choices where the paper is silent:
 CLI (vit-inspect = python -m vit_jax.inspection), a finished run or a published file:
   vit-inspect --workdir workdirs/quickstart --outdir figures/
   vit-inspect --checkpoint ViT-B_16.npz --model ViT-B_16 --images a.jpg b.png --outdir figures/
+  vit-inspect --workdir workdirs/quickstart --images photos/   # the image files of a folder
 """
 import functools
 import io
@@ -300,6 +301,19 @@ def figure_png(fig):
 
 
 # -------------------------------------------------------------------- CLI
+MAX_IMAGES = 32  # A rollout figure each, and one forward pass over all of them.
+
+
+def image_paths(items):
+  """--images as files: folders searched as vit-predict searches them; at most MAX_IMAGES."""
+  from vit_jax import predict  # pylint: disable=g-import-not-at-top  (loads TF)
+  files = predict.image_files(items)
+  if len(files) > MAX_IMAGES:
+    raise ValueError(f'--images names {len(files)} images; vit-inspect draws a figure for each '
+                     f'and runs them as one batch: pass at most {MAX_IMAGES}')
+  return files
+
+
 def load_images(paths, image_size, run_config=None):
   """Image files -> float32 [n, S, S, 3] in [-1, 1]: decoded and preprocessed as vit-predict
   does (the run's evaluation crop; 16-bit and gray images too)."""
@@ -352,8 +366,8 @@ def _define_flags():
   """The CLI's flags, defined only when run as a program (importing defines none)."""
   model_flags.define_flags()
   flags.DEFINE_list(
-      'images', [], 'Image files (comma-separated; more may follow as '
-      'arguments: --images a.jpg b.png).')
+      'images', [], 'Image files or folders of them (comma-separated; more may follow as '
+      f'arguments: --images a.jpg b.png); at most {MAX_IMAGES} images.')
   flags.DEFINE_integer('num_components', 28, 'Principal components of the filters shown.')
   flags.DEFINE_string('outdir', 'inspect', 'Folder the PNGs (and arrays.npz) go to.')
   return flags.FLAGS
@@ -385,6 +399,7 @@ def main(argv):
     if 'embedding' not in params:
       raise ValueError('inspect draws Vision Transformer figures: this model has no patch '
                        'embedding (a BiT ResNet?)')
+    paths = image_paths(paths) if paths else []
     images = load_images(paths, image_size, run_config) if paths else None
     try:
       written = inspect_model(model, params, image_size, images, paths, flags_.outdir,
