@@ -2,15 +2,17 @@
 venv holding only the installed wheel, and the working directory is outside the checkout.
 
 The cell tagged 'parameters' keeps its defaults and gets overrides appended (as papermill
-injects them): TINY, OFFLINE, a DATA_DIR that does not exist (so the synthetic
-Fashion-MNIST stand-in is written, under WORKDIR) and a temporary WORKDIR. REPO_URL stays
-unset: with the package installed the set-up cell must not need it.
+injects them): TINY, OFFLINE, a DATA_DIR that does not exist (so Fashion-MNIST is fetched
+from FASHION_MNIST_URL, here a file:// folder, or the synthetic stand-in is written, under
+WORKDIR) and a temporary WORKDIR. REPO_URL stays unset: with the package installed the
+set-up cell must not need it.
 """
 import json
 import os
 import shutil
 import subprocess
 
+from tests import data_fixtures
 from tests.conftest import NOT_SOURCE, ROOT, user_env
 
 # Runs inside the wheel's venv: nbclient executes the notebook with that venv's kernel.
@@ -54,9 +56,15 @@ def _run(name, wheel_venv, tmp_path, **params):
 
 
 def test_quickstart_notebook(wheel_venv, tmp_path):
-  outputs, text = _run('quickstart.ipynb', wheel_venv, tmp_path, FINETUNE_STEPS=4)
+  """Online (Colab): Fashion-MNIST's files are fetched into WORKDIR, then fine-tuned on."""
+  mirror = data_fixtures.write_idx(str(tmp_path / 'mirror'), num_train=512, num_test=256)
+  outputs, text = _run('quickstart.ipynb', wheel_venv, tmp_path, FINETUNE_STEPS=4, OFFLINE=False,
+                       FASHION_MNIST_URL=f'file://{mirror}/')
   assert f'vit_jax from {wheel_venv}' in text  # the installed package, not the checkout
-  assert f"synthetic stand-in goes to {tmp_path / 'work' / 'fashion_mnist_synthetic'}" in text
+  fetched = tmp_path / 'work' / 'fashion_mnist'
+  assert f'Fashion-MNIST from file://{mirror}/ is in {fetched}' in text, text
+  assert f'data: {fetched}' in text and 'synthetic' not in text
+  assert sorted(os.listdir(fetched)) == sorted(os.listdir(mirror))  # no .part left
   assert not os.path.exists(tmp_path / 'data')  # the user's DATA_DIR is never written
   assert 'step 4: loss' in text and 'top-1 accuracy' in text
   assert os.path.exists(tmp_path / 'work' / 'finetune' / 'final.npz')
@@ -64,8 +72,13 @@ def test_quickstart_notebook(wheel_venv, tmp_path):
 
 
 def test_inspect_notebook(wheel_venv, tmp_path):
-  outputs, text = _run('inspect.ipynb', wheel_venv, tmp_path, NUM_IMAGES=16)
+  """A download that fails leaves the synthetic stand-in, in WORKDIR."""
+  outputs, text = _run('inspect.ipynb', wheel_venv, tmp_path, NUM_IMAGES=16, OFFLINE=False,
+                       FASHION_MNIST_URL=f'file://{tmp_path}/no_such_mirror/')
   assert f'vit_jax from {wheel_venv}' in text
+  assert f'Fashion-MNIST download from file://{tmp_path}/no_such_mirror/ failed' in text
+  assert f"synthetic stand-in goes to {tmp_path / 'work' / 'fashion_mnist_synthetic'}" in text
+  assert not os.path.exists(tmp_path / 'data')
   pngs = [o for o in outputs if 'image/png' in o.get('data', {})]
   assert len(pngs) == 4  # rollout, filters, position embeddings, attention distance
   assert '(2, 16, 2, 17, 17)' in text  # layers, images, heads, q, k
