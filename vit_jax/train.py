@@ -200,6 +200,12 @@ class PreemptedOutsideTheLoop(BaseException):
   it passes."""
 
 
+# Set by SIGTERM outside the loop. The handler's exception is lost where the signal lands in
+# a garbage-collection callback or a __del__ (Python prints "Exception ignored" and goes on):
+# the loop checks this before its first step.
+_SIGTERM_OUTSIDE_THE_LOOP = threading.Event()
+
+
 @contextlib.contextmanager
 def _sigterm_outside_the_loop():
   """One process: SIGTERM raises PreemptedOutsideTheLoop until _Preemption takes it over
@@ -210,8 +216,10 @@ def _sigterm_outside_the_loop():
 
   def raise_preempted(signum, frame):
     del signum, frame
+    _SIGTERM_OUTSIDE_THE_LOOP.set()
     raise PreemptedOutsideTheLoop()
 
+  _SIGTERM_OUTSIDE_THE_LOOP.clear()
   previous = signal.signal(signal.SIGTERM, raise_preempted)
   try:
     yield
@@ -490,6 +498,9 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                           'the same command to resume') from None
 
   preemption = _Preemption()
+  if _SIGTERM_OUTSIDE_THE_LOOP.is_set():  # received, but its exception was lost
+    preemption.close()
+    raise PreemptedOutsideTheLoop()
   try:
     for step in range(start + 1, last + 1):
       profile.before(step)
