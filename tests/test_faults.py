@@ -415,6 +415,21 @@ def test_zero_periods_mean_only_at_the_end(tmp_path):
   assert 'step 12/12' in err and 'step 10/12' not in err
 
 
+def test_a_pretrained_path_that_cannot_be_read_is_one_line(tmp_path):
+  """Missing: refused at start-up, before the workdir exists; damaged: one line, not a
+  traceback."""
+  rc, err, last = _cli(tmp_path, 'run', '--config.pretrained_path=nope.npz')
+  assert rc == 1 and 'Traceback' not in err, err[-3000:]
+  assert last.startswith(f'vit_jax: pretrained_path {tmp_path / "nope.npz"} does not exist: '
+                         'set --config.pretrained_path to a checkpoint .npz'), last
+  assert not (tmp_path / 'run').exists()
+  (tmp_path / 'damaged.npz').write_bytes(b'not a zip file')
+  rc, err, last = _cli(tmp_path, 'run', '--config.pretrained_path=damaged.npz')
+  assert rc == 1 and 'Traceback' not in err, err[-3000:]
+  assert last.startswith('vit_jax: pretrained_path ') and last.endswith(
+      'damaged.npz is not a readable .npz (zip) file: check the path and download'), last
+
+
 def test_bad_value_is_one_line_from_the_cli(tmp_path):
   rc, err, last = _cli(tmp_path, 'run', '--config.mesh_data=3')
   assert rc == 1

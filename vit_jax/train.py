@@ -233,6 +233,13 @@ def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
   try:
     # What needs no dataset first: a mistyped model is not reported as data that is missing.
     validate_config(config)
+    # Local files only: a gs:// one is read later (its errors are one line too), as asking
+    # a bucket here would stall an offline run before its data is checked.
+    local = config.pretrained_path and not paths.is_remote(config.pretrained_path)
+    if local and not os.path.exists(config.pretrained_path):
+      raise ValueError(f'pretrained_path {config.pretrained_path} does not exist: set '
+                       '--config.pretrained_path to a checkpoint .npz (a published file or a '
+                       "run's final.npz), or '' to start from scratch")
     info = input_pipeline.get_info(config)
     data_summary = input_pipeline.validate_splits(config)
     num_classes = config.num_classes if config.num_classes > 0 else info.num_classes
@@ -368,6 +375,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
     raise ConfigError(
         f'workdir {workdir} holds checkpoints of another model ({e}): use another --workdir, '
         f'or fine-tune from that run with --config.pretrained_path={workdir}/final.npz') from None
+  except checkpoint.UnreadableFileError as e:  # the pretrained file, damaged
+    raise ConfigError(f'pretrained_path {e}') from None
   param_sh = state_sh['params']
   start = int(_local(state['step']))
   if start > total_steps:
