@@ -81,6 +81,8 @@ def rule(argv):
     return 'network', []
   if prog == 'python' and argv[1].startswith('experiments/'):
     return 'on demand', []  # minutes to hours: experiments are run by hand
+  if prog == 'python' and argv[1] == '-c' and 'shoe.png' in argv[2]:
+    return 'run', []  # the image the commands after it read (also made by user_dir)
   if prog == 'vit-train':
     if _flag(argv, 'config') in ('quickstart', 'masked_patches:quickstart'):
       return 'run', SMALL_RUN
@@ -109,9 +111,13 @@ def user_dir(tmp_path_factory):
     recipe = re.search(r'^quickstart:.*\n\t(.+)$', f.read(), re.MULTILINE).group(1)
   argv = shlex.split(recipe.replace('$(VENV)/bin/', ''))
   _shell(argv + SMALL_RUN + [f'--config.data_dir={data}'], home)
+  [shoe] = [a for a in readme_commands()[1] if a[0] == 'python' and 'shoe.png' in a[-1]]
+  _shell(shoe, home)  # as the README makes it, from the Debian package's Fashion-MNIST
+  assert Image.open(home / 'shoe.png').size == (28, 28)
   photos = home / 'photos'
   for name, index in (('shoe.png', 0), ('cat.jpg', 1), ('a.jpg', 2), ('b.png', 3)):
-    Image.fromarray(data_fixtures.id_image(index)).convert('RGB').save(home / name)
+    if name != 'shoe.png':
+      Image.fromarray(data_fixtures.id_image(index)).convert('RGB').save(home / name)
     for split in ('train', 'test'):
       os.makedirs(photos / split / f'class{index % 2}', exist_ok=True)
       Image.fromarray(data_fixtures.id_image(index)).convert('RGB').save(
