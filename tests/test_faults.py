@@ -436,6 +436,10 @@ def test_bad_value_is_one_line_from_the_cli(tmp_path):
   assert last == ('vit_jax: mesh_data 3 does not fit the 8 devices: set --config.mesh_data '
                   'to -1 (all) or a divisor of 8 (1, 2, 4, 8)'), last
   assert 'Traceback' not in err
+  rc, err, last = _cli(tmp_path, 'run', '--config.eval_split=tset')
+  assert rc == 1 and 'Traceback' not in err
+  assert last == ("vit_jax: eval_split 'tset': Unknown split 'tset'. Should be one of ['train', "
+                  "'test']: set --config.eval_split"), last
 
 
 def _config(**overrides):

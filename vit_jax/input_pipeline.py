@@ -86,9 +86,20 @@ def get_info(config) -> DatasetInfo:
   src = data_sources.source(config)
   n_train = config.num_train_examples
   if n_train is None or n_train <= 0:
-    n_train = src.count(config.train_split)
+    n_train = _count(src, config, 'train_split')
   return DatasetInfo(num_classes=src.num_classes, num_train_examples=n_train,
-                     num_eval_examples=src.count(config.eval_split), multi_label=src.multi_label)
+                     num_eval_examples=_count(src, config,
+                                              'eval_split'), multi_label=src.multi_label)
+
+
+def _count(src, config, field):
+  """Examples in the split config[field]; a split the dataset lacks names the field to set."""
+  spec = config[field]
+  try:
+    return src.count(spec)
+  except ValueError as e:
+    reason = ' '.join(str(e).removeprefix(f'Split {spec!r}: ').split()).rstrip('.')  # TFDS: 2 lines
+    raise ValueError(f'{field} {spec!r}: {reason}: set --config.{field}') from None
 
 
 def validate_splits(config) -> str | None:
