@@ -12,7 +12,8 @@ flags form the cartesian product. Point p runs in DIR/<p> (p like 'base_lr=0.003
 locally one after another (output also in DIR/<p>/sweep.log; a failed point is recorded
 and the sweep goes on), or with --tpu one after another in the background on every worker
 of a TPU VM (see launch/tpu_vm.py; DIR must then be gs://). Before any point runs, each
-point's config goes through vit-train's start-up checks (preflight). The summary reads the
+point's config goes through vit-train's start-up checks (preflight), and for a local sweep
+its data is checked as vit-train checks it (check_data). The summary reads the
 'accuracy' scalars of each point's TensorBoard events and writes DIR/summary.md and
 DIR/summary.csv; the winner is the point with the best final accuracy, as the paper
 picks the learning rate on the held-out development split.
@@ -29,6 +30,7 @@ import subprocess
 import sys
 
 from vit_jax import configs
+from vit_jax import errors
 from vit_jax import paths
 from vit_jax.launch import tpu_vm
 
@@ -133,6 +135,25 @@ def preflight(config, sets, points):
       tpu_vm.validate_for_slice(tpu_vm.load_config(config, overrides(sets, assignments)), None)
     except tpu_vm.LaunchError as e:
       raise SweepError(f'point {name}: {e}') from None
+
+
+def check_data(config, sets, points):
+  """The datasets of points that run here, as vit-train checks them at its start (prepared,
+  splits that exist and hold examples), once per dataset and splits: a dataset not built
+  stops the sweep before its first point, not every point in turn."""
+  from vit_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (loads TF)
+  checked = set()
+  for name, assignments in points:
+    c = tpu_vm.load_config(config, overrides(sets, assignments))
+    key = (c.dataset, c.data_dir, c.train_split, c.eval_split, c.num_train_examples)
+    if key in checked:
+      continue
+    checked.add(key)
+    try:
+      input_pipeline.get_info(c)
+      input_pipeline.validate_splits(c)
+    except (ValueError, FileNotFoundError) as e:
+      raise SweepError(f"point {name}: {errors.one_line(e)}") from None
 
 
 def build_grid(config, sweeps):
@@ -381,6 +402,8 @@ def main(argv=None, runner=run_local, out=None):
                        'swept: keep one')
     if not args.summarize_only:
       preflight(args.config, sets, points)
+    if not (args.summarize_only or args.tpu or args.dry_run):
+      check_data(args.config, sets, points)
     statuses = None
     if args.summarize_only:
       if not paths.exists(args.workdir):

@@ -101,6 +101,23 @@ def test_preflight_leaves_the_accelerator_to_the_points(tmp_path):
   assert len(p.stdout.splitlines()) == 2 and os.listdir(tmp_path) == []
 
 
+def test_data_not_prepared_stops_a_local_sweep_before_its_first_point(tmp_path):
+
+  def runner(argv, log_path):
+    raise AssertionError(f'a point ran: {argv}')
+
+  workdir = tmp_path / 'sw'
+  with pytest.raises(SystemExit) as e:
+    sweep.main([
+        f'--config={FINETUNE}', f'--workdir={workdir}', '--set',
+        f'config.data_dir={tmp_path / "tfds"}'
+    ], runner=runner)
+  assert str(e.value).startswith(
+      'vit-sweep: error: point base_lr=0.001: dataset cifar10 is not '
+      f'prepared in data_dir {tmp_path / "tfds"}: run `tfds build'), e.value
+  assert '\n' not in str(e.value) and not workdir.exists()
+
+
 def test_tpu_sweep_chains_the_points(capsys):
   sweep.main([
       '--config=configs/finetune.py:R50+ViT-B_16,cifar10', '--workdir=gs://b/sw', '--sweep',
@@ -162,8 +179,9 @@ def test_bad_arguments_give_one_line(argv, message):
   assert message in str(e.value) and '\n' not in str(e.value)
 
 
-def test_failing_point_does_not_stop_the_sweep(tmp_path, capsys):
+def test_failing_point_does_not_stop_the_sweep(tmp_path, capsys, monkeypatch):
   """A fake runner: points write event files like train.py, one point fails."""
+  monkeypatch.setattr(sweep, 'check_data', lambda *args: None)  # no cifar10 here: fake points
   finals = {
       '0.001': [(10, 0.50), (20, 0.70)],
       '0.003': [(10, 0.80), (20, 0.60)],
