@@ -112,5 +112,6 @@ def check_override_names(config, args):
         hint = f' (did you mean {", ".join(close)}?)' if close else ''
         where = 'config' if not done else 'config.' + '.'.join(done)
         raise ValueError(f'--config.{match.group(1)}: the {where} has no field {part!r}{hint}; '
-                         'every field is listed with its meaning in vit_jax/configs/common.py')
+                         'every field is listed with its meaning in configs/common.py (installed: '
+                         'vit_jax.configs.common)')
       node, done = node[part], done + [part]
