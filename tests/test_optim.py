@@ -214,6 +214,13 @@ def test_validate_rejects(overrides, field):
   assert '\n' not in msg
 
 
+def test_a_run_without_a_length_names_both_values():
+  with pytest.raises(
+      ValueError, match=r'^total_steps 0 and num_epochs -1.0 give the run no '
+      r'length \(each <= 0 is unset\): set --config.total_steps'):
+    optim.validate(_config(total_steps=0, num_epochs=-1.0))
+
+
 def test_validate_warmup_against_derived_steps():
   c = _config(total_steps=-1, num_epochs=1.0, warmup_steps=10_000, batch_size=512)
   optim.validate(c)  # The dataset size is not known yet: nothing to compare.

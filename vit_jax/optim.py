@@ -27,6 +27,10 @@ OPTIMIZERS = ('adam', 'sgd')
 LR_DECAYS = ('linear', 'cosine')
 LOSSES = ('softmax_xent', 'sigmoid_xent')
 
+# The run's length is total_steps if > 0, else num_epochs if > 0 (<= 0: unset).
+_NO_LENGTH = ('total_steps {} and num_epochs {} give the run no length (each <= 0 is unset): '
+              'set --config.total_steps or --config.num_epochs to a positive value')
+
 
 def total_steps(config, num_train_examples: Optional[int] = None) -> int:
   """Training steps: config.total_steps if > 0, else ceil(num_epochs * N / batch_size).
@@ -39,8 +43,7 @@ def total_steps(config, num_train_examples: Optional[int] = None) -> int:
   if config.total_steps > 0:
     return int(config.total_steps)
   if config.num_epochs <= 0:
-    raise ValueError('total_steps and num_epochs are both unset: set '
-                     '--config.total_steps or --config.num_epochs')
+    raise ValueError(_NO_LENGTH.format(config.total_steps, config.num_epochs))
   n = config.num_train_examples
   if n is None or n <= 0:
     n = num_train_examples
@@ -162,8 +165,7 @@ def validate(config, num_train_examples: Optional[int] = None) -> None:
   if config.warmup_steps < 0:
     fail(f'warmup_steps {config.warmup_steps} must be >= 0: set --config.warmup_steps')
   if config.total_steps <= 0 and config.num_epochs <= 0:
-    fail('total_steps and num_epochs are both unset: set --config.total_steps '
-         'or --config.num_epochs')
+    fail(_NO_LENGTH.format(config.total_steps, config.num_epochs))
   if config.batch_size <= 0:
     fail(f'batch_size {config.batch_size} must be > 0: set --config.batch_size')
   if config.accum_steps < 0 or config.batch_size % max(config.accum_steps, 1):
