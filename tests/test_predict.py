@@ -212,3 +212,12 @@ def test_a_folder_run_keeps_its_class_names_for_predict_and_evaluate(tmp_path):
       "(class_names.txt of wd): its labels are not the head's; evaluate on the run's classes, or "
       'use --mode fewshot'
   ]
+
+
+@pytest.mark.parametrize('program', ['vit-predict', 'vit-evaluate', 'vit-inspect'])
+def test_a_mistyped_flag_is_one_line(program, tmp_path):
+  """As vit-train's: not absl's 'FATAL Flags parsing error' and its help hint."""
+  out = shell([program, '--wokdir', 'run'], tmp_path)
+  assert out.returncode == 1 and 'FATAL' not in out.stderr, out.stderr[-2000:]
+  assert out.stderr.strip().splitlines()[-1] == (
+      f"{program}: Unknown command line flag 'wokdir'. Did you mean: workdir ? (see --help)")

@@ -6,6 +6,7 @@ console script, `__main__` is pip's wrapper, with no docstring and no flags, so
 absl also exits 1 after printing the help; `run` makes it 0, as the argparse programs
 (vit-sweep, vit-vtab, vit-tpu) and most command-line tools do.
 """
+import os
 import sys
 
 from absl import app
@@ -28,12 +29,26 @@ def as_the_program(module_name, *flag_modules):
       flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
 
-def run(main, module_name, *flag_modules, flags_parser=None):
-  """as_the_program, then absl's app.run(main), with --help exiting 0."""
+def one_line_flag_errors(program):
+  """A flags_parser for app.run: absl's parsing, with a mistyped flag or a bad flag value as
+  one line naming `program` (absl prints 'FATAL Flags parsing error: ...' and a help hint)."""
+
+  def parse(argv):
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as e:
+      sys.exit(f'{program}: {str(e).strip().splitlines()[0]} (see --help)')
+
+  return parse
+
+
+def run(main, module_name, *flag_modules, program=None, flags_parser=None):
+  """as_the_program, then absl's app.run(main), with --help exiting 0; flag mistakes are
+  one line naming `program` (default: the console script's name)."""
   as_the_program(module_name, *flag_modules)
-  kwargs = {'flags_parser': flags_parser} if flags_parser else {}
+  program = program or os.path.basename(sys.argv[0])
   try:
-    app.run(main, **kwargs)
+    app.run(main, flags_parser=flags_parser or one_line_flag_errors(program))
   except SystemExit as e:
     # absl exits 1 once it has printed the help, before main runs.
     if e.code == 1 and HELP_FLAGS & set(sys.argv[1:]):

@@ -236,7 +236,7 @@ def _own_flags(message):
 def run_cli():
   """The `vit-evaluate` console script."""
   _define_flags()
-  cli_help.run(main, __name__, model_flags.__name__)
+  cli_help.run(main, __name__, model_flags.__name__, program='vit-evaluate')
 
 
 if __name__ == '__main__':

@@ -222,7 +222,7 @@ def main(argv):
 def run_cli():
   """The `vit-predict` console script."""
   _define_flags()
-  cli_help.run(main, __name__, model_flags.__name__)
+  cli_help.run(main, __name__, model_flags.__name__, program='vit-predict')
 
 
 if __name__ == '__main__':
