@@ -83,5 +83,6 @@ def test_console_scripts_help_lists_their_flags(wheel_venv, tmp_path):
                        env=env, capture_output=True, text=True, timeout=300)
   assert out.stdout.startswith('--config=finetune:ViT-B_16,cifar10: the fields and values'), out
   for t in ('\ndataset: cifar10\n', '\nimage_size: 384\n', '\nmodel_name: ViT-B_16\n',
-            '--workdir:'):
+            "\nlabel_key: label\n", "\nremat: ''\n", '\npp.train_crop: inception\n',
+            '\nfewshot_shots: (1, 5, 10, 25)\n', '--workdir:'):
     assert t in out.stdout, f'{t!r} not in:\n{out.stdout[-3000:]}'

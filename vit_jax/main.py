@@ -17,6 +17,7 @@ import sys
 from absl import app
 from absl import flags
 from absl import logging
+import ml_collections
 from ml_collections import config_flags
 
 from vit_jax import cli_help
@@ -111,7 +112,7 @@ def parse_flags(argv):
       configs.check_override_names(config, argv)
       if cli_help.HELP_FLAGS & set(argv):
         print(f'--config={value}: the fields and values it trains with (each overridable as '
-              f'--config.FIELD=VALUE):\n\n{config}')
+              f'--config.FIELD=VALUE):\n\n' + '\n'.join(_field_lines(config)) + '\n')
     rest = FLAGS(argv)
     _ = FLAGS.config  # raises if the config file failed to load
     return rest
@@ -121,6 +122,16 @@ def parse_flags(argv):
       hint = f'; config fields are set as --config.{e.flagname}=...'  # big_vision's habit
     program = 'vit-train' if argv[0].endswith('main.py') else os.path.basename(argv[0])  # python -m
     sys.exit(f'{program}: {_plain_value_error(_one_line(e))}{hint} (see --help)')
+
+
+def _field_lines(config, prefix=''):
+  """'name: value' of every field, nested ones as 'pp.train_crop: inception' (the names
+  --config.NAME=VALUE takes); values as typed there, not as YAML tags."""
+  for name, value in config.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      yield from _field_lines(value, f'{prefix}{name}.')
+    else:
+      yield f'{prefix}{name}: {value if isinstance(value, str) and value else repr(value)}'
 
 
 # Python's words for a config value of the wrong type -> what the field expects.
