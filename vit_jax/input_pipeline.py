@@ -87,9 +87,9 @@ def get_info(config) -> DatasetInfo:
   n_train = config.num_train_examples
   if n_train is None or n_train <= 0:
     n_train = _count(src, config, 'train_split')
+  n_eval = _count(src, config, 'eval_split')
   return DatasetInfo(num_classes=src.num_classes, num_train_examples=n_train,
-                     num_eval_examples=_count(src, config,
-                                              'eval_split'), multi_label=src.multi_label)
+                     num_eval_examples=n_eval, multi_label=src.multi_label)
 
 
 def _count(src, config, field):
