@@ -125,26 +125,36 @@ def check_value(config, key, text):
     raise SweepError(f'config.{key}={text}: expected {want}')
 
 
-def preflight(config, sets, points):
+def point_configs(config, sets, points):
+  """[(point name, its ConfigDict)], as vit-train builds each point's config."""
+  out = []
+  for name, assignments in points:
+    try:
+      out.append((name, tpu_vm.load_config(config, overrides(sets, assignments))))
+    except tpu_vm.LaunchError as e:
+      raise SweepError(f'point {name}: {e}') from None
+  return out
+
+
+def preflight(configs_of_points):
   """vit-train's start-up checks (train.validate_config) of every point's config, so that a
   value only a later point has (a string, a tuple, a range) stops the sweep before the first
   point trains. The devices are not counted here, so that this process does not take the
   accelerator its points need: each point checks its batch against them at its start."""
-  for name, assignments in points:
+  for name, c in configs_of_points:
     try:
-      tpu_vm.validate_for_slice(tpu_vm.load_config(config, overrides(sets, assignments)), None)
+      tpu_vm.validate_for_slice(c, None)
     except tpu_vm.LaunchError as e:
       raise SweepError(f'point {name}: {e}') from None
 
 
-def check_data(config, sets, points):
+def check_data(configs_of_points):
   """The datasets of points that run here, as vit-train checks them at its start (prepared,
   splits that exist and hold examples), once per dataset and splits: a dataset not built
   stops the sweep before its first point, not every point in turn."""
   from vit_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (loads TF)
   checked = set()
-  for name, assignments in points:
-    c = tpu_vm.load_config(config, overrides(sets, assignments))
+  for name, c in configs_of_points:
     key = (c.dataset, c.data_dir, c.train_split, c.eval_split, c.num_train_examples)
     if key in checked:
       continue
@@ -401,9 +411,10 @@ def main(argv=None, runner=run_local, out=None):
       raise SweepError(f'config.{sorted(swept & {k for k, _ in sets})[0]} is both --set and '
                        'swept: keep one')
     if not args.summarize_only:
-      preflight(args.config, sets, points)
-    if not (args.summarize_only or args.tpu or args.dry_run):
-      check_data(args.config, sets, points)
+      configs_of_points = point_configs(args.config, sets, points)
+      preflight(configs_of_points)
+      if not (args.tpu or args.dry_run):
+        check_data(configs_of_points)
     statuses = None
     if args.summarize_only:
       if not paths.exists(args.workdir):
