@@ -82,6 +82,9 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
   if config.dtype not in DTYPES:
     raise ValueError(f'dtype {config.dtype!r} is unknown: set --config.dtype to one of {DTYPES}')
   stride = models.pixels_per_token(models.get_variant(config.model_name, **config.model))
+  if config.image_size < 1:
+    raise ValueError(f'image_size {config.image_size} must be >= 1 (pixels per side): set '
+                     '--config.image_size')
   if config.image_size % stride:
     raise ValueError(f'image_size {config.image_size} is not divisible by patch size {stride}: '
                      f'set --config.image_size to a multiple of {stride}')

@@ -5,6 +5,7 @@ BiT-M-R50x1.npz) and the paper's ResNet baselines (R50x1 ... R200x3, Table 6).
 Training settings (dropout rates, head bias) are not architecture: they default to 0
 here and come from the configs.
 """
+import numbers
 
 # ViT sizes (Table 1, plus Ti and S): hidden_size, mlp_dim, num_heads, num_layers.
 VIT_SIZES = {
@@ -102,7 +103,28 @@ def get_variant(name, **overrides):
     raise ValueError(f'classifier {fields["classifier"]!r} is not supported: use "token" or "gap"')
   if fields.get('resnet_layers') is not None:
     fields['resnet_layers'] = tuple(fields['resnet_layers'])
+  _check_sizes(fields)
   return fields
+
+
+# Architecture fields that count something: each must be a whole number >= 1.
+_COUNTS = ('patch_size', 'hidden_size', 'mlp_dim', 'num_heads', 'num_layers', 'resnet_width')
+
+
+def _check_sizes(fields):
+  """One-line errors for sizes no model can have (as the CLI's --config.model.X names them)."""
+  sizes = [(k, fields[k]) for k in _COUNTS if k in fields]
+  if fields.get('representation_size') is not None:
+    sizes.append(('representation_size', fields['representation_size']))
+  sizes += [('resnet_layers', n) for n in fields.get('resnet_layers') or ()]
+  for name, value in sizes:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+      raise ValueError(f'model.{name} {value!r} must be a whole number >= 1: set '
+                       f'--config.model.{name}')
+  if fields['family'] == 'vit' and fields['hidden_size'] % fields['num_heads']:
+    raise ValueError(f'model.num_heads {fields["num_heads"]} does not divide model.hidden_size '
+                     f'{fields["hidden_size"]} (each head takes hidden_size / num_heads '
+                     'channels): set --config.model.num_heads or --config.model.hidden_size')
 
 
 def describe(name, **overrides):
