@@ -136,16 +136,17 @@ def point_configs(config, sets, points):
   return out
 
 
-def preflight(configs_of_points):
+def preflight(configs_of_points, what='point'):
   """vit-train's start-up checks (train.validate_config) of every point's config, so that a
   value only a later point has (a string, a tuple, a range) stops the sweep before the first
   point trains. The devices are not counted here, so that this process does not take the
-  accelerator its points need: each point checks its batch against them at its start."""
+  accelerator its points need: each point checks its batch against them at its start.
+  `what` names a point in the message (vit-vtab's are tasks)."""
   for name, c in configs_of_points:
     try:
       tpu_vm.validate_for_slice(c, None)
     except tpu_vm.LaunchError as e:
-      raise SweepError(f'point {name}: {e}') from None
+      raise SweepError(f'{what} {name}: {e}') from None
 
 
 def check_data(configs_of_points):
@@ -216,7 +217,7 @@ def overrides(sets, assignments):
 
 def point_argv(config, workdir, sets, name, assignments, python=sys.executable):
   return [
-      python, '-m', 'vit_jax.main', f'--config={config}', f'--workdir={join(workdir, name)}',
+      python, '-P', '-m', 'vit_jax.main', f'--config={config}', f'--workdir={join(workdir, name)}',
       *overrides(sets, assignments)
   ]
 
@@ -235,6 +236,18 @@ def tpu_commands(args, config, workdir, sets, points):
                                                                     assignments)), f'sweep-{name}')
           for name, assignments in points]
   return [tpu_vm.ssh(args, 'all', tpu_vm.start_script(jobs))]
+
+
+def check_workdir(workdir, create):
+  """A workdir the points cannot be written under stops the sweep before its first point
+  (created here where `create`; else only refused where a file is in the way)."""
+  try:
+    if create:
+      paths.make_workdir(workdir)
+    else:
+      paths.check_not_a_file(workdir)
+  except ValueError as e:
+    raise SweepError(str(e)) from None
 
 
 def run_local(argv, log_path, env=None):
@@ -415,6 +428,7 @@ def main(argv=None, runner=run_local, out=None):
       preflight(configs_of_points)
       if not (args.tpu or args.dry_run):
         check_data(configs_of_points)
+      check_workdir(args.workdir, create=not (args.tpu or args.dry_run))
     statuses = None
     if args.summarize_only:
       if not paths.exists(args.workdir):

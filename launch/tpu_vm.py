@@ -791,6 +791,9 @@ def build_commands(action, args):
                       'starting with a letter')
   if action in ('create', 'all', 'preflight', 'resume', 'watch'):
     _require(args, action, 'accelerator_type')
+  if args.accelerator_type and _parse_type(args.accelerator_type)[1] == 0:
+    raise LaunchError(f'--accelerator_type {args.accelerator_type} has no cores: pass a slice '
+                      'size, e.g. v4-8')
   if args.accelerator_type:
     for warning in (type_warning(args.accelerator_type),
                     zone_warning(args.accelerator_type, args.zone)):

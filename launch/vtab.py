@@ -3,16 +3,17 @@ r"""VTAB-1k: fine-tune one model on the 19 tasks, then the per-task table and th
   vit-vtab --model=ViT-B_16 --workdir=DIR [--tasks=dtd,clevr_count,...] [--dev]
       [--config.FIELD=VALUE ...] [--dry-run] [--summarize-only]
 
-Task t runs as vit-train runs it, `python -m vit_jax.main --config=finetune:<model>,vtab/<t>
---workdir=DIR/<t>` with the --config.* overrides, one task after another (its output also
-in DIR/<t>/vtab.log). A task whose DIR/<t>/final.npz exists is finished and skipped; any
-other starts, or resumes from its checkpoints. A failed task is recorded and the others go
-on. Then DIR/vtab_results.md and DIR/vtab_results.json: each finished task's final top-1
-accuracy on its test split (with --dev: on val200, the configs' development protocol), the
-mean of the natural, specialized and structured tasks and the overall mean over all tasks:
-the layout of the paper's Table 9 (per task) and Figure 2 (groups). The overall VTAB score
-is the mean over the tasks, not the mean of the three group means; a mean over fewer tasks
-than its group has says how many it has.
+Task t runs as vit-train runs it, `python -P -m vit_jax.main
+--config=finetune:<model>,vtab/<t> --workdir=DIR/<t>` with the --config.* overrides (-P: the
+installed vit_jax, not a checkout in the current directory), one task after another (its
+output also in DIR/<t>/vtab.log). A task whose DIR/<t>/final.npz exists is finished and
+skipped; any other starts, or resumes from its checkpoints. A failed task is recorded and
+the others go on. Then DIR/vtab_results.md and DIR/vtab_results.json: each finished task's
+final top-1 accuracy on its test split (with --dev: on val200, the configs' development
+protocol), the mean of the natural, specialized and structured tasks and the overall mean
+over all tasks: the layout of the paper's Table 9 (per task) and Figure 2 (groups). The
+overall VTAB score is the mean over the tasks, not the mean of the three group means; a mean
+over fewer tasks than its group has says how many it has.
 """
 import argparse
 import difflib
@@ -68,7 +69,7 @@ def task_config(model, task, dev):
 def task_argv(model, task, dev, workdir, overrides, python=sys.executable):
   """The vit-train command line of one task."""
   return [
-      python, '-m', 'vit_jax.main', f'--config={task_config(model, task, dev)}',
+      python, '-P', '-m', 'vit_jax.main', f'--config={task_config(model, task, dev)}',
       f'--workdir={sweep.join(workdir, task)}', *overrides
   ]
 
@@ -184,7 +185,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser():
-  p = _Parser(prog='vit-vtab', description=__doc__.split('\n')[0])
+  p = _Parser(
+      prog='vit-vtab', description=__doc__.split('\n')[0],
+      epilog='Any --config.FIELD=VALUE is passed to every task\'s vit-train and checked '
+      'before the first task starts; the fields and their values: vit-train '
+      '--config=finetune:ViT-B_16,vtab/dtd --help.')
   p.add_argument('--model', required=True, help='a finetune.py model, e.g. ViT-B_16')
   p.add_argument('--workdir', required=True, help='one sub-directory per task (may be gs://)')
   p.add_argument('--tasks', default=None, help='comma-separated VTAB-1k tasks (default: all 19)')
@@ -207,10 +212,19 @@ def main(argv=None, runner=sweep.run_local, out=None):
       raise VtabError(f'unknown argument {bad[0]!r}: pass config fields as --config.FIELD=VALUE')
     check_model(args.model)
     tasks = parse_tasks(args.tasks)
-    try:  # The first task's config with the overrides, as vit-train will build it.
-      configs.load(task_config(args.model, tasks[0], args.dev), overrides)
-    except ValueError as e:
-      raise VtabError(str(e).splitlines()[0]) from None
+    task_configs = []
+    for task in tasks:  # Each task's config with the overrides, as vit-train will build it.
+      try:
+        task_configs.append((task, configs.load(task_config(args.model, task, args.dev),
+                                                overrides)))
+      except ValueError as e:
+        raise VtabError(str(e).splitlines()[0]) from None
+    if not args.summarize_only:  # A bad value or workdir stops here, not every task in turn.
+      try:
+        sweep.preflight(task_configs, what='task')
+        sweep.check_workdir(args.workdir, create=not args.dry_run)
+      except sweep.SweepError as e:
+        raise VtabError(str(e)) from None
     statuses = None
     if args.dry_run:
       for task in tasks:

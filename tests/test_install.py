@@ -57,6 +57,20 @@ def test_train_then_evaluate_from_elsewhere(wheel_venv, tmp_path):
       "vit-train: --config.base_lrr: the config has no field 'base_lrr' (did you mean base_lr?)")
 
 
+def test_a_sweep_started_in_a_checkout_runs_the_installed_package(wheel_venv, tmp_path):
+  """vit-sweep's points are `python -P -m vit_jax.main`: without -P, a point started in a
+  checkout imported the checkout's vit_jax (which has no configs) and every point failed."""
+  data = data_fixtures.write_idx(str(tmp_path / 'idx'), num_train=64, num_test=32)
+  out = _run([
+      'vit-sweep', '--config=quickstart', f'--workdir={tmp_path}/sweep', '--sweep',
+      'config.base_lr=[0.001]', '--set', f'config.data_dir={data}', '--set', 'config.total_steps=2',
+      '--set', 'config.warmup_steps=1', '--set', 'config.batch_size=32', '--set',
+      'config.eval_batch_size=32', '--set', 'config.model.num_layers=1'
+  ], ROOT, user_env(wheel_venv))
+  assert '| base_lr=0.001 | ok |' in out.stdout, out.stdout[-2000:]
+  assert (tmp_path / 'sweep' / 'base_lr=0.001' / 'final.npz').exists()
+
+
 def test_console_scripts_help_lists_their_flags(wheel_venv, tmp_path):
   """`vit-train --help` printed only "USAGE: vit-train [flags]": a console script's __main__
   is pip's wrapper (cli_help.py). The argparse programs are checked for their names. Every

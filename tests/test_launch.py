@@ -119,6 +119,9 @@ def test_an_unknown_accelerator_type_is_warned_about():
       'v6e; e.g. v4-8, v5litepod-16): check it with gcloud compute tpus accelerator-types list '
       '--zone ZONE; its devices and hosts are not checked'
   ]
+  with pytest.raises(tpu_vm.LaunchError, match='--accelerator_type v4-0 has no cores: pass a '
+                     'slice size, e.g. v4-8'):
+    tpu_vm.build_commands('create', args('create', '--accelerator_type', 'v4-0'))
 
 
 @pytest.mark.parametrize('accel,hosts', [('v2-8', 1), ('v3-8', 1), ('v3-32', 4), ('v3-256', 32),

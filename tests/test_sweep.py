@@ -82,7 +82,7 @@ def test_dry_run_argv_per_point(capsys):
   ])
   lines = capsys.readouterr().out.splitlines()
   assert [shlex.split(line) for line in lines] == [[
-      sys.executable, '-m', 'vit_jax.main', f'--config={FINETUNE}',
+      sys.executable, '-P', '-m', 'vit_jax.main', f'--config={FINETUNE}',
       f'--workdir=/tmp/sw/base_lr={lr}', '--config.total_steps=1000', f'--config.base_lr={lr}'
   ] for lr in ('0.001', '0.003', '0.01', '0.03')]
   assert not os.path.exists('/tmp/sw/base_lr=0.001')
@@ -116,6 +116,23 @@ def test_data_not_prepared_stops_a_local_sweep_before_its_first_point(tmp_path):
       'vit-sweep: error: point base_lr=0.001: dataset cifar10 is not '
       f'prepared in data_dir {tmp_path / "tfds"}: run `tfds build'), e.value
   assert '\n' not in str(e.value) and not workdir.exists()
+
+
+@pytest.mark.parametrize('dry_run', [True, False])
+def test_a_workdir_that_is_a_file_stops_the_sweep_at_once(tmp_path, dry_run):
+  (tmp_path / 'afile').write_text('')
+
+  def runner(argv, log_path):
+    raise AssertionError(f'a point ran: {argv}')
+
+  with pytest.raises(SystemExit) as e:
+    sweep.main(
+        ['--config=quickstart', f'--workdir={tmp_path}/afile', '--sweep', 'config.base_lr=[0.1]']
+        + ['--dry-run'] * dry_run, runner=runner)
+  assert str(e.value) == (f'vit-sweep: error: cannot create workdir {tmp_path}/afile: '
+                          f'{tmp_path}/afile is not a directory: choose a writable --workdir'
+                          if not dry_run else f'vit-sweep: error: --workdir {tmp_path}/afile: '
+                          f'{tmp_path}/afile is not a directory: choose another --workdir')
 
 
 def test_tpu_sweep_chains_the_points(capsys):

@@ -305,15 +305,30 @@ def test_vtab_runner_dry_run_and_bad_arguments(capsys):
   vtab_launch.main(['--model=ViT-B_16', '--workdir=/tmp/v', '--dry-run', '--config.total_steps=10'])
   lines = capsys.readouterr().out.splitlines()
   assert [shlex.split(line) for line in lines] == [[
-      sys.executable, '-m', 'vit_jax.main', f'--config=finetune:ViT-B_16,vtab/{t}',
+      sys.executable, '-P', '-m', 'vit_jax.main', f'--config=finetune:ViT-B_16,vtab/{t}',
       f'--workdir=/tmp/v/{t}', '--config.total_steps=10'
   ] for t in vtab.VTAB]
   for argv, message in [(['--tasks=dtd,nope'], 'nope is not a VTAB-1k task'),
                         (['--config.total_stepz=1'], "no field 'total_stepz'"),
-                        (['--bogus'], "unknown argument '--bogus'")]:
+                        (['--bogus'], "unknown argument '--bogus'"),
+                        (['--config.total_steps=abc'], 'flag --config.total_steps=abc: expected '
+                         'an integer'),
+                        (['--tasks=svhn,dtd', '--config.batch_size=0'], 'task svhn: preflight '
+                         '(devices not checked): batch_size 0 must be > 0')]:
     with pytest.raises(SystemExit) as e:
       vtab_launch.main(['--model=ViT-B_16', '--workdir=/tmp/v', '--dry-run', *argv])
     assert message in str(e.value) and '\n' not in str(e.value)
+
+
+@pytest.mark.parametrize('dry_run', [True, False])
+def test_a_workdir_that_is_a_file_stops_before_the_first_task(tmp_path, dry_run):
+  (tmp_path / 'afile').write_text('')
+  ran = []
+  with pytest.raises(SystemExit) as e:
+    vtab_launch.main(['--model=ViT-B_16', f'--workdir={tmp_path}/afile', '--tasks=dtd']
+                     + ['--dry-run'] * dry_run, runner=lambda argv, log: ran.append(argv) or 0)
+  assert str(e.value).startswith('vit-vtab: error: ') and not ran
+  assert f'{tmp_path}/afile is not a directory: choose ' in str(e.value)
 
 
 @pytest.mark.parametrize('argv,message', [

@@ -6,6 +6,8 @@ imported only when one is used.
 """
 import os
 
+from vit_jax import errors
+
 
 def is_remote(path):
   return '://' in str(path)
@@ -40,3 +42,42 @@ def makedirs(path):
     tf.io.gfile.makedirs(str(path))
   else:
     os.makedirs(path, exist_ok=True)
+
+
+def make_workdir(path, flag='--workdir'):
+  """makedirs(path) for a directory a command writes into; a ValueError of one line that
+  names `flag` where it cannot be created (a file in the way, no permission, a read-only
+  disk, a bucket this machine cannot write)."""
+  try:
+    makedirs(path)
+  except Exception as e:  # pylint: disable=broad-except  (OSError, or gfile's OpError)
+    if not (isinstance(e, OSError) or type(e).__module__.startswith('tensorflow')):
+      raise
+    if is_remote(path):
+      fix = ("check the bucket name, this machine's credentials (gcloud auth application-default "
+             f'login) and its access to the bucket, or choose another {flag}')
+    else:
+      fix = f'choose a writable {flag}'
+    blocking = _file_in_the_way(path)
+    why = f'{blocking} is not a directory' if blocking else errors.one_line(e)
+    raise ValueError(f'cannot create workdir {path}: {why}: {fix}') from None
+
+
+def _file_in_the_way(path):
+  """The first local ancestor of `path` (or `path` itself) that exists and is no directory."""
+  if is_remote(path):
+    return None
+  parts = os.path.abspath(path).split(os.sep)
+  for i in range(2, len(parts) + 1):
+    prefix = os.sep.join(parts[:i])
+    if os.path.exists(prefix) and not os.path.isdir(prefix):
+      return prefix
+  return None
+
+
+def check_not_a_file(path, flag='--workdir'):
+  """A ValueError of one line where a local `path` exists and is not a directory (for
+  --dry-run, which creates nothing)."""
+  blocking = _file_in_the_way(path)
+  if blocking:
+    raise ValueError(f'{flag} {path}: {blocking} is not a directory: choose another {flag}')

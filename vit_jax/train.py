@@ -255,12 +255,9 @@ def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
   except (ValueError, FileNotFoundError) as e:
     raise ConfigError(str(e)) from None
   try:
-    tf.io.gfile.makedirs(workdir)  # local or gs://
-  except (OSError, tf.errors.OpError) as e:
-    fix = ('check the bucket name, this machine\'s credentials (gcloud auth '
-           'application-default login) and its access to the bucket, or choose another '
-           '--workdir' if paths.is_remote(workdir) else 'choose a writable --workdir')
-    raise ConfigError(f'cannot create workdir {workdir}: {errors.one_line(e)}: {fix}') from None
+    paths.make_workdir(workdir)  # local or gs://
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   lock = rundir.WorkdirLock(workdir)
   lock.acquire()
   try:
@@ -332,17 +329,26 @@ def _closed_loop(value):
   return type(value) is RuntimeError and str(value) == 'Event loop is closed'
 
 
+def _orbax_coroutine(obj):
+  """An orbax coroutine dropped with its error unread: when a restore fails on one array,
+  the reads of the others fail too and are never awaited (a damaged checkpoint printed
+  hundreds of their tracebacks; checkpoint.restore_train_state reports it in one line)."""
+  code = getattr(obj, 'cr_code', None)
+  return code is not None and '/orbax/' in code.co_filename
+
+
 def _quiet_closed_loop(excepthook, unraisablehook):
   """sys.excepthook and sys.unraisablehook without the 'Event loop is closed' tracebacks
   that tensorstore's callbacks print once orbax has closed the event loop of a failed
-  write (the loop reports the failure itself, in one line)."""
+  write, nor those of orbax's unread coroutines (the loop reports the failure itself, in
+  one line)."""
 
   def on_exception(kind, value, tb):
     if not _closed_loop(value):
       excepthook(kind, value, tb)
 
   def on_unraisable(unraisable):
-    if not _closed_loop(unraisable.exc_value):
+    if not (_closed_loop(unraisable.exc_value) or _orbax_coroutine(unraisable.object)):
       unraisablehook(unraisable)
 
   on_exception.quiet_closed_loop = on_unraisable.quiet_closed_loop = True
