@@ -21,6 +21,8 @@ from absl import flags
 import ml_collections
 from ml_collections import config_flags
 
+from vit_jax import errors
+
 PACKAGED = ('quickstart', 'finetune', 'pretrain', 'table2', 'masked_patches')
 EXAMPLES = '--config=quickstart, --config=finetune:ViT-B_16,cifar10 or a file path'
 
@@ -80,7 +82,7 @@ def load(spec, overrides=()):
   try:
     flag_values(argv)
   except flags.Error as e:
-    raise ValueError(str(e).strip().splitlines()[0]) from None
+    raise ValueError(errors.plain_value_error(str(e).strip().splitlines()[0])) from None
   return flag_values.config
 
 
@@ -109,6 +111,8 @@ def check_override_names(config, args):
       fields = list(node.keys()) if hasattr(node, 'keys') else []
       if part not in fields:
         close = difflib.get_close_matches(part, fields, n=3)
+        if not close:  # a short name the field ends with: lr -> base_lr, end_lr
+          close = [f for f in fields if f.endswith('_' + part)][:3]
         hint = f' (did you mean {", ".join(close)}?)' if close else ''
         where = 'config' if not done else 'config.' + '.'.join(done)
         raise ValueError(f'--config.{match.group(1)}: the {where} has no field {part!r}{hint}; '

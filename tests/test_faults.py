@@ -15,10 +15,12 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
 
+from vit_jax import checkpoint
 from vit_jax import rundir
 from vit_jax import train
 from vit_jax.configs import quickstart
@@ -96,6 +98,9 @@ def test_divergence_stops_at_once_and_saves_nothing(tmp_path):
   assert 'step 30/30' not in err and 'Final' not in err
   assert _steps(tmp_path / 'run') == []  # a non-finite state is never checkpointed
   assert not os.path.exists(tmp_path / 'run' / 'final.npz')
+  # The log ends with it too (vit-evaluate sends the user there); stderr has it once.
+  assert (tmp_path / 'run' / 'train.INFO').read_text().strip().endswith(last)
+  assert err.count('training diverged') == 1
 
 
 def test_diverging_resume_keeps_good_checkpoints_and_final(good, tmp_path):
@@ -136,6 +141,26 @@ def test_a_damaged_config_json_stops_a_resume_with_another_config(good, tmp_path
       r"vit_jax: \S+/config.json cannot be read \(.*\), so this config cannot be "
       r"checked .*: restore the file, or pass --config.resume_changes='\*'", last), last
   assert _read(run / 'final.npz') == final
+
+
+def test_resume_changes_star_writes_a_damaged_config_json_again(good, tmp_path):
+  """vit-evaluate's advice for a damaged config.json (checkpoint.load_run) works: the run's
+  command with --config.resume_changes='*' writes it again, even on a finished run."""
+  run = _copy(good, tmp_path)
+  config, final = _read(run / 'config.json'), _read(run / 'final.npz')
+  (run / 'config.json').write_text('{"broken')
+  with pytest.raises(ValueError, match=r"config.json is damaged .*resume_changes='\*'"):
+    checkpoint.load_run(str(run))
+  rc, err, _ = _cli(tmp_path, 'run', "--config.resume_changes=*")
+  assert rc == 0, err[-3000:]
+  assert 'config.json cannot be read' in err and _read(run / 'final.npz') == final
+  assert json.loads(_read(run / 'config.json'))['resume_changes'] == '*'
+  assert {
+      k: v for k, v in json.loads(_read(run / 'config.json')).items() if k != 'resume_changes'
+  } == {
+      k: v for k, v in json.loads(config).items() if k != 'resume_changes'
+  }
+  checkpoint.load_run(str(run))  # vit-evaluate reads it again
 
 
 def test_a_finished_run_started_again_with_a_change_keeps_its_config(good, tmp_path):
@@ -355,6 +380,23 @@ def test_orphaned_orbax_write_tasks_are_not_printed():
     logging.getLogger().removeHandler(handler)
 
 
+def test_unread_orbax_coroutines_are_not_printed():
+  """A damaged checkpoint fails many of orbax's array reads at once; the coroutines of the
+  ones never awaited reached sys.unraisablehook, each with a page of traceback (hundreds
+  for one checkpoint). Those of other code still are printed."""
+  printed = []
+  _, on_unraisable = train._quiet_closed_loop(None, printed.append)  # pylint: disable=protected-access
+  namespace = {}
+  for filename in ('/site-packages/orbax/checkpoint/serialization.py', '/site-packages/x/y.py'):
+    exec(compile('async def read():\n  pass\n', filename, 'exec'), namespace)  # pylint: disable=exec-used
+    coroutine = namespace['read']()
+    on_unraisable(
+        types.SimpleNamespace(exc_type=Exception, exc_value=Exception('reading'),
+                              exc_traceback=None, err_msg=None, object=coroutine))
+    coroutine.close()
+  assert [u.object.cr_code.co_filename for u in printed] == ['/site-packages/x/y.py']
+
+
 # 6. Ctrl-C.
 def test_ctrl_c_saves_then_exits_non_zero(tmp_path):
   proc = subprocess.Popen([
@@ -436,6 +478,9 @@ def test_bad_value_is_one_line_from_the_cli(tmp_path):
   assert last == ('vit_jax: mesh_data 3 does not fit the 8 devices: set --config.mesh_data '
                   'to -1 (all) or a divisor of 8 (1, 2, 4, 8)'), last
   assert 'Traceback' not in err
+  rc, err, last = _cli(tmp_path, 'run', '--config.model.num_heads=3')  # was a traceback
+  assert rc == 1 and 'Traceback' not in err
+  assert last.startswith('vit_jax: model.num_heads 3 does not divide model.hidden_size 64'), last
   rc, err, last = _cli(tmp_path, 'run', '--config.eval_split=tset')
   assert rc == 1 and 'Traceback' not in err
   assert last == ("vit_jax: eval_split 'tset': Unknown split 'tset'. Should be one of ['train', "
@@ -484,6 +529,12 @@ def _make_folder(root, empty_class):
     (dict(label_smoothing=1.0), r'label_smoothing 1.0 is a fraction .* in \[0, 1\)'),
     (dict(model=dict(dropout_rate=2.0)), r'model.dropout_rate 2.0 is a probability: set '
      r'--config.model.dropout_rate to a value in \[0, 1\)'),
+    (dict(model=dict(num_heads=3)), r'model.num_heads 3 does not divide model.hidden_size 64 '
+     r'.*: set --config.model.num_heads or --config.model.hidden_size'),
+    (dict(model=dict(patch_size=0)), r'model.patch_size 0 must be a whole number >= 1: set '
+     r'--config.model.patch_size'),
+    (dict(image_size=0), r'image_size 0 must be >= 1 \(pixels per side\): set --config.image_size'),
+    (dict(image_size=-4), r'image_size -4 must be >= 1'),
 ])
 def test_bad_values_fail_at_start_up(tmp_path, overrides, message):
   if overrides.get('data_dir') == 'DATA':

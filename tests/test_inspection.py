@@ -216,6 +216,10 @@ def test_outdir_that_cannot_be_a_folder(tiny):
   assert out.stderr.splitlines()[-1] == (
       'vit-inspect: Cannot read image bad.jpg (not a JPEG, PNG, GIF, BMP or WebP image): pass '
       'JPEG, PNG, GIF, BMP or WebP files')
+  assert not (home / 'inspect').exists()  # the default --outdir: not left behind empty
+  out = shell(model + ['--num_components', '0'], home)
+  assert out.returncode == 1 and out.stderr.splitlines()[-1] == (
+      'vit-inspect: flag --num_components=0: 0 is not a positive integer (see --help)')
 
 
 def test_images_from_a_folder_as_vit_predict_reads_them(tiny):
@@ -246,6 +250,7 @@ def test_images_from_a_folder_as_vit_predict_reads_them(tiny):
     out = shell(model + ['--images', images, '--outdir', 'figs2'], home)
     assert out.returncode == 1 and 'Traceback' not in out.stderr, out.stderr[-2000:]
     assert out.stderr.splitlines()[-1] == f'vit-inspect: {message}'
+    assert not (home / 'figs2').exists()
 
 
 def test_images_are_preprocessed_as_the_run_evaluates_them(tmp_path):

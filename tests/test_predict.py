@@ -221,3 +221,12 @@ def test_a_mistyped_flag_is_one_line(program, tmp_path):
   assert out.returncode == 1 and 'FATAL' not in out.stderr, out.stderr[-2000:]
   assert out.stderr.strip().splitlines()[-1] == (
       f"{program}: Unknown command line flag 'wokdir'. Did you mean: workdir ? (see --help)")
+
+
+@pytest.mark.parametrize('program,flag', [('vit-evaluate', '--batch_size'),
+                                          ('vit-predict', '--top_k')])
+def test_a_flag_value_of_the_wrong_type_is_in_plain_words(program, flag, tmp_path):
+  """As vit-train's --config.total_steps=abc: 'expected an integer', not int()'s words."""
+  out = shell([program, '--workdir', 'run', f'{flag}=abc'], tmp_path)
+  assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
+      f'{program}: flag {flag}=abc: expected an integer (see --help)'), out.stderr[-2000:]

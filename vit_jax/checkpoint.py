@@ -313,14 +313,18 @@ def load_run(workdir):
     with paths.open_file(config_path, 'r') as f:
       config = ml_collections.ConfigDict(json.load(f))
   except (OSError, IOError):
+    if paths.exists(workdir) and not paths.is_remote(workdir) and not os.path.isdir(workdir):
+      raise ValueError(f'{workdir} is a file: pass the --workdir (a folder) of a vit-train '
+                       'run') from None
     raise ValueError(f'{workdir} has no config.json: pass the --workdir of a vit-train '
                      'run') from None
   except ValueError as e:
-    raise ValueError(f'{config_path} is damaged ({errors.one_line(e)}): restore it, or {rerun} '
-                     'and --config.resume_changes=\'*\' to write it again') from None
+    raise ValueError(f'{config_path} is damaged ({errors.one_line(e)}): restore it, or run the '
+                     'run\'s vit-train command again with --config.resume_changes=\'*\' to write '
+                     'it again') from None
   if not paths.exists(final_path):
-    raise ValueError(f'{workdir} has no final.npz: the run has not finished; {rerun} to '
-                     'finish it') from None
+    raise ValueError(f'{workdir} has no final.npz: the run has not finished (the end of its '
+                     f'train.INFO says why); {rerun} to finish it') from None
   try:
     params = load_npz(final_path)
   except UnreadableFileError as e:

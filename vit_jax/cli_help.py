@@ -12,6 +12,8 @@ import sys
 from absl import app
 from absl import flags
 
+from vit_jax import errors
+
 HELP_FLAGS = frozenset({
     '--help', '-help', '--helpshort', '-helpshort', '--helpfull', '-helpfull', '--helpxml',
     '-helpxml', '-?'
@@ -37,7 +39,8 @@ def one_line_flag_errors(program):
     try:
       return flags.FLAGS(argv)
     except flags.Error as e:
-      sys.exit(f'{program}: {str(e).strip().splitlines()[0]} (see --help)')
+      sys.exit(f'{program}: {errors.plain_value_error(str(e).strip().splitlines()[0])} '
+               '(see --help)')
 
   return parse
 

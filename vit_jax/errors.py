@@ -1,4 +1,5 @@
-"""The errors a run ends with: vit-train prints each as one line, `vit_jax: <message>`."""
+"""The errors a run ends with (vit-train prints each as one line, `vit_jax: <message>`), and
+the plain words every command uses for a value of the wrong type."""
 import re
 
 
@@ -28,3 +29,19 @@ def op_error_line(error):
   text = re.sub(r'\{\{[^}]*\}\}|\[\[.*?\]\]', '', text)
   lines = [l.strip() for l in text.splitlines() if l.strip()]
   return lines[0] if lines else type(error).__name__
+
+
+# Python's words for a flag value of the wrong type -> what the flag expects.
+_CONVERSION_ERRORS = (
+    (r'invalid literal for int\(\) with base \d+: .*', 'expected an integer'),
+    (r'could not convert string to float: .*', 'expected a number'),
+    (r"\('Non-boolean argument to boolean flag', .*\)", 'expected true or false'),
+)
+
+
+def plain_value_error(line):
+  """'flag --config.batch_size=abc: invalid literal for int()...' -> '...: expected an
+  integer' (the same words from every command)."""
+  for pattern, plain in _CONVERSION_ERRORS:
+    line = re.sub(f'(?<=: ){pattern}$', plain, line)
+  return line

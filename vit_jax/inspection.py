@@ -368,26 +368,26 @@ def _define_flags():
   flags.DEFINE_list(
       'images', [], 'Image files or folders of them (comma-separated; more may follow as '
       f'arguments: --images a.jpg b.png); at most {MAX_IMAGES} images.')
-  flags.DEFINE_integer('num_components', 28, 'Principal components of the filters shown.')
+  flags.DEFINE_integer('num_components', 28, 'Principal components of the filters shown.',
+                       lower_bound=1)
   flags.DEFINE_string('outdir', 'inspect', 'Folder the PNGs (and arrays.npz) go to.')
   return flags.FLAGS
 
 
 def _check_outdir(outdir):
-  """Creates --outdir; a ValueError naming the fix when it cannot hold the figures."""
-  try:
-    os.makedirs(outdir, exist_ok=True)
-  except FileExistsError:
-    raise ValueError(f'--outdir {outdir} is a file: pass a folder (new or '
-                     'existing)') from None
-  except NotADirectoryError:
-    raise ValueError(f'--outdir {outdir}: part of that path is a file: pass a folder '
-                     'path') from None
-  except OSError as e:
-    raise ValueError(f'--outdir {outdir}: cannot create it ({e.strerror}): pass a folder '
-                     'you can write to') from None
-  if not os.access(outdir, os.W_OK | os.X_OK):
-    raise ValueError(f'--outdir {outdir} is not writable: pass a folder you can write to')
+  """A ValueError naming the fix when --outdir cannot hold the figures. Creates nothing:
+  a run that stops later (a bad image, a missing model) leaves no empty folder behind."""
+  path = os.path.abspath(outdir)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ValueError(f'--outdir {outdir} is a file: pass a folder (new or existing)')
+  existing = path
+  while not os.path.exists(existing):  # the folder it would be created in
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise ValueError(f'--outdir {outdir}: part of that path is a file: pass a folder path')
+  if not os.access(existing, os.W_OK | os.X_OK):
+    where = 'is not writable' if existing == path else f'cannot be created in {existing}'
+    raise ValueError(f'--outdir {outdir} {where}: pass a folder you can write to')
 
 
 def main(argv):

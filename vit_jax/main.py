@@ -121,7 +121,7 @@ def parse_flags(argv):
     if isinstance(e, flags.UnrecognizedFlagError) and config is not None and e.flagname in config:
       hint = f'; config fields are set as --config.{e.flagname}=...'  # big_vision's habit
     program = 'vit-train' if argv[0].endswith('main.py') else os.path.basename(argv[0])  # python -m
-    sys.exit(f'{program}: {_plain_value_error(_one_line(e))}{hint} (see --help)')
+    sys.exit(f'{program}: {errors.plain_value_error(_one_line(e))}{hint} (see --help)')
 
 
 def _field_lines(config, prefix=''):
@@ -132,21 +132,6 @@ def _field_lines(config, prefix=''):
       yield from _field_lines(value, f'{prefix}{name}.')
     else:
       yield f'{prefix}{name}: {value if isinstance(value, str) and value else repr(value)}'
-
-
-# Python's words for a config value of the wrong type -> what the field expects.
-_CONVERSION_ERRORS = (
-    (r'invalid literal for int\(\) with base \d+: .*', 'expected an integer'),
-    (r'could not convert string to float: .*', 'expected a number'),
-    (r"\('Non-boolean argument to boolean flag', .*\)", 'expected true or false'),
-)
-
-
-def _plain_value_error(line):
-  """'flag --config.batch_size=abc: invalid literal for int()...' -> '...: expected an integer'."""
-  for pattern, plain in _CONVERSION_ERRORS:
-    line = re.sub(f'(?<=: ){pattern}$', plain, line)
-  return line
 
 
 def _one_line(error):
@@ -201,11 +186,21 @@ def main(argv):
     sys.exit(f'vit_jax: {e}')
   initialize_distributed()
   from vit_jax import train  # pylint: disable=g-import-not-at-top  (after distributed init)
+  log_open = []
+
+  def open_log():
+    _open_log(workdir)
+    log_open.append(True)
+
   try:
     # The log opens once the workdir is this run's: a run refused there (in use, another
     # config) leaves the log of the run that owns it as train.INFO.
-    train.train_and_evaluate(FLAGS.config, workdir, on_start=lambda: _open_log(workdir))
+    train.train_and_evaluate(FLAGS.config, workdir, on_start=open_log)
   except train.ConfigError as e:
+    if log_open:  # train.INFO ends with why the run stopped (diverged, a failed save, ...)
+      FLAGS.alsologtostderr = False  # stderr gets it once, as the last line, below
+      logging.error('vit_jax: %s', e)
+      logging.flush()
     sys.exit(f'vit_jax: {e}')
   except Exception as e:  # pylint: disable=broad-except
     _exit_if_a_peer_failed(e)

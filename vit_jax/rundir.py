@@ -131,6 +131,13 @@ def check_resume_config(config, workdir):
   except (ValueError, OSError, tf.errors.OpError) as e:
     old = e
   allowed = [x.strip() for x in str(config.get('resume_changes', '')).split(',') if x.strip()]
+  if isinstance(old, Exception) and '*' in allowed:
+    # A finished run started again writes nothing: without this the file stays damaged.
+    logging.warning(
+        '%s cannot be read (%s): written again from this config, which '
+        'resume_changes=\'*\' accepts as the run\'s', path, errors.one_line(old))
+    write_config(config, workdir)
+    return
   if '*' in allowed:
     return
   if isinstance(old, Exception):
