@@ -191,7 +191,7 @@ def test_a_damaged_npz_is_one_line_and_a_workdir_is_told_to_rerun(tmp_path):
   (run / 'config.json').write_text(config[:40])
   with pytest.raises(
       ValueError, match=r'config.json is damaged \(.*\): restore it, or run '
-      r"vit-train again .*--config.resume_changes='\*'"):
+      r"the run's vit-train command again with --config.resume_changes='\*' to write it again"):
     checkpoint.load_run(str(run))
 
 

@@ -302,11 +302,12 @@ def test_vtab_runner_on_mock_tasks(tmp_path):
 
 
 def test_vtab_runner_dry_run_and_bad_arguments(capsys):
-  vtab_launch.main(['--model=ViT-B_16', '--workdir=/tmp/v', '--dry-run', '--config.total_steps=10'])
+  vtab_launch.main(
+      ['--model=ViT-B_16', '--workdir=/tmp/v', '--dry-run', '--config.total_steps=500'])
   lines = capsys.readouterr().out.splitlines()
   assert [shlex.split(line) for line in lines] == [[
       sys.executable, '-P', '-m', 'vit_jax.main', f'--config=finetune:ViT-B_16,vtab/{t}',
-      f'--workdir=/tmp/v/{t}', '--config.total_steps=10'
+      f'--workdir=/tmp/v/{t}', '--config.total_steps=500'
   ] for t in vtab.VTAB]
   for argv, message in [(['--tasks=dtd,nope'], 'nope is not a VTAB-1k task'),
                         (['--config.total_stepz=1'], "no field 'total_stepz'"),
