@@ -474,3 +474,16 @@ def test_table2_row_starts(model, size):
   assert (dev.train_split, dev.eval_split, dev.eval_real) == ('train[:99%]', 'train[99%:]', False)
   with pytest.raises(ValueError, match='use --config=table2:<model>'):
     configs.load('table2:ViT-B_16')
+
+
+@pytest.mark.parametrize('override,hint', [('--config.totl_steps=3', 'total_steps'),
+                                           ('--config.lr=1e', 'base_lr, end_lr')])
+def test_an_unknown_field_suggests_the_nearest_names(override, hint):
+  """Close spellings, and fields a short name ends with (big_vision's `lr` is our base_lr)."""
+  with pytest.raises(ValueError, match=rf"no field '\w+' \(did you mean {hint}[,?]"):
+    configs.load('quickstart', [override])
+
+
+def test_a_value_of_the_wrong_type_is_in_plain_words():
+  with pytest.raises(ValueError, match=r'^flag --config.total_steps=abc: expected an integer$'):
+    configs.load('quickstart', ['--config.total_steps=abc'])
