@@ -314,7 +314,7 @@ def test_vtab_runner_dry_run_and_bad_arguments(capsys):
                         (['--bogus'], "unknown argument '--bogus'"),
                         (['--config.total_steps=abc'], 'flag --config.total_steps=abc: expected '
                          'an integer'),
-                        (['--tasks=svhn,dtd', '--config.batch_size=0'], 'task svhn: preflight '
+                        (['--tasks=svhn,dtd', '--config.batch_size=0'], 'task dtd: preflight '
                          '(devices not checked): batch_size 0 must be > 0')]:
     with pytest.raises(SystemExit) as e:
       vtab_launch.main(['--model=ViT-B_16', '--workdir=/tmp/v', '--dry-run', *argv])
