@@ -17,6 +17,14 @@ from vit_jax import xla_cpu_flags  # noqa: E402  (no JAX: it imports jaxlib only
 
 cores = xla_cpu_flags.cores  # the CPU cores this process may use
 
+TIMM_NAMES = {  # vit_jax's model names -> timm's, for the PyTorch sides
+    'ViT-Ti_16': 'vit_tiny_patch16_224',
+    'ViT-S_16': 'vit_small_patch16_224',
+    'ViT-B_16': 'vit_base_patch16_224',
+    'ViT-B_32': 'vit_base_patch32_224',
+    'R50+ViT-B_16': 'vit_base_r50_s16_224'
+}
+
 
 def loadavg():
   return list(os.getloadavg())
@@ -84,3 +92,30 @@ def model_batches(args):
     raise SystemExit(f'--batch has {len(batches)} values for {len(models)} models: '
                      'give one for all or one per model')
   return list(zip(models, batches))
+
+
+def torch_sgd_step(model, batch, image_size, bf16, compile_model=False):
+  """PyTorch's side of the step on a random batch on the model's device: forward (under
+  torch.autocast for bf16), cross-entropy, backward, clip_grad_norm_(1.0), SGD momentum 0.9;
+  compile_model: torch.compile's model (not the optimizer, as timm's --torchcompile).
+  Returns step(), which returns the loss and so waits for the device."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
+  device = next(model.parameters()).device
+  opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+  if compile_model:
+    model = torch.compile(model)
+  x = (torch.rand(batch, 3, image_size, image_size) * 2 - 1).to(device)
+  y = torch.randint(0, 1000, (batch,)).to(device)
+
+  def step():
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+      logits = model(x)
+    loss = F.cross_entropy(logits.float(), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return float(loss.detach())
+
+  return step

@@ -62,14 +62,6 @@ parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
 parser.add_argument('--threads', type=int, default=0, help=argparse.SUPPRESS)
 args = parser.parse_args()
 
-TIMM_NAMES = {
-    'ViT-Ti_16': 'vit_tiny_patch16_224',
-    'ViT-S_16': 'vit_small_patch16_224',
-    'ViT-B_16': 'vit_base_patch16_224',
-    'ViT-B_32': 'vit_base_patch32_224',
-    'R50+ViT-B_16': 'vit_base_r50_s16_224'
-}
-
 
 # ----------------------------------------------------------------- PyTorch worker
 def torch_worker():
@@ -216,30 +208,18 @@ def torch_worker():
     cmd = json.loads(line)
     if cmd['cmd'] == 'build':
       f, size, b = cmd['fields'], cmd['image_size'], cmd['batch']
-      if timm is not None and cmd['name'] in TIMM_NAMES and not cmd['overrides']:
-        model = timm.create_model(TIMM_NAMES[cmd['name']], pretrained=False, num_classes=1000)
-        impl = f'timm {timm.__version__} {TIMM_NAMES[cmd["name"]]}'
+      if timm is not None and cmd['name'] in harness.TIMM_NAMES and not cmd['overrides']:
+        model = timm.create_model(harness.TIMM_NAMES[cmd['name']], pretrained=False,
+                                  num_classes=1000)
+        impl = f'timm {timm.__version__} {harness.TIMM_NAMES[cmd["name"]]}'
       else:
         model = ViT(f, size, 1000)
         impl = 'minimal PyTorch ViT (timm structure; timm not importable)'
       model.to(device).train()
-      opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-      if args.torch_compile:  # the model, not the optimizer: as timm's --torchcompile
-        model = torch.compile(model)
+      if args.torch_compile:
         impl += ', torch.compile'
-      x = (torch.rand(b, 3, size, size) * 2 - 1).to(device)
-      y = torch.randint(0, 1000, (b,)).to(device)
-      bf16 = cmd['dtype'] == 'bfloat16'
-
-      def step(model=model, opt=opt, x=x, y=y, bf16=bf16):
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-          logits = model(x)
-        loss = F.cross_entropy(logits.float(), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return float(loss.detach())  # waits for the device
+      step = harness.torch_sgd_step(model, b, size, cmd['dtype'] == 'bfloat16',
+                                    compile_model=args.torch_compile)
 
       warmup_start = time.perf_counter()
       step()  # warm-up (and, with --torch_compile, the compile)

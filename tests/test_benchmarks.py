@@ -1,5 +1,6 @@
 """Smoke test: each benchmark script runs end to end with tiny settings and writes its JSON;
 no script shadows a vit_jax module."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -224,3 +225,100 @@ def test_no_script_reuses_a_package_module_name():
       if f.endswith('.py')
   }
   assert not scripts & package
+
+
+def test_device_time(tmp_path):
+  # The vit_jax side on the CPU: every traced thunk is charged to an HLO instruction's kind.
+  p = _run('device_time', '--models', 'ViT-Ti_16', '--batch', '2', '--dtypes', 'float32', '--steps',
+           '2', '--warmup', '1', '--torch', 'none', *TINY, tmp_path=tmp_path)
+  side = p['results'][0]['vit_jax']
+  assert side['ms_per_step']['matmul'] > 0 and side['ms_per_step']['elementwise fusion'] > 0
+  assert sum(side['ms_per_step'].values()) < side['wall_ms_per_step']
+  assert side['gpu_memory'] == '' and len(side['top']) == 12
+
+
+def _device_time_module(monkeypatch):
+  monkeypatch.setattr(sys, 'argv', ['device_time.py'])
+  monkeypatch.syspath_prepend(os.path.join(REPO, 'benchmarks'))
+  spec = importlib.util.spec_from_file_location('device_time',
+                                                os.path.join(REPO, 'benchmarks', 'device_time.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+# The shape of XLA:GPU's optimised HLO (H100, jax 0.11.2): an elementwise fusion whose
+# operands are Triton gemms is no matmul itself.
+GPU_HLO = '\n'.join([
+    'HloModule jit_step, entry_computation_layout={()->f32[8]{0}}',
+    '',
+    '%add (a: f32[], b: f32[]) -> f32[] {',
+    '  %a = f32[] parameter(0)',
+    '  %b = f32[] parameter(1)',
+    '  ROOT %add.1 = f32[] add(%a, %b)',
+    '}',
+    '',
+    '%fused_multiply.12 (param_0.1: f32[4,8], param_1.2: f32[4,8]) -> f32[4,8] {',
+    '  %param_0.1 = f32[4,8]{1,0} parameter(0)',
+    '  %param_1.2 = f32[4,8]{1,0} parameter(1)',
+    '  ROOT %multiply.3 = f32[4,8]{1,0} multiply(%param_0.1, %param_1.2)',
+    '}',
+    '',
+    '%gemm_fusion_dot.5_computation (parameter_0: bf16[4,16], parameter_1: bf16[16,8]) -> f32[4,8] {',
+    '  %parameter_0 = bf16[4,16]{1,0} parameter(0)',
+    '  %parameter_1 = bf16[16,8]{1,0} parameter(1)',
+    '  ROOT %dot.1 = f32[4,8]{1,0} dot(%parameter_0, %parameter_1)'
+    ', lhs_contracting_dims={1}, rhs_contracting_dims={0}',
+    '}',
+    '',
+    '%fused_reduce (param_0.3: f32[4,8]) -> f32[8] {',
+    '  %param_0.3 = f32[4,8]{1,0} parameter(0)',
+    '  %constant.1 = f32[] constant(0)',
+    '  ROOT %reduce.2 = f32[8]{0} reduce(%param_0.3, %constant.1), dimensions={0}, to_apply=%add',
+    '}',
+    '',
+    'ENTRY %main.10 (p0: bf16[4,16], p1: bf16[16,8]) -> f32[8] {',
+    '  %p0 = bf16[4,16]{1,0} parameter(0)',
+    '  %p1 = bf16[16,8]{1,0} parameter(1)',
+    '  %gemm_fusion_dot.5 = f32[4,8]{1,0} fusion(%p0, %p1), kind=kCustom'
+    ', calls=%gemm_fusion_dot.5_computation'
+    ', backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}',
+    '  %custom-call.3 = (f32[4,8]{1,0}, s8[1024]{0}) custom-call(%p0, %p1)'
+    ', custom_call_target="__cublas$lt$matmul"',
+    '  %get-tuple-element.1 = f32[4,8]{1,0} get-tuple-element(%custom-call.3), index=0',
+    '  %custom-call.4 = (bf16[4,16]{1,0}, u8[0]{0}) custom-call(%p0, %p0, %p0)'
+    ', custom_call_target="__cudnn$fmhaSoftmax"',
+    '  %loop_multiply_fusion.12 = f32[4,8]{1,0} fusion(%gemm_fusion_dot.5'
+    ', %get-tuple-element.1), kind=kLoop, calls=%fused_multiply.12',
+    '  %copy.1 = f32[4,8]{0,1} copy(%loop_multiply_fusion.12)',
+    '  ROOT %input_reduce_fusion = f32[8]{0} fusion(%copy.1), kind=kInput, calls=%fused_reduce',
+    '}',
+    '',
+])
+
+
+def test_device_time_kinds(monkeypatch):
+  device_time = _device_time_module(monkeypatch)
+  kinds = device_time.hlo_kinds(GPU_HLO)
+  assert {
+      op: kinds[op] for op in ('gemm_fusion_dot.5', 'custom-call.3', 'custom-call.4',
+                              'loop_multiply_fusion.12', 'copy.1', 'input_reduce_fusion')
+  } == {
+      'gemm_fusion_dot.5': 'matmul',
+      'custom-call.3': 'matmul',
+      'custom-call.4': 'attention',
+      'loop_multiply_fusion.12': 'elementwise fusion',
+      'copy.1': 'copy/layout',
+      'input_reduce_fusion': 'reduction fusion'
+  }
+  # PyTorch's CUDA kernels, as torch.profiler named them on an H100 (timm, torch.compile).
+  names = {
+      'nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN': 'matmul',
+      'cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64': 'attention',
+      'void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*)': 'attention',
+      'void cutlass__5x_cudnn::Kernel<cutlass_tensorop_bf16_s16816fprop_optimized_bf16>': 'convolution',
+      'triton_per_fused__to_copy_add_native_layer_norm_backward_view_11': 'reduction fusion',
+      'triton_poi_fused_gelu_view_9': 'elementwise fusion',
+      'void cudnn::engines_precompiled::nchwToNhwcKernel<__nv_bfloat16>': 'copy/layout',
+  }
+  assert {n: device_time.kernel_kind(n) for n in names} == names

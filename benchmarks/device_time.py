@@ -1,0 +1,288 @@
+r"""Where the train step's device time goes, by kind of work: vit_jax against timm in PyTorch.
+
+  python benchmarks/device_time.py --models ViT-B_16 --batch 128 --dtypes bfloat16 \
+      --torch compile      # on a GPU: vit_jax and torch.compile'd timm, kernel by kernel
+  python benchmarks/device_time.py --models ViT-Ti_16 --batch 8 --torch none   # CPU: vit_jax
+
+Each side runs in its own process, one after the other (JAX preallocates the GPU's memory,
+as vit-train does), and traces `--steps` steps after `--warmup` untraced ones.
+vit_jax: the bare step (bare_step.py, as train_step.py times it) under jax.profiler. Each
+device event (a GPU kernel; on the CPU, an XLA thunk) names the HLO instruction it runs
+(its hlo_op stat); the instruction's kind comes from the compiled program's HLO text: a dot
+or a fusion around one, cuDNN's attention, a convolution, a fusion with a reduce in it, a
+fusion of elementwise ops, a copy or transpose, or other. A kernel without one (launched
+inside a CUDA graph) is classed by its name, as PyTorch's are.
+PyTorch (`--torch eager|compile`, timm's model, SGD momentum + clip as vs_pytorch.py; a CUDA
+GPU only): torch.profiler's CUDA kernels, each kind read from the kernel's name (cuBLAS and
+CUTLASS gemms, flash/cuDNN attention, inductor's fused pointwise and reduction kernels).
+Per step, in ms. Kernels on several streams may overlap, so the kinds can sum to more than
+the step's wall time, which is printed beside them.
+"""
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import harness
+
+KINDS = ('matmul', 'attention', 'convolution', 'reduction fusion', 'elementwise fusion',
+         'copy/layout', 'other')
+
+parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+harness.add_model_args(parser, dtypes='bfloat16', steps=5)
+parser.add_argument('--warmup', type=int, default=3, help='untraced steps before the trace')
+parser.add_argument('--torch', default='compile', choices=('none', 'eager', 'compile'),
+                    help="PyTorch's side: timm eager, under torch.compile, or none")
+parser.add_argument('--top', type=int, default=12, help='the longest HLO ops / kernels listed')
+parser.add_argument('--out', default='')
+parser.add_argument('--side', default='', choices=('', 'vit_jax', 'torch'), help=argparse.SUPPRESS)
+args = parser.parse_args()
+
+# ------------------------------------------------------------------- vit_jax
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*)$')
+_OPCODE = re.compile(r'\b([a-z][a-z0-9\-]*)\(')
+_CALLS = re.compile(r'calls=%?([\w.\-]+)')
+_LAYOUT_OPS = {
+    'parameter', 'copy', 'transpose', 'bitcast', 'reshape', 'slice', 'concatenate', 'broadcast',
+    'tuple', 'get-tuple-element', 'constant', 'pad', 'dynamic-slice', 'dynamic-update-slice',
+    'convert'
+}
+
+
+def hlo_kinds(hlo_text):
+  """{instruction name: kind} for every instruction of an optimised HLO module's text."""
+  bodies, lines, current = collections.defaultdict(list), {}, None
+  for line in hlo_text.splitlines():
+    if line.rstrip().endswith('{') and ' = ' not in line:
+      current = line.split()[1 if line.startswith('ENTRY') else 0].lstrip('%')
+      continue
+    m = _INSTRUCTION.match(line)
+    if m:
+      op = _OPCODE.search(m.group(2))
+      lines[m.group(1)] = (op.group(1) if op else '', m.group(2))
+      bodies[current].append(lines[m.group(1)])
+
+  def kind(opcode, rest):
+    """By what the instruction computes: an operand's name (gemm_fusion.3) says nothing."""
+    if opcode == 'custom-call':
+      target = re.search(r'custom_call_target="([^"]*)"', rest)
+      target = target.group(1).lower() if target else ''
+      if 'fmha' in target or 'attention' in target:
+        return 'attention'
+      if 'conv' in target:
+        return 'convolution'
+      return 'matmul' if ('gemm' in target or 'matmul' in target) else 'other'
+    if opcode == 'fusion':
+      calls = _CALLS.search(rest)
+      body = bodies.get(calls.group(1), []) if calls else []
+      inner = {kind(o, r) for o, r in body if o in ('custom-call', 'dot', 'convolution')}
+      backend = re.search(r'"kind":"([^"]*)"', rest)  # a kCustom fusion's emitter
+      backend = backend.group(1).lower() if backend else ''
+      if 'attention' in inner or 'fmha' in backend:
+        return 'attention'
+      if 'matmul' in inner or 'gemm' in backend:
+        return 'matmul'
+      if 'convolution' in inner or 'conv' in backend:
+        return 'convolution'
+      opcodes = {o for o, _ in body}
+      if opcodes & {'reduce', 'reduce-window', 'scatter'}:
+        return 'reduction fusion'
+      return 'copy/layout' if opcodes <= _LAYOUT_OPS else 'elementwise fusion'
+    if opcode == 'dot':
+      return 'matmul'
+    if opcode == 'convolution':
+      return 'convolution'
+    if opcode in ('copy', 'transpose', 'copy-start', 'copy-done'):
+      return 'copy/layout'
+    if opcode in ('reduce', 'reduce-window'):
+      return 'reduction fusion'
+    return 'other'
+
+  return {name: kind(*v) for name, v in lines.items()}
+
+
+def trace_events(xplane_path, module):
+  """[(hlo_op or None, event name, duration ms)] of the device events of `module` (XLA:CPU:
+  its thunks). A kernel launched inside a CUDA graph may carry no hlo_op."""
+  import jax  # pylint: disable=import-outside-toplevel
+  data = jax.profiler.ProfileData.from_file(xplane_path)
+  planes = [p for p in data.planes if p.name.startswith('/device:')]
+  if not planes:
+    planes = [p for p in data.planes if p.name == '/host:CPU']
+  events = []
+  for plane in planes:
+    for line in plane.lines:
+      for e in line.events:
+        stats = dict(e.stats)
+        if stats.get('hlo_module', module) != module:
+          continue
+        if 'hlo_op' not in stats and plane.name == '/host:CPU':
+          continue  # host-side bookkeeping, not a thunk
+        events.append((stats.get('hlo_op'), e.name, e.duration_ns / 1e6))
+  return events
+
+
+def vit_jax_side(name, batch, dtype):
+  import bare_step  # pylint: disable=import-outside-toplevel
+  bare_step.setup(1, (dtype,))
+  import jax  # pylint: disable=import-outside-toplevel
+  config = bare_step.make_config(name, batch, dtype=dtype, image_size=args.image_size,
+                                 model_overrides=bare_step.overrides(args.override))
+  step = bare_step.BareStep(config)
+  text = step.compiled.as_text()
+  module = re.search(r'HloModule ([\w.\-]+)', text).group(1)
+  kinds = hlo_kinds(text)
+  step.run(args.warmup)
+  logdir = tempfile.mkdtemp(prefix='device_time_')
+  jax.profiler.start_trace(logdir)
+  wall = time.perf_counter()
+  step.run(args.steps)
+  wall = time.perf_counter() - wall
+  jax.profiler.stop_trace()
+  (path,) = glob.glob(os.path.join(logdir, '**', '*.xplane.pb'), recursive=True)
+  events = trace_events(path, module)
+  shutil.rmtree(logdir)
+  per_op, op_kind = collections.Counter(), {}
+  for op, kernel, ms in events:
+    key = op or f'kernel {kernel[:80]}'
+    per_op[key] += ms / args.steps
+    op_kind[key] = kinds[op] if op in kinds else kernel_kind(kernel)
+  per_kind = collections.Counter()
+  for op, ms in per_op.items():
+    per_kind[op_kind[op]] += ms
+  return {
+      'impl': f'vit_jax (jax {jax.__version__})',
+      'gpu_memory': bare_step.machine_info()['gpu_memory'],
+      'device': jax.devices()[0].device_kind,
+      'wall_ms_per_step': 1e3 * wall / args.steps,
+      'ms_per_step': dict(per_kind),
+      'top': [(op, op_kind[op], ms) for op, ms in per_op.most_common(args.top)],
+      'machine': bare_step.machine_info(),
+  }
+
+
+# ------------------------------------------------------------------- PyTorch
+def kernel_kind(name):
+  """The kind of work of a CUDA kernel, from its name (cuBLAS, CUTLASS, cuDNN, inductor)."""
+  n = name.lower()
+  # cuDNN's attention backward also runs dot(dO, O) and the dQ conversion as kernels of its own.
+  if re.search(r'flash|fmha|attention|sdpa|mha|dot_do_o|convert_dq', n):
+    return 'attention'
+  if re.search(r'conv(?!ert)|fprop|dgrad|wgrad|implicit', n):
+    return 'convolution'
+  if re.search(r'gemm|nvjet|xmma|cutlass|cublas|matmul|triton_tem_fused_(add)?mm|splitk', n):
+    return 'matmul'
+  if re.search(r'triton_(red|per)_|reduce|layer_norm|softmax|norm', n):
+    return 'reduction fusion'
+  if re.search(r'triton_poi_|elementwise|foreach|multi_tensor|cat', n):
+    return 'elementwise fusion'
+  if re.search(r'copy|memcpy|memset|transpose|nchwtonhwc|nhwctonchw', n):
+    return 'copy/layout'
+  return 'other'
+
+
+def torch_side(name, batch, dtype):
+  import torch  # pylint: disable=import-outside-toplevel
+  if not torch.cuda.is_available():
+    sys.exit('device_time.py: --torch needs a CUDA GPU (it reads kernel names); '
+             'pass --torch none on this machine')
+  import timm  # pylint: disable=import-outside-toplevel
+  if name not in harness.TIMM_NAMES or args.override:
+    sys.exit(f'device_time.py: timm has no model for {name} with {args.override}; '
+             f'pass --torch none, or one of {", ".join(harness.TIMM_NAMES)}')
+  torch.set_float32_matmul_precision('high')  # TF32, as XLA's default on the GPU
+  torch.manual_seed(0)
+  model = timm.create_model(harness.TIMM_NAMES[name], num_classes=1000).cuda().train()
+  impl = f'timm {timm.__version__} eager'
+  step = harness.torch_sgd_step(model, batch, args.image_size, dtype == 'bfloat16',
+                                compile_model=args.torch == 'compile')
+  if args.torch == 'compile':
+    impl = f'timm {timm.__version__} under torch.compile'
+  for _ in range(args.warmup):
+    step()
+  with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    wall = time.perf_counter()
+    for _ in range(args.steps):
+      step()
+    wall = time.perf_counter() - wall
+  per_kernel = collections.Counter()
+  for e in prof.profiler.kineto_results.events():
+    if e.device_type() == torch.autograd.DeviceType.CUDA:
+      per_kernel[e.name()] += e.duration_ns() / 1e6 / args.steps
+  per_kind = collections.Counter()
+  for kernel, ms in per_kernel.items():
+    per_kind[kernel_kind(kernel)] += ms
+  return {
+      'impl': f'{impl} (torch {torch.__version__})',
+      'device': torch.cuda.get_device_name(),
+      'wall_ms_per_step': 1e3 * wall / args.steps,
+      'ms_per_step': dict(per_kind),
+      'top': [(k[:90], kernel_kind(k), ms) for k, ms in per_kernel.most_common(args.top)],
+  }
+
+
+# ------------------------------------------------------------------- both
+def run_side(side, name, batch, dtype):
+  """One side in its own process; its result (a JSON line on stdout)."""
+  cmd = [
+      sys.executable,
+      os.path.abspath(__file__), '--side', side, '--models', name, '--batch',
+      str(batch), '--dtypes', dtype, '--image_size',
+      str(args.image_size), '--steps',
+      str(args.steps), '--warmup',
+      str(args.warmup), '--torch', args.torch, '--top',
+      str(args.top), *[f'--override={o}' for o in args.override]
+  ]
+  proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+  if proc.returncode:
+    sys.exit(f'device_time.py: the {side} side of {name} {dtype} failed (exit '
+             f'{proc.returncode}; its error is above)')
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main():
+  if args.side:
+    (name, batch), = harness.model_batches(args)
+    run = vit_jax_side if args.side == 'vit_jax' else torch_side
+    result = run(name, batch, args.dtypes)
+    sys.stdout.flush()
+    print(json.dumps(result, default=float))
+    return
+  load_start = harness.loadavg()
+  results = []
+  sides = ['vit_jax'] + ([] if args.torch == 'none' else ['torch'])
+  for name, batch in harness.model_batches(args):
+    for dtype in args.dtypes.split(','):
+      row = {'model': name, 'batch': batch, 'dtype': dtype}
+      for side in sides:
+        row[side] = run_side(side, name, batch, dtype)
+      results.append(row)
+      header = ['kind'] + [f'{row[s]["impl"]} ms/step' for s in sides]
+      table = [[k] + [f'{row[s]["ms_per_step"].get(k, 0.0):.3f}' for s in sides] for k in KINDS]
+      table.append(['sum of kinds'] + [f'{sum(row[s]["ms_per_step"].values()):.3f}' for s in sides])
+      table.append(['wall'] + [f'{row[s]["wall_ms_per_step"]:.3f}' for s in sides])
+      memory = row['vit_jax']['gpu_memory']
+      print(f'\n{name} b{batch} {dtype} on {row["vit_jax"]["device"]}, {args.steps} steps traced'
+            + (f'; JAX\'s GPU memory {memory}' if memory else ''))
+      print(harness.markdown_table(header, table))
+      for s in sides:
+        print(f'\nlongest of {row[s]["impl"]}:')
+        print(
+            harness.markdown_table(['op / kernel', 'kind', 'ms/step'],
+                                   [(o, k, f'{ms:.3f}') for o, k, ms in row[s]['top']]))
+  harness.write_json(args.out, {
+      'results': results,
+      'loadavg_start': load_start,
+      'loadavg_end': harness.loadavg()
+  })
+
+
+if __name__ == '__main__':
+  main()
