@@ -30,7 +30,8 @@ EXTRAS_REQUIRE = {
     "tpu": ["jax[tpu]>=0.10.2,<0.11"],
     "cuda12": ["jax[cuda12]>=0.10.2,<0.11"],
     "test": [
-        "pytest>=9", "nbclient>=0.11", "nbformat>=5.10", "ipykernel>=7", "ruff>=0.17", "yapf>=0.43"
+        "pytest>=9", "pytest-xdist>=3.8", "nbclient>=0.11", "nbformat>=5.10", "ipykernel>=7",
+        "ruff>=0.17", "yapf>=0.43"
     ],
     # benchmarks/vs_pytorch.py, against the PyTorch its figures were measured with. 2.13's
     # CPU build resolves here; an open range resolved to 2.14.1+cu130 and ~3 GB of CUDA wheels.
