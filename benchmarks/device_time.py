@@ -157,35 +157,35 @@ def vit_jax_side(name, batch, dtype):
   per_kind = collections.Counter()
   for op, ms in per_op.items():
     per_kind[op_kind[op]] += ms
+  machine = bare_step.machine_info()
   return {
       'impl': f'vit_jax (jax {jax.__version__})',
-      'gpu_memory': bare_step.machine_info()['gpu_memory'],
+      'gpu_memory': machine['gpu_memory'],
       'device': jax.devices()[0].device_kind,
       'wall_ms_per_step': 1e3 * wall / args.steps,
       'ms_per_step': dict(per_kind),
       'top': [(op, op_kind[op], ms) for op, ms in per_op.most_common(args.top)],
-      'machine': bare_step.machine_info(),
+      'machine': machine,
   }
 
 
 # ------------------------------------------------------------------- PyTorch
+# (pattern, kind), first match wins. cuDNN's attention backward also runs dot(dO, O) and the
+# dQ conversion as kernels of its own; 'conv' is not 'convert'.
+_KERNEL_KINDS = [
+    (r'flash|fmha|attention|sdpa|mha|dot_do_o|convert_dq', 'attention'),
+    (r'conv(?!ert)|fprop|dgrad|wgrad|implicit', 'convolution'),
+    (r'gemm|nvjet|xmma|cutlass|cublas|matmul|triton_tem_fused_(add)?mm|splitk', 'matmul'),
+    (r'triton_(red|per)_|reduce|layer_norm|softmax|norm', 'reduction fusion'),
+    (r'triton_poi_|elementwise|foreach|multi_tensor|cat', 'elementwise fusion'),
+    (r'copy|memcpy|memset|transpose|nchwtonhwc|nhwctonchw', 'copy/layout'),
+]
+
+
 def kernel_kind(name):
   """The kind of work of a CUDA kernel, from its name (cuBLAS, CUTLASS, cuDNN, inductor)."""
-  n = name.lower()
-  # cuDNN's attention backward also runs dot(dO, O) and the dQ conversion as kernels of its own.
-  if re.search(r'flash|fmha|attention|sdpa|mha|dot_do_o|convert_dq', n):
-    return 'attention'
-  if re.search(r'conv(?!ert)|fprop|dgrad|wgrad|implicit', n):
-    return 'convolution'
-  if re.search(r'gemm|nvjet|xmma|cutlass|cublas|matmul|triton_tem_fused_(add)?mm|splitk', n):
-    return 'matmul'
-  if re.search(r'triton_(red|per)_|reduce|layer_norm|softmax|norm', n):
-    return 'reduction fusion'
-  if re.search(r'triton_poi_|elementwise|foreach|multi_tensor|cat', n):
-    return 'elementwise fusion'
-  if re.search(r'copy|memcpy|memset|transpose|nchwtonhwc|nhwctonchw', n):
-    return 'copy/layout'
-  return 'other'
+  return next((kind for pattern, kind in _KERNEL_KINDS if re.search(pattern, name.lower())),
+              'other')
 
 
 def torch_side(name, batch, dtype):
