@@ -1,7 +1,8 @@
 """What every benchmark script shares and that needs no JAX: statistics, markdown tables,
-JSON, load and memory of the process, the model/batch flags.
+JSON, load and memory of the process, the model/batch flags, and PyTorch's side of the step
+(timm's names for the models, the SGD step vs_pytorch.py and device_time.py time).
 
-(The PyTorch worker of vs_pytorch.py imports only this; the JAX side is bare_step.py.)
+(The PyTorch workers import only this; the JAX side is bare_step.py.)
 """
 import json
 import os
