@@ -280,11 +280,19 @@ def run_sweep(config, workdir, sets, points, runner=run_local, out=None):
   return statuses
 
 
+def _written_order(path):
+  """An event file's place in writing order. Its name is events.out.tfevents.<seconds>.<host>
+  .<pid>.<n>.v2, n counting the writers of that process: as text, n=10 sorts before n=9."""
+  numbers = [int(f) for f in os.path.basename(path).split('.')[3:] if f.isdigit()]
+  return (numbers[0], numbers[-1], path) if numbers else (0, 0, path)
+
+
 def read_accuracy(directory, tag='accuracy'):
   """[(step, value)] of a scalar in the TensorBoard event files of a directory."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top  (slow; only for the summary)
   values = {}
-  for path in sorted(tf.io.gfile.glob(join(directory, 'events.out.tfevents.*'))):
+  for path in sorted(tf.io.gfile.glob(join(directory, 'events.out.tfevents.*')),
+                     key=_written_order):
     try:
       for record in tf.data.TFRecordDataset(path):
         event = tf.compat.v1.Event.FromString(record.numpy())

@@ -286,6 +286,16 @@ def test_summary_without_status_files(tmp_path):
   }], None)
 
 
+def test_a_later_event_file_wins_whatever_its_counter(tmp_path):
+  """Event files are named <seconds>.<host>.<pid>.<n>.v2, n counting one process's writers:
+  the file with n=10 was written after n=9 in the same second, though it sorts first as text."""
+  for n, value in ((9, 0.4), (10, 0.5)):
+    write_accuracy(tmp_path / 'tmp', [(200, value)])
+    (written,) = (tmp_path / 'tmp').iterdir()
+    written.rename(tmp_path / f'events.out.tfevents.1795747739.vm.internal.6870.{n}.v2')
+  assert sweep.read_accuracy(str(tmp_path)) == [(200, pytest.approx(0.5))]
+
+
 def test_real_local_sweep(tmp_path, monkeypatch, capsys):
   """Two points of the offline quickstart, each a real vit_jax.main subprocess."""
   data = data_fixtures.write_idx(str(tmp_path / 'data'), num_train=64, num_test=32)
