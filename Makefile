@@ -49,12 +49,11 @@ jemalloc:
 quickstart: $(VENV)/installed fashion-mnist jemalloc
 	$(VENV)/bin/vit-train --config=quickstart --workdir=workdirs/quickstart
 
-# Two pytest workers: on 2 cores the suite ran in 1,904 s against 2,928 s in one process (each
-# test's XLA uses every core, so more workers mostly contend). The tests of the installed
-# wheel share one worker, which builds the wheel once (the `wheel` group).
+# Two pytest workers: on 2 cores the suite ran in 1,904-2,286 s (three runs) against 2,928 s
+# in one process. More workers than cores were not tried: each test's XLA uses every core.
 TEST_WORKERS ?= 2
 test: $(VENV)/installed fashion-mnist
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 lint: $(VENV)/installed
 	$(VENV)/bin/ruff check .

@@ -22,17 +22,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOT_SOURCE = shutil.ignore_patterns('.venv', '.git', 'workdirs', 'build', '*.egg-info',
                                     '__pycache__', '.pytest_cache')
 
-# The files that hold the suite's longest single tests (60-250 s each on 2 cores: whole runs
-# in subprocesses, the wheel's venv), in that order. Collected first, so that `make test`'s
-# workers start on them and do not finish with one worker alone on one of them.
-LONG_TESTS_FIRST = ('test_install.py', 'test_notebooks.py', 'test_vtab.py', 'test_preemption.py',
-                    'test_readme.py', 'test_xla_cpu_flags.py')
-
-
-def pytest_collection_modifyitems(items):
-  rank = {name: i for i, name in enumerate(LONG_TESTS_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest as before
-
 
 @pytest.fixture(scope='session')
 def wheel_venv(tmp_path_factory):

@@ -3,12 +3,8 @@ console scripts, and nothing of the repository on sys.path."""
 import os
 import subprocess
 
-import pytest
-
 from tests import data_fixtures
 from tests.conftest import ROOT, user_env
-
-pytestmark = pytest.mark.xdist_group('wheel')  # one worker builds the wheel (Makefile)
 
 
 def _run(cmd, cwd, env, timeout=600):

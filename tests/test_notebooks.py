@@ -12,12 +12,8 @@ import os
 import shutil
 import subprocess
 
-import pytest
-
 from tests import data_fixtures
 from tests.conftest import NOT_SOURCE, ROOT, user_env
-
-pytestmark = pytest.mark.xdist_group('wheel')  # one worker builds the wheel (Makefile)
 
 # Runs inside the wheel's venv: nbclient executes the notebook with that venv's kernel.
 _EXECUTE = '''
