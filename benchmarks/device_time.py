@@ -13,7 +13,7 @@ or a fusion around one, cuDNN's attention, a convolution, a fusion with a reduce
 fusion of elementwise ops, a copy or transpose, or other. A kernel without one is classed
 by its name, as PyTorch's are. Under XLA:GPU's default CUDA graphs the whole step is one
 event (command_buffer_N): run with XLA_FLAGS=--xla_gpu_enable_command_buffer= to see its
-kernels (on an H100 the preallocated step ran 1.08x faster so; benchmarks/README.md).
+kernels (on an H100 the preallocated step ran 1.08x faster without them; benchmarks/README.md).
 PyTorch (`--torch eager|compile`, timm's model, SGD momentum + clip as vs_pytorch.py; a CUDA
 GPU only): torch.profiler's CUDA kernels, each kind read from the kernel's name (cuBLAS and
 CUTLASS gemms, flash/cuDNN attention, inductor's fused pointwise and reduction kernels).
