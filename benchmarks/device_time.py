@@ -2,7 +2,8 @@ r"""Where the train step's device time goes, by kind of work: vit_jax against ti
 
   python benchmarks/device_time.py --models ViT-B_16 --batch 128 --dtypes bfloat16 \
       --torch compile      # on a GPU: vit_jax and torch.compile'd timm, kernel by kernel
-  python benchmarks/device_time.py --models ViT-Ti_16 --batch 8 --torch none   # CPU: vit_jax
+  python benchmarks/device_time.py --models ViT-B_16 --batch 8 --dtypes float32 \
+      --torch eager        # CPU: vit_jax's thunks and PyTorch's operators, side by side
 
 Each side runs in its own process, one after the other (JAX preallocates the GPU's memory,
 as vit-train does), and traces `--steps` steps after `--warmup` untraced ones.
@@ -14,11 +15,14 @@ fusion of elementwise ops, a copy or transpose, or other. A kernel without one i
 by its name, as PyTorch's are. Under XLA:GPU's default CUDA graphs the whole step is one
 event (command_buffer_N): run with XLA_FLAGS=--xla_gpu_enable_command_buffer= to see its
 kernels (on an H100 the preallocated step ran 1.08x faster without them; benchmarks/README.md).
-PyTorch (`--torch eager|compile`, timm's model, SGD momentum + clip as vs_pytorch.py; a CUDA
-GPU only): torch.profiler's CUDA kernels, each kind read from the kernel's name (cuBLAS and
-CUTLASS gemms, flash/cuDNN attention, inductor's fused pointwise and reduction kernels).
-Per step, in ms. Kernels on several streams may overlap, so the kinds can sum to more than
-the step's wall time, which is printed beside them.
+PyTorch (`--torch eager|compile`, SGD momentum + clip as vs_pytorch.py): on a CUDA GPU timm's
+model and torch.profiler's CUDA kernels, each kind read from the kernel's name (cuBLAS and
+CUTLASS gemms, flash/cuDNN attention, inductor's fused pointwise and reduction kernels); on
+the CPU (torch.set_num_threads = the cores JAX uses; torch_vit.py's model) each operator's
+self time, its kind read from its aten:: name. On the CPU both sides count the wall time of
+each op (thunk, operator) on the thread that runs it, its helper threads inside it.
+Per step, in ms. Kernels on several streams, and thunks on several threads, may overlap, so
+the kinds can sum to more than the step's wall time, which is printed beside them.
 """
 import argparse
 import collections
@@ -41,7 +45,7 @@ parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
 harness.add_model_args(parser, dtypes='bfloat16', steps=5)
 parser.add_argument('--warmup', type=int, default=3, help='untraced steps before the trace')
 parser.add_argument('--torch', default='compile', choices=('none', 'eager', 'compile'),
-                    help="PyTorch's side: timm eager, under torch.compile, or none")
+                    help="PyTorch's side: eager, under torch.compile, or none")
 parser.add_argument('--top', type=int, default=12, help='the longest HLO ops / kernels listed')
 parser.add_argument('--out', default='')
 parser.add_argument('--side', default='', choices=('', 'vit_jax', 'torch'), help=argparse.SUPPRESS)
@@ -190,43 +194,76 @@ def kernel_kind(name):
               'other')
 
 
+# (pattern, kind) for PyTorch's CPU operators (torch.profiler's aten:: names), first match wins:
+# the autograd engine's, its nodes' (AddmmBackward0) and the optimizer's own entries first, as
+# their names hold an operator's.
+_ATEN_KINDS = [
+    (r'^autograd::|^torch::autograd|^optimizer|#|backward\d+$|^detach', 'other'),
+    (r'attention|flash', 'attention'),
+    (r'conv(?!ert)', 'convolution'),
+    (r'\b(addmm|mm|bmm|baddbmm|matmul|linear)\b', 'matmul'),
+    (r'norm|softmax|\bsum\b|\bmean\b|\bvar|\bstd\b|max_pool|amax|nll_loss|cross_entropy',
+     'reduction fusion'),
+    (r'copy|clone|contiguous|transpose|permute|\bt\b|\bcat\b|pad|view|reshape|expand|slice|'
+     r'select|stack|as_strided|\bto\b|empty|unfold|split|chunk|unbind', 'copy/layout'),
+    (r'add|sub|mul|div|gelu|relu|threshold|tanh|exp|sqrt|pow|neg|fill|zero|clamp|where|'
+     r'foreach|lerp|sign|abs|square|reciprocal', 'elementwise fusion'),
+]
+
+
+def aten_kind(name):
+  """The kind of work of a PyTorch CPU operator, from its name."""
+  return next((kind for pattern, kind in _ATEN_KINDS if re.search(pattern, name.lower())), 'other')
+
+
 def torch_side(name, batch, dtype):
+  """timm's step (or torch_vit.py's minimal ViT where timm does not import, on the CPU only)
+  under torch.profiler: on a CUDA GPU its kernels, on the CPU each operator's self time."""
   import torch  # pylint: disable=import-outside-toplevel
-  if not torch.cuda.is_available():
-    sys.exit('device_time.py: --torch needs a CUDA GPU (it reads kernel names); '
-             'pass --torch none on this machine')
-  import timm  # pylint: disable=import-outside-toplevel
-  if name not in harness.TIMM_NAMES or args.override:
-    sys.exit(f'device_time.py: timm has no model for {name} with {args.override}; '
-             f'pass --torch none, or one of {", ".join(harness.TIMM_NAMES)}')
-  torch.set_float32_matmul_precision('high')  # TF32, as XLA's default on the GPU
+  import torch_vit  # pylint: disable=import-outside-toplevel
+  from vit_jax import model_flags  # pylint: disable=import-outside-toplevel
+  from vit_jax.models import variants  # pylint: disable=import-outside-toplevel
+  overrides = model_flags.parse_overrides(','.join(args.override))
+  cuda = torch.cuda.is_available()
+  if cuda:
+    torch.set_float32_matmul_precision('high')  # TF32, as XLA's default on the GPU
+  else:
+    torch.set_num_threads(harness.cores())
   torch.manual_seed(0)
-  model = timm.create_model(harness.TIMM_NAMES[name], num_classes=1000).cuda().train()
-  impl = f'timm {timm.__version__} eager'
+  fields = variants.get_variant(name, **overrides)
+  model, impl, note = torch_vit.create(name, fields, args.image_size, 'timm' if cuda else 'auto',
+                                       overrides)
+  model = model.to('cuda' if cuda else 'cpu').train()
   step = harness.torch_sgd_step(model, batch, args.image_size, dtype == 'bfloat16',
                                 compile_model=args.torch == 'compile')
-  if args.torch == 'compile':
-    impl = f'timm {timm.__version__} under torch.compile'
+  impl += ' under torch.compile' if args.torch == 'compile' else ' eager'
   for _ in range(args.warmup):
     step()
-  with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+  activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+  with torch.profiler.profile(activities=[activity]) as prof:
     wall = time.perf_counter()
     for _ in range(args.steps):
       step()
     wall = time.perf_counter() - wall
-  per_kernel = collections.Counter()
-  for e in prof.profiler.kineto_results.events():
-    if e.device_type() == torch.autograd.DeviceType.CUDA:
-      per_kernel[e.name()] += e.duration_ns() / 1e6 / args.steps
+  per_op = collections.Counter()
+  if cuda:
+    for e in prof.profiler.kineto_results.events():
+      if e.device_type() == torch.autograd.DeviceType.CUDA:
+        per_op[e.name()] += e.duration_ns() / 1e6 / args.steps
+  else:
+    for e in prof.key_averages():
+      per_op[e.key] += e.self_cpu_time_total / 1e3 / args.steps
+  classify = kernel_kind if cuda else aten_kind
   per_kind = collections.Counter()
-  for kernel, ms in per_kernel.items():
-    per_kind[kernel_kind(kernel)] += ms
+  for op, ms in per_op.items():
+    per_kind[classify(op)] += ms
   return {
       'impl': f'{impl} (torch {torch.__version__})',
-      'device': torch.cuda.get_device_name(),
+      'note': note,
+      'device': torch.cuda.get_device_name() if cuda else f'CPU, {torch.get_num_threads()} threads',
       'wall_ms_per_step': 1e3 * wall / args.steps,
       'ms_per_step': dict(per_kind),
-      'top': [(k[:90], kernel_kind(k), ms) for k, ms in per_kernel.most_common(args.top)],
+      'top': [(k[:90], classify(k), ms) for k, ms in per_op.most_common(args.top)],
   }
 
 

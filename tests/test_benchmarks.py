@@ -237,6 +237,18 @@ def test_device_time(tmp_path):
   assert side['gpu_memory'] == '' and len(side['top']) == 12
 
 
+def test_device_time_beside_pytorch_on_the_cpu(tmp_path):
+  # PyTorch's operators on the CPU, classed by their aten:: names beside vit_jax's thunks.
+  pytest.importorskip('torch')
+  p = _run('device_time', '--models', 'ViT-Ti_16', '--batch', '2', '--dtypes', 'float32', '--steps',
+           '1', '--warmup', '1', '--torch', 'eager', *TINY, tmp_path=tmp_path)
+  side = p['results'][0]['torch']
+  assert side['device'].startswith('CPU') and 'eager' in side['impl']
+  for kind in ('matmul', 'attention', 'convolution', 'reduction fusion', 'elementwise fusion'):
+    assert side['ms_per_step'][kind] > 0, kind
+  assert sum(side['ms_per_step'].values()) < side['wall_ms_per_step']
+
+
 def _device_time_module(monkeypatch):
   monkeypatch.setattr(sys, 'argv', ['device_time.py'])
   monkeypatch.syspath_prepend(os.path.join(REPO, 'benchmarks'))
@@ -322,3 +334,26 @@ def test_device_time_kinds(monkeypatch):
       'void cudnn::engines_precompiled::nchwToNhwcKernel<__nv_bfloat16>': 'copy/layout',
   }
   assert {n: device_time.kernel_kind(n) for n in names} == names
+  # PyTorch's CPU operators (torch 2.13, the minimal ViT's step): an autograd node's own
+  # entry is bookkeeping, whatever operator its name holds.
+  operators = {
+      'aten::addmm': 'matmul',
+      'aten::mm': 'matmul',
+      'aten::_scaled_dot_product_flash_attention_for_cpu_backward': 'attention',
+      'aten::mkldnn_convolution': 'convolution',
+      'aten::convolution_backward': 'convolution',
+      'aten::native_layer_norm_backward': 'reduction fusion',
+      'aten::sum': 'reduction fusion',
+      'aten::linalg_vector_norm': 'reduction fusion',
+      'aten::gelu_backward': 'elementwise fusion',
+      'aten::add_': 'elementwise fusion',
+      'aten::_foreach_mul_': 'elementwise fusion',
+      'aten::copy_': 'copy/layout',
+      'aten::cat': 'copy/layout',
+      'aten::t': 'copy/layout',
+      'AddmmBackward0': 'other',
+      'autograd::engine::evaluate_function: AddmmBackward0': 'other',
+      'torch::autograd::AccumulateGrad': 'other',
+      'Optimizer.step#SGD.step': 'other',
+  }
+  assert {n: device_time.aten_kind(n) for n in operators} == operators
