@@ -10,6 +10,7 @@ from vit_jax import xla_cpu_flags  # noqa: E402
 xla_cpu_flags.apply()
 
 import ctypes.util  # noqa: E402
+import fcntl  # noqa: E402
 import glob  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
@@ -23,11 +24,10 @@ NOT_SOURCE = shutil.ignore_patterns('.venv', '.git', 'workdirs', 'build', '*.egg
                                     '__pycache__', '.pytest_cache')
 
 
-@pytest.fixture(scope='session')
-def wheel_venv(tmp_path_factory):
-  """A fresh venv holding only the wheel built from this checkout (with its `test` extra),
-  installed with the tested constraints: what a user gets from `pip install`."""
-  tmp = tmp_path_factory.mktemp('wheel')
+def _build_wheel_venv(tmp):
+  """Builds the wheel of this checkout into tmp/dist and a venv holding it into tmp/venv."""
+  for part in ('src', 'dist', 'venv'):
+    shutil.rmtree(tmp / part, ignore_errors=True)  # a build that failed half-way before
   src = tmp / 'src'
   shutil.copytree(ROOT, src, ignore=NOT_SOURCE)  # build from a copy: no build/ in the checkout
   subprocess.run(
@@ -43,6 +43,24 @@ def wheel_venv(tmp_path_factory):
   ], capture_output=True, text=True)
   assert out.returncode == 0, out.stderr[-3000:]
   return venv
+
+
+@pytest.fixture(scope='session')
+def wheel_venv(tmp_path_factory):
+  """A fresh venv holding only the wheel built from this checkout (with its `test` extra),
+  installed with the tested constraints: what a user gets from `pip install`. pytest-xdist's
+  workers share one (a build takes ~90 s of a 2-core machine): the first to ask builds it in
+  the run's temporary root, under a lock the others wait on. The tests only read it."""
+  if not os.environ.get('PYTEST_XDIST_WORKER'):
+    return _build_wheel_venv(tmp_path_factory.mktemp('wheel'))
+  shared = tmp_path_factory.getbasetemp().parent / 'wheel'  # the run's, not one worker's
+  shared.mkdir(exist_ok=True)
+  with open(shared / 'lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (shared / 'built').exists():
+      _build_wheel_venv(shared)
+      (shared / 'built').touch()
+  return shared / 'venv'
 
 
 @pytest.fixture(scope='module')
