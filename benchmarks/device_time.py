@@ -10,7 +10,7 @@ as vit-train does), and traces `--steps` steps after `--warmup` untraced ones.
 vit_jax: the bare step (bare_step.py, as train_step.py times it) under jax.profiler. Each
 device event (a GPU kernel; on the CPU, an XLA thunk) names the HLO instruction it runs
 (its hlo_op stat); the instruction's kind comes from the compiled program's HLO text: a dot
-or a fusion around one, cuDNN's attention, a convolution, a fusion with a reduce in it, a
+or a fusion around one, cuDNN's attention or a batched dot (the unfused attention core), a convolution, a fusion with a reduce in it, a
 fusion of elementwise ops, a copy or transpose, or other. A kernel without one is classed
 by its name, as PyTorch's are. Under XLA:GPU's default CUDA graphs the whole step is one
 event (command_buffer_N): run with XLA_FLAGS=--xla_gpu_enable_command_buffer= to see its
@@ -21,8 +21,11 @@ CUTLASS gemms, flash/cuDNN attention, inductor's fused pointwise and reduction k
 the CPU (torch.set_num_threads = the cores JAX uses; torch_vit.py's model) each operator's
 self time, its kind read from its aten:: name. On the CPU both sides count the wall time of
 each op (thunk, operator) on the thread that runs it, its helper threads inside it.
-Per step, in ms. Kernels on several streams, and thunks on several threads, may overlap, so
-the kinds can sum to more than the step's wall time, which is printed beside them.
+Per step, in ms. XLA:CPU runs independent thunks at once on its threads (and a GPU's
+streams may overlap), so each of vit_jax's ops is charged its share of the wall time, each
+moment split among the ops running then (`wall_shares`); the table's 'concurrency' is their
+summed durations over those shares. PyTorch's CPU operators run one at a time; its CUDA
+kernels are counted by duration. The traced steps' wall time is printed beside.
 """
 import argparse
 import collections
@@ -76,7 +79,8 @@ def hlo_kinds(hlo_text):
       bodies[current].append(lines[m.group(1)])
 
   def kind(opcode, rest):
-    """By what the instruction computes: an operand's name (gemm_fusion.3) says nothing."""
+    """By what the instruction computes: an operand's name (gemm_fusion.3) says nothing. A
+    dot with batch dimensions is the attention core's: in these models only it has them."""
     if opcode == 'custom-call':
       target = re.search(r'custom_call_target="([^"]*)"', rest)
       target = target.group(1).lower() if target else ''
@@ -84,7 +88,9 @@ def hlo_kinds(hlo_text):
         return 'attention'
       if 'conv' in target:
         return 'convolution'
-      return 'matmul' if ('gemm' in target or 'matmul' in target) else 'other'
+      if 'gemm' in target or 'matmul' in target:
+        return 'attention' if '"lhs_batch_dimensions":["' in rest else 'matmul'
+      return 'other'
     if opcode == 'fusion':
       calls = _CALLS.search(rest)
       body = bodies.get(calls.group(1), []) if calls else []
@@ -102,7 +108,7 @@ def hlo_kinds(hlo_text):
         return 'reduction fusion'
       return 'copy/layout' if opcodes <= _LAYOUT_OPS else 'elementwise fusion'
     if opcode == 'dot':
-      return 'matmul'
+      return 'attention' if 'lhs_batch_dims=' in rest else 'matmul'
     if opcode == 'convolution':
       return 'convolution'
     if opcode in ('copy', 'transpose', 'copy-start', 'copy-done'):
@@ -115,8 +121,8 @@ def hlo_kinds(hlo_text):
 
 
 def trace_events(xplane_path, module):
-  """[(hlo_op or None, event name, duration ms)] of the device events of `module` (XLA:CPU:
-  its thunks). A kernel launched inside a CUDA graph may carry no hlo_op."""
+  """[(hlo_op or None, event name, start ns, end ns)] of the device events of `module`
+  (XLA:CPU: its thunks). A kernel launched inside a CUDA graph may carry no hlo_op."""
   import jax  # pylint: disable=import-outside-toplevel
   data = jax.profiler.ProfileData.from_file(xplane_path)
   planes = [p for p in data.planes if p.name.startswith('/device:')]
@@ -131,8 +137,28 @@ def trace_events(xplane_path, module):
           continue
         if 'hlo_op' not in stats and plane.name == '/host:CPU':
           continue  # host-side bookkeeping, not a thunk
-        events.append((stats.get('hlo_op'), e.name, e.duration_ns / 1e6))
+        events.append((stats.get('hlo_op'), e.name, e.start_ns, e.end_ns))
   return events
+
+
+def wall_shares(spans):
+  """Each (start, end) span's share of the wall time, in the spans' unit: every moment is
+  split evenly among the spans running then. XLA:CPU runs independent thunks at once on
+  its threads, so their durations add up to more than the time they took; the shares add up
+  to the time that any ran."""
+  edges = sorted([(start, 1, i) for i, (start, _) in enumerate(spans)]
+                 + [(end, -1, i) for i, (_, end) in enumerate(spans)])
+  shares, running, last = [0.0] * len(spans), set(), None
+  for t, change, i in edges:
+    if running:
+      for j in running:
+        shares[j] += (t - last) / len(running)
+    last = t
+    if change > 0:
+      running.add(i)
+    else:
+      running.discard(i)
+  return shares
 
 
 def vit_jax_side(name, batch, dtype):
@@ -155,11 +181,13 @@ def vit_jax_side(name, batch, dtype):
   (path,) = glob.glob(os.path.join(logdir, '**', '*.xplane.pb'), recursive=True)
   events = trace_events(path, module)
   shutil.rmtree(logdir)
+  shares = wall_shares([(start, end) for _, _, start, end in events])
   per_op, op_kind = collections.Counter(), {}
-  for op, kernel, ms in events:
+  for (op, kernel, _, _), ns in zip(events, shares):
     key = op or f'kernel {kernel[:80]}'
-    per_op[key] += ms / args.steps
+    per_op[key] += ns / 1e6 / args.steps
     op_kind[key] = kinds[op] if op in kinds else kernel_kind(kernel)
+  busy = sum(end - start for _, _, start, end in events) / 1e6 / args.steps
   per_kind = collections.Counter()
   for op, ms in per_op.items():
     per_kind[op_kind[op]] += ms
@@ -170,6 +198,7 @@ def vit_jax_side(name, batch, dtype):
       'device': jax.devices()[0].device_kind,
       'wall_ms_per_step': 1e3 * wall / args.steps,
       'ms_per_step': dict(per_kind),
+      'concurrency': busy / max(sum(per_kind.values()), 1e-9),
       'top': [(op, op_kind[op], ms) for op, ms in per_op.most_common(args.top)],
       'machine': machine,
   }
@@ -307,6 +336,7 @@ def main():
       table = [[k] + [f'{row[s]["ms_per_step"].get(k, 0.0):.3f}' for s in sides] for k in KINDS]
       table.append(['sum of kinds'] + [f'{sum(row[s]["ms_per_step"].values()):.3f}' for s in sides])
       table.append(['wall'] + [f'{row[s]["wall_ms_per_step"]:.3f}' for s in sides])
+      table.append(['concurrency'] + [f'{row[s].get("concurrency", 1.0):.2f}' for s in sides])
       memory = row['vit_jax']['gpu_memory']
       print(f'\n{name} b{batch} {dtype} on {row["vit_jax"]["device"]}, {args.steps} steps traced'
             + (f'; JAX\'s GPU memory {memory}' if memory else ''))

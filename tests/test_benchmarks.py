@@ -234,7 +234,7 @@ def test_device_time(tmp_path):
   side = p['results'][0]['vit_jax']
   assert side['ms_per_step']['matmul'] > 0 and side['ms_per_step']['elementwise fusion'] > 0
   assert sum(side['ms_per_step'].values()) < side['wall_ms_per_step']
-  assert side['gpu_memory'] == '' and len(side['top']) == 12
+  assert side['gpu_memory'] == '' and len(side['top']) == 12 and side['concurrency'] >= 1
 
 
 def test_device_time_beside_pytorch_on_the_cpu(tmp_path):
@@ -323,6 +323,27 @@ def test_device_time_kinds(monkeypatch):
       'copy.1': 'copy/layout',
       'input_reduce_fusion': 'reduction fusion'
   }
+  # XLA:CPU: a YNNPACK fusion of a batched dot is the attention core; of a plain dot, a matmul.
+  cpu_hlo = '\n'.join([
+      'HloModule jit_step', '',
+      '%ynn_fused_computation (p0: f32[2,3,4], p1: f32[2,4,5]) -> f32[2,3,5] {',
+      '  %p0 = f32[2,3,4]{2,1,0} parameter(0)', '  %p1 = f32[2,4,5]{2,1,0} parameter(1)',
+      '  ROOT %dot.2 = f32[2,3,5]{2,1,0} dot(%p0, %p1), lhs_batch_dims={0}, '
+      'lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}', '}', '',
+      'ENTRY %main (a: f32[2,3,4], b: f32[2,4,5], c: f32[3,4], d: f32[4,5]) -> f32[3,5] {',
+      '  %a = f32[2,3,4]{2,1,0} parameter(0)', '  %b = f32[2,4,5]{2,1,0} parameter(1)',
+      '  %c = f32[3,4]{1,0} parameter(2)', '  %d = f32[4,5]{1,0} parameter(3)',
+      '  %ynn_fusion.7 = f32[2,3,5]{2,1,0} fusion(%a, %b), kind=kCustom, '
+      'calls=%ynn_fused_computation',
+      '  ROOT %dot.3 = f32[3,5]{1,0} dot(%c, %d), lhs_contracting_dims={1}, '
+      'rhs_contracting_dims={0}', '}', ''
+  ])
+  assert {
+      op: device_time.hlo_kinds(cpu_hlo)[op] for op in ('ynn_fusion.7', 'dot.3')
+  } == {
+      'ynn_fusion.7': 'attention',
+      'dot.3': 'matmul'
+  }
   # PyTorch's CUDA kernels, as torch.profiler named them on an H100 (timm, torch.compile).
   names = {
       'nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN': 'matmul',
@@ -357,3 +378,10 @@ def test_device_time_kinds(monkeypatch):
       'Optimizer.step#SGD.step': 'other',
   }
   assert {n: device_time.aten_kind(n) for n in operators} == operators
+
+
+def test_device_time_wall_shares(monkeypatch):
+  # Two thunks at once share the time both ran; alone, a thunk has all of its time.
+  device_time = _device_time_module(monkeypatch)
+  assert device_time.wall_shares([(0, 10), (5, 15), (20, 22)]) == [7.5, 7.5, 2.0]
+  assert device_time.wall_shares([(0, 10), (0, 10), (0, 10)]) == pytest.approx([10 / 3] * 3)
