@@ -10,11 +10,12 @@ as vit-train does), and traces `--steps` steps after `--warmup` untraced ones.
 vit_jax: the bare step (bare_step.py, as train_step.py times it) under jax.profiler. Each
 device event (a GPU kernel; on the CPU, an XLA thunk) names the HLO instruction it runs
 (its hlo_op stat); the instruction's kind comes from the compiled program's HLO text: a dot
-or a fusion around one, cuDNN's attention or a batched dot (the unfused attention core), a convolution, a fusion with a reduce in it, a
-fusion of elementwise ops, a copy or transpose, or other. A kernel without one is classed
-by its name, as PyTorch's are. Under XLA:GPU's default CUDA graphs the whole step is one
-event (command_buffer_N): run with XLA_FLAGS=--xla_gpu_enable_command_buffer= to see its
-kernels (on an H100 the preallocated step ran 1.08x faster without them; benchmarks/README.md).
+or a fusion around one, cuDNN's attention or a batched dot (the unfused attention core), a
+convolution, a fusion with a reduce in it, a fusion of elementwise ops, a copy or transpose,
+or other. A kernel without one is classed by its name, as PyTorch's are. Under XLA:GPU's
+default CUDA graphs the whole step is one event (command_buffer_N): run with
+XLA_FLAGS=--xla_gpu_enable_command_buffer= to see its kernels (on an H100 the preallocated
+step ran 1.08x faster without them; benchmarks/README.md).
 PyTorch (`--torch eager|compile`, SGD momentum + clip as vs_pytorch.py): on a CUDA GPU timm's
 model and torch.profiler's CUDA kernels, each kind read from the kernel's name (cuBLAS and
 CUTLASS gemms, flash/cuDNN attention, inductor's fused pointwise and reduction kernels); on
