@@ -234,7 +234,7 @@ def test_device_time(tmp_path):
   side = p['results'][0]['vit_jax']
   assert side['ms_per_step']['matmul'] > 0 and side['ms_per_step']['elementwise fusion'] > 0
   assert sum(side['ms_per_step'].values()) < side['wall_ms_per_step']
-  assert side['gpu_memory'] == '' and len(side['top']) == 12 and side['concurrency'] >= 1
+  assert side['gpu_memory'] == '' and len(side['top']) == 12 and side['concurrency'] > 0.999
 
 
 def test_device_time_beside_pytorch_on_the_cpu(tmp_path):

@@ -232,19 +232,26 @@ def _grads(xla_flags, path, dtype='float32'):
     return report, {k: f[k] for k in f.files}
 
 
-def test_flags_are_accepted_and_leave_f32_numerics_unchanged(tmp_path):
+@pytest.fixture(scope='module')
+def xla_defaults_f32(tmp_path_factory):
+  """The float32 run under XLA's default flags, which two tests compare against."""
+  return _grads('', tmp_path_factory.mktemp('xla_defaults') / 'off.npz')
+
+
+def test_flags_are_accepted_and_leave_f32_numerics_unchanged(tmp_path, xla_defaults_f32):
   # XLA aborts at start-up on a flag it does not know: the run with flags proves they exist.
   report_on, on = _grads(FLAG, tmp_path / 'on.npz')
-  report_off, off = _grads('', tmp_path / 'off.npz')
+  report_off, off = xla_defaults_f32
   assert NAME in report_on['flags'] and NAME not in report_off['flags']
   _assert_close(on, off, 1e-4)  # float32 round-off only
 
 
-def test_memory_scheduler_plans_fewer_temporaries_with_the_same_gradients(tmp_path):
+def test_memory_scheduler_plans_fewer_temporaries_with_the_same_gradients(
+    tmp_path, xla_defaults_f32):
   # What the flag is there for: XLA's plan of the fwd+bwd keeps fewer bytes alive (ViT-B/16
   # b8: 1.45 vs 1.95 GiB). A jaxlib in which it does nothing fails here.
   report_on, on = _grads(xla_cpu_flags.MEMORY_SCHEDULER, tmp_path / 'on.npz')
-  report_off, off = _grads('', tmp_path / 'off.npz')
+  report_off, off = xla_defaults_f32
   assert report_on['temp_bytes'] < 0.95 * report_off['temp_bytes'], (report_on, report_off)
   _assert_close(on, off, 1e-5)
 
