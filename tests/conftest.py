@@ -94,7 +94,10 @@ def installed_jemalloc():
 
 def user_env(venv, devices=1):
   """The environment of a user whose shell has `venv` activated (and nothing of ours)."""
-  env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'VIRTUAL_ENV')}
+  env = {
+      k: v for k, v in os.environ.items()
+      if k not in ('PYTHONPATH', 'VIRTUAL_ENV', 'TF_CPP_MIN_LOG_LEVEL')
+  }
   env['PATH'] = f'{venv}/bin:' + env.get('PATH', '')
   env['VIRTUAL_ENV'] = str(venv)
   env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'

@@ -57,6 +57,22 @@ def test_train_then_evaluate_from_elsewhere(wheel_venv, tmp_path):
       "vit-train: --config.base_lrr: the config has no field 'base_lrr' (did you mean base_lr?)")
 
 
+def test_a_mistake_found_after_start_up_is_the_only_line(wheel_venv, tmp_path):
+  """Values that pass the flags but not the checks made once TensorFlow and JAX have
+  started: stderr is the one line naming the fix, not TensorFlow's C++ notices and JAX's
+  "no TPU" above it (vit_jax/tensorflow_quietly.py)."""
+  env = user_env(wheel_venv)
+  for cmd, line in [
+      (['vit-train', '--config=quickstart', '--workdir=runs/x',
+        '--config.batch_size=0'], 'vit_jax: batch_size 0 must be > 0: set --config.batch_size'),
+      (['vit-predict', '--checkpoint=nope.npz', '--model=ViT-B_16',
+        'cat.jpg'], 'vit-predict: cat.jpg: no such file or folder: pass image files or folders'),
+  ]:
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert (out.returncode, out.stderr.strip().splitlines()) == (1, [line]), out.stderr[-3000:]
+  assert not (tmp_path / 'runs').exists()
+
+
 def test_a_sweep_started_in_a_checkout_runs_the_installed_package(wheel_venv, tmp_path):
   """vit-sweep's points are `python -P -m vit_jax.main`: without -P, a point started in a
   checkout imported the checkout's vit_jax (which has no configs) and every point failed."""

@@ -15,6 +15,7 @@ import sys
 from absl import app
 from absl import flags
 
+from vit_jax import tensorflow_quietly  # noqa: F401  (first: before TensorFlow loads)
 from vit_jax import cli_help
 from vit_jax import evaluate
 from vit_jax import input_pipeline

@@ -161,7 +161,6 @@ def _open_log(workdir):
     sys.exit(f'vit_jax: cannot write the log in {log_dir} ({errors.one_line(e)}): fix its '
              'permissions or choose another --workdir'
              + (' or --local_log_dir' if log_dir != workdir else ''))
-  logging.get_absl_handler().addFilter(_QuietLibraries())
   FLAGS.alsologtostderr = True
   logging.info('process %d/%d, %d local / %d global devices (%s)', jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count(),
@@ -176,7 +175,12 @@ def _open_log(workdir):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  from vit_jax import rundir  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top,unused-import
+  from vit_jax import tensorflow_quietly  # noqa: F401  (before rundir imports TensorFlow)
+  from vit_jax import rundir
+  # pylint: enable=g-import-not-at-top,unused-import
+  # Before JAX starts (it logs at INFO that there is no TPU, before a one-line error).
+  logging.get_absl_handler().addFilter(_QuietLibraries())
   workdir = paths.resolve(FLAGS.workdir)  # once: orbax refuses relative paths
   recorded = rundir.recorded_cpu_flags(workdir)  # a resumed run keeps its CPU kernels
   try:

@@ -21,6 +21,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from vit_jax import tensorflow_quietly  # noqa: F401  (first: before TensorFlow loads)
 from vit_jax import cli_help
 from vit_jax import data_sources
 from vit_jax import input_pipeline
