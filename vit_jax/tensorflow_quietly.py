@@ -14,7 +14,7 @@ the input pipeline ran slower without them (benchmarks/README.md, twenty-seventh
 import os
 import re
 import sys
-import tempfile
+import threading
 
 NOTICES = re.compile(r'WARNING: All log messages before absl::InitializeLog\(\) is called'
                      r'|\] oneDNN custom operations are on'
@@ -34,20 +34,34 @@ def _import_tensorflow():
   sys.stderr.flush()
   try:
     saved = os.dup(2)
+    read_end, write_end = os.pipe()
   except OSError:  # no stderr to capture
     import tensorflow  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
     return
-  with tempfile.TemporaryFile() as captured:
-    os.dup2(captured.fileno(), 2)
-    try:
-      import tensorflow  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-    finally:
-      sys.stderr.flush()
-      os.dup2(saved, 2)
-      os.close(saved)
-      captured.seek(0)
-      sys.stderr.writelines(kept_lines(captured.read().decode(errors='replace')))
-      sys.stderr.flush()
+  # A pipe, not a file: a process limited in file size (RLIMIT_FSIZE) would lose lines. A
+  # thread drains it, so that an import writing more than the pipe holds does not block.
+  chunks = []
+  reader = threading.Thread(target=_drain, args=(read_end, chunks), daemon=True)
+  reader.start()
+  os.dup2(write_end, 2)
+  os.close(write_end)
+  try:
+    import tensorflow  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  finally:
+    sys.stderr.flush()
+    os.dup2(saved, 2)  # the pipe's last write end closes: the reader sees its end
+    os.close(saved)
+    # Unless something started during the import holds a copy of it: then go on with what
+    # was read (all the import wrote is in the pipe by now).
+    reader.join(timeout=2.0)
+    sys.stderr.writelines(kept_lines(b''.join(list(chunks)).decode(errors='replace')))
+    sys.stderr.flush()
+
+
+def _drain(fd, chunks):
+  with os.fdopen(fd, 'rb', buffering=0) as pipe:
+    while chunk := pipe.read(65536):
+      chunks.append(chunk)
 
 
 _import_tensorflow()
