@@ -14,7 +14,9 @@ kept beside it. No evaluation runs (eval_every_steps=0, stopped before total_ste
 loop run gets a fresh workdir; a persistent compilation cache keeps runs after the first
 from recompiling. Bare: the same model, batch and optimizer (bare_step.BareStep:
 vit_jax.step's create_train_state and jit, as the loop uses them) on a random batch, over
-as many steps. Runs alternate loop, bare, loop, ...
+as many steps. Runs alternate loop, bare, loop, ... With --normal_priority_too, each round
+also runs the loop with the input pipeline's threads at normal priority
+(vit_jax/pipeline_priority.py off), and the order of the three rotates per round.
 """
 import argparse
 import os
@@ -28,6 +30,7 @@ import harness
 import jax
 
 from tests import data_fixtures
+from vit_jax import pipeline_priority
 from vit_jax import train
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
@@ -44,6 +47,8 @@ parser.add_argument('--checkpoint_every', type=int, default=4)
 parser.add_argument('--prefetch', type=int, default=2, help='config.prefetch')
 parser.add_argument('--override', action='append', default=[],
                     help='variant field, e.g. --override num_layers=2 (repeatable)')
+parser.add_argument('--normal_priority_too', action='store_true',
+                    help="also the loop with tf.data's threads at normal CPU priority")
 parser.add_argument('--out', default='')
 args = parser.parse_args()
 
@@ -113,19 +118,33 @@ def main():
 
     loop_rates, bare_rates, walls, logs = [], [], [], []
     loop_cpu, bare_cpu = [], []  # CPU seconds (all threads of this process) per step
+    normal_rates, normal_cpu = [], []  # the loop at normal priority (--normal_priority_too)
+    sides = ['loop', 'bare'] + (['normal'] if args.normal_priority_too else [])
+    timed = None  # the steps the loop times (between its first and last metric write)
     for r in range(args.rounds):
-      rate, cpu, timed_steps, wall, log = run_loop(config, tmp)
-      loop_rates.append(rate)
-      loop_cpu.append(cpu)
-      walls.append(wall)
-      logs.append(log)
-      cpu = time.process_time()
-      times = bare.run(timed_steps)
-      bare_cpu.append((time.process_time() - cpu) / timed_steps)
-      bare_rates.append(args.batch * len(times) / sum(times))
+      # Round 1 runs the loop first: the bare step runs as many steps as it timed.
+      for side in sides[r % len(sides):] + sides[:r % len(sides)]:
+        if side == 'bare':
+          cpu = time.process_time()
+          times = bare.run(timed)
+          bare_cpu.append((time.process_time() - cpu) / timed)
+          bare_rates.append(args.batch * len(times) / sum(times))
+          continue
+        pipeline_priority.ENABLED = side == 'loop'
+        rate, cpu, timed, wall, log = run_loop(config, tmp)
+        pipeline_priority.ENABLED = True
+        if side == 'normal':
+          normal_rates.append(rate)
+          normal_cpu.append(cpu)
+          continue
+        loop_rates.append(rate)
+        loop_cpu.append(cpu)
+        walls.append(wall)
+        logs.append(log)
       print(
-          f'round {r + 1}/{args.rounds}: loop {rate:.2f} img/s (run {wall:.0f} s with '
-          f'set-up), bare {bare_rates[-1]:.2f} img/s', flush=True)
+          f'round {r + 1}/{args.rounds}: loop {loop_rates[-1]:.2f} img/s, bare '
+          f'{bare_rates[-1]:.2f}' +
+          (f', loop at normal priority {normal_rates[-1]:.2f}' if normal_rates else ''), flush=True)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
 
@@ -146,7 +165,10 @@ def main():
       'bare_cpu_s_per_step': bare_cpu,
       'loop_wall_s_with_setup': walls,
       'loop_own_rates': logs,
-      'target_0p97_met': med >= 0.97
+      'target_0p97_met': med >= 0.97,
+      'normal_priority_img_s_per_round': normal_rates,
+      'normal_priority_cpu_s_per_step': normal_cpu,
+      'normal_priority_over_bare_per_round': [a / b for a, b in zip(normal_rates, bare_rates)]
   }
   print(f'\n### loop vs bare step ({args.model}, batch {args.batch}, {args.dtype}, '
         f'{args.steps} steps per run)\n')
@@ -166,6 +188,13 @@ def main():
   print(f'\nloop / bare: median {med:.3f} (min {min(ratio):.3f}, max {max(ratio):.3f}); '
         f'target ≥0.97: {"met" if med >= 0.97 else "MISSED"}; '
         f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
+  if normal_rates:
+    normal = payload['normal_priority_over_bare_per_round']
+    shipped = [a / b for a, b in zip(loop_rates, normal_rates)]
+    print(f"\nthe loop with tf.data's threads at normal priority / bare: "
+          f"{', '.join(f'{x:.3f}' for x in normal)} (median "
+          f"{harness.summary(normal)['median']:.3f}); the loop as shipped over it per round: "
+          f"{', '.join(f'{x:.3f}' for x in shipped)}")
   harness.write_json(args.out, payload)
 
 

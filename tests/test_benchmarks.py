@@ -85,8 +85,10 @@ def test_vs_pytorch_device_mismatch():
 
 def test_loop(tmp_path):
   p = _run('loop', '--batch', '2', '--steps', '3', '--rounds', '1', '--images', '8', '--jpeg_size',
-           '40,48', '--log_every', '1', '--checkpoint_every', '0', *TINY, tmp_path=tmp_path)
+           '40,48', '--log_every', '1', '--checkpoint_every', '0', '--normal_priority_too', *TINY,
+           tmp_path=tmp_path)
   assert p['loop_img_s_per_round'][0] > 0 and p['bare_img_s_per_round'][0] > 0
+  assert p['normal_priority_img_s_per_round'][0] > 0
 
 
 def test_input_speed(tmp_path):

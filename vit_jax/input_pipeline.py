@@ -53,6 +53,7 @@ import numpy as np
 import tensorflow as tf
 
 from vit_jax import data_sources
+from vit_jax import pipeline_priority
 from vit_jax import preprocessing
 
 _MAX_HOSTS = 1 << 16  # Only to mix (epoch, host) into one shuffle seed.
@@ -140,9 +141,10 @@ class Batches:
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
-    if self._numpy is None:
-      self._numpy = self._ds.as_numpy_iterator()
-    batch = next(self._numpy)
+    if self._numpy is None:  # tf.data's threads start here (pipeline_priority.py)
+      self._numpy, batch = pipeline_priority.numpy_iterator(self._ds)
+    else:
+      batch = next(self._numpy)
     skipped, failed = int(batch.pop('skipped')), batch.pop('failed')
     if skipped:
       self.skipped += skipped
