@@ -5,9 +5,10 @@ At the same priority the kernel's fair scheduler takes the pipeline's time (JPEG
 crops, file reads) out of the step's, although the step leaves cores idle part of the time
 (XLA:CPU runs fewer thunks than there are cores at many moments). Threads of Linux's
 SCHED_IDLE policy run only where a core would otherwise idle, so the pipeline fills the
-step's gaps instead. It cannot starve: `prefetch` keeps batches ready, and when the step
-waits for a batch its cores are idle and the pipeline runs. The loop against the bare step:
-benchmarks/README.md (twenty-seventh session).
+step's gaps instead. It cannot starve the run: `prefetch` keeps batches ready, and when the
+step waits for a batch its cores are idle and the pipeline runs. (Other processes' work
+comes first too: on a host shared with other jobs the pipeline gets what they leave.) The
+loop against the bare step: benchmarks/README.md (twenty-seventh session).
 
 tf.data starts its threads (the parallel map's workers, the prefetch thread) when an
 iterator is created and first read, and a new thread inherits its creator's policy. So
