@@ -131,8 +131,10 @@ def main():
           bare_rates.append(args.batch * len(times) / sum(times))
           continue
         pipeline_priority.ENABLED = side == 'loop'
-        rate, cpu, timed, wall, log = run_loop(config, tmp)
-        pipeline_priority.ENABLED = True
+        try:
+          rate, cpu, timed, wall, log = run_loop(config, tmp)
+        finally:
+          pipeline_priority.ENABLED = True
         if side == 'normal':
           normal_rates.append(rate)
           normal_cpu.append(cpu)

@@ -1,5 +1,8 @@
 """TensorFlow's start-up notices are dropped from what the import wrote to stderr; every
 other line is written back (the command-line journeys are in test_install.py)."""
+import subprocess
+import sys
+
 from vit_jax import tensorflow_quietly
 
 # What TensorFlow 2.21 wrote on import on a 2-core AVX-512 host, and two lines of others.
@@ -22,3 +25,24 @@ def test_only_the_notices_are_dropped():
       'E0000 00:00:1795767401.9 12302 some_library.cc:12] a real error\n',
       '/usr/lib/python3/warnings.py:1: DeprecationWarning: something\n'
   ]
+
+
+def test_no_descriptor_is_left_open_when_the_pipe_cannot_be_made():
+  """os.pipe() failing (no descriptor left) after stderr was duplicated: the duplicate is
+  closed, and TensorFlow is imported all the same."""
+  script = '''
+import os, sys
+dups, closed = [], []
+real_dup, real_close = os.dup, os.close
+os.dup = lambda fd: dups.append(real_dup(fd)) or dups[-1]
+os.close = lambda fd: closed.append(fd) or real_close(fd)
+def no_pipe():
+  raise OSError(24, 'Too many open files')
+os.pipe = no_pipe
+import vit_jax.tensorflow_quietly
+assert 'tensorflow' in sys.modules
+assert dups and dups[0] in closed, (dups, closed)
+print('ok')
+'''
+  p = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0 and p.stdout == 'ok\n', p.stderr[-2000:]

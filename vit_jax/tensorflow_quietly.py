@@ -32,10 +32,13 @@ def _import_tensorflow():
   if 'tensorflow' in sys.modules:
     return
   sys.stderr.flush()
+  saved = None
   try:
     saved = os.dup(2)
     read_end, write_end = os.pipe()
-  except OSError:  # no stderr to capture
+  except OSError:  # no stderr to capture, or no descriptor left
+    if saved is not None:
+      os.close(saved)
     import tensorflow  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
     return
   # A pipe, not a file: a process limited in file size (RLIMIT_FSIZE) would lose lines. A
