@@ -47,6 +47,8 @@ def test_train_then_evaluate_from_elsewhere(wheel_venv, tmp_path):
   ], tmp_path, env)
   lines = out.stdout.strip().splitlines()
   assert lines[0].split() == ['mode', 'metric', 'value']
+  # No TPU runtime in this venv: JAX's notice of that is not the user's first line.
+  assert 'Unable to initialize backend' not in out.stderr, out.stderr[:2000]
   assert lines[1].startswith('top1') and '(64 images)' in lines[1]
   assert lines[2].split()[:3] == ['fewshot', 'fashion_mnist_local', '1-shot']
   # A mistake typed from the shell is one line naming the fix.

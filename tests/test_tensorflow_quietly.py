@@ -1,7 +1,9 @@
 """TensorFlow's start-up notices are dropped from what the import wrote to stderr; every
 other line is written back (the command-line journeys are in test_install.py)."""
+import os
 import subprocess
 import sys
+import tempfile
 
 from vit_jax import tensorflow_quietly
 
@@ -44,5 +46,11 @@ assert 'tensorflow' in sys.modules
 assert dups and dups[0] in closed, (dups, closed)
 print('ok')
 '''
-  p = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=300)
+  # The child imports the vit_jax under test, wherever pytest was started from.
+  package_root = os.path.dirname(os.path.dirname(tensorflow_quietly.__file__))
+  env = dict(
+      os.environ,
+      PYTHONPATH=os.pathsep.join([package_root, *filter(None, [os.environ.get('PYTHONPATH')])]))
+  p = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=300,
+                     env=env, cwd=tempfile.gettempdir())
   assert p.returncode == 0 and p.stdout == 'ok\n', p.stderr[-2000:]

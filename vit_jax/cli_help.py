@@ -1,11 +1,19 @@
-"""`--help` for the absl programs run as console scripts (vit-train, vit-evaluate, ...).
+"""How the absl programs run as console scripts (vit-train, vit-evaluate, ...) start:
+`--help`, one-line flag errors, and JAX's start-up notice that a TPU runtime is missing.
 
 absl's `--help` prints `__main__`'s docstring and the flags its module declared. Run as a
 console script, `__main__` is pip's wrapper, with no docstring and no flags, so
 `vit-train --help` printed only "USAGE: vit-train [flags]". `python -m` was not affected.
 absl also exits 1 after printing the help; `run` makes it 0, as the argparse programs
 (vit-sweep, vit-vtab, vit-tpu) and most command-line tools do.
+
+absl shows INFO records on stderr, so on every CPU or GPU host the first line of
+vit-evaluate, vit-predict and vit-inspect was JAX's "Unable to initialize backend 'tpu':
+... Failed to open libtpu.so". Where no TPU runtime is installed that says nothing; where
+one is (a TPU VM), the line explains a run that fell back to the CPU, and it stays.
 """
+import importlib.util
+import logging
 import os
 import sys
 
@@ -45,10 +53,25 @@ def one_line_flag_errors(program):
   return parse
 
 
+def _tpu_runtime_installed():
+  return bool(importlib.util.find_spec('libtpu') or os.environ.get('TPU_LIBRARY_PATH'))
+
+
+def _not_the_missing_tpu_notice(record):
+  return not record.getMessage().startswith("Unable to initialize backend 'tpu'")
+
+
+def quiet_the_missing_tpu_notice():
+  """Drops JAX's notice that it found no TPU runtime, unless one is installed."""
+  if not _tpu_runtime_installed():
+    logging.getLogger('jax._src.xla_bridge').addFilter(_not_the_missing_tpu_notice)
+
+
 def run(main, module_name, *flag_modules, program=None, flags_parser=None):
   """as_the_program, then absl's app.run(main), with --help exiting 0; flag mistakes are
   one line naming `program` (default: the console script's name)."""
   as_the_program(module_name, *flag_modules)
+  quiet_the_missing_tpu_notice()
   program = program or os.path.basename(sys.argv[0])
   try:
     app.run(main, flags_parser=flags_parser or one_line_flag_errors(program))
