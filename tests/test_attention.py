@@ -11,6 +11,7 @@ import pytest
 
 from tests import planned_memory
 from vit_jax import models
+from vit_jax.models import accelerator
 from vit_jax.models import attention
 
 
@@ -109,7 +110,7 @@ def _close_in_bf16(ours, theirs):
 
 
 def test_attend_fuses_in_bf16_on_an_ampere_or_later_gpu_with_a_head_size_cudnn_takes(monkeypatch):
-  flash = attention.cuda_capability() >= 8.0
+  flash = accelerator.cuda_capability() >= 8.0
   assert flash == (jax.default_backend() == 'gpu'
                    and float(jax.local_devices()[0].compute_capability) >= 8.0)
   assert attention.fuses(jnp.bfloat16, 64) == flash
@@ -123,7 +124,7 @@ def test_attend_fuses_in_bf16_on_an_ampere_or_later_gpu_with_a_head_size_cudnn_t
       (0.0, 64, False),  # not an NVIDIA GPU
   ]
   for capability, head_dim, fused in cases:
-    monkeypatch.setattr(attention, 'cuda_capability', lambda capability=capability: capability)
+    monkeypatch.setattr(accelerator, 'cuda_capability', lambda capability=capability: capability)
     assert attention.fuses(jnp.bfloat16, head_dim) == fused, (capability, head_dim)
     assert not attention.fuses(jnp.float32, head_dim)
 

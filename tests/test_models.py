@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from vit_jax import models
+from vit_jax.models import accelerator
+from vit_jax.models import attention
 from vit_jax.models import precision
 from vit_jax.models import remat as remat_lib
 from vit_jax.models import resnet
@@ -384,9 +386,16 @@ def _dot_generals(jaxpr):
     yield from _dot_generals(sub)
 
 
+@pytest.mark.parametrize('capability', [0.0, 7.5, 9.0], ids=['not_nvidia', 't4', 'h100'])
 @pytest.mark.parametrize('family', ['vit', 'hybrid', 'bit'])
-def test_bf16_model_every_dot_is_bf16_with_float32_accumulation(family):
-  # Forward and backward: bf16 operands, float32 results (preferred_element_type).
+def test_bf16_model_every_dot_is_bf16_with_float32_accumulation(family, capability, monkeypatch):
+  # Forward and backward: bf16 operands; float32 results (precision.py's dots), except on an
+  # NVIDIA GPU with bf16 tensor cores, where the layers' dots are XLA's own (float32
+  # accumulation in cuBLAS and Triton) with bf16 results (precision.is_mixed); there the
+  # attention is cuDNN's fused one (the paper's head sizes), whose stand-in here is not.
+  monkeypatch.setattr(accelerator, 'cuda_capability', lambda: capability)
+  monkeypatch.setattr(attention, 'fuses', lambda dtype, head_dim: False)  # cuDNN needs a GPU
+  bf16_results = capability >= 8.0
   name, overrides, size = FAMILIES[family]
   x = _images(size=size)
   model = models.get_model(name, num_classes=3, dtype='bfloat16', **overrides)
@@ -395,8 +404,45 @@ def test_bf16_model_every_dot_is_bf16_with_float32_accumulation(family):
   eqns = list(_dot_generals(jax.make_jaxpr(jax.grad(loss))(params).jaxpr))
   assert len(eqns) >= 3
   for eqn in eqns:
+    if bf16_results and eqn.params['dimension_numbers'][1][0]:
+      continue  # the unfused attention's: autodiff's, around float32 logits
     assert [v.aval.dtype for v in eqn.invars] == [jnp.bfloat16] * 2, eqn
-    assert eqn.outvars[0].aval.dtype == jnp.float32, eqn
+    assert eqn.outvars[0].aval.dtype == (jnp.bfloat16 if bf16_results else jnp.float32), eqn
+
+
+@pytest.mark.parametrize('family', ['vit', 'hybrid'])
+def test_a_bf16_model_with_bf16_result_dots_computes_the_same(family, monkeypatch):
+  # As a bf16 model runs on an NVIDIA GPU (XLA's own dots, bf16 results; precision.is_mixed):
+  # against the float32 model at full matmul precision, its logits and gradients are about as
+  # close as those of precision.py's float32-result dots.
+  monkeypatch.setattr(attention, 'fuses', lambda dtype, head_dim: False)  # cuDNN needs a GPU
+  name, overrides, size = REMAT_CASES[family]
+  x = _images(size=size)
+  model = lambda dtype: models.get_model(name, num_classes=5, dtype=dtype, **overrides)
+  params = model('float32').init(jax.random.PRNGKey(0), x, train=False)['params']
+  params['head']['kernel'] = jax.random.normal(jax.random.PRNGKey(1),
+                                               params['head']['kernel'].shape)
+  weights = jax.random.normal(jax.random.PRNGKey(3), (x.shape[0], 5))
+
+  def logits_and_grads(dtype):
+    apply = lambda p: model(dtype).apply({'params': p}, x, train=False).astype(jnp.float32)
+    flat = lambda tree: jnp.concatenate([jnp.ravel(g) for g in jax.tree.leaves(tree)])
+    # A linear loss: its cotangent is exact, so the errors are the model's own.
+    return jax.jit(lambda p: (apply(p), flat(jax.grad(lambda q: jnp.sum(apply(q) * weights))(p))))(
+        params)
+
+  with jax.default_matmul_precision('highest'):
+    reference = logits_and_grads('float32')
+  monkeypatch.setattr(accelerator, 'cuda_capability', lambda: 0.0)
+  f32_results = logits_and_grads('bfloat16')
+  monkeypatch.setattr(accelerator, 'cuda_capability', lambda: 9.0)
+  assert not precision.is_mixed('bfloat16')
+  bf16_results = logits_and_grads('bfloat16')
+  for what, ours, theirs, exact in zip(('logits', 'gradients'), bf16_results, f32_results,
+                                       reference):
+    error = lambda y, exact=exact: float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact))
+    assert 0 < error(ours) < 0.1, (what, error(ours))  # bf16 roundings, not a wrong model
+    assert error(ours) < 1.5 * error(theirs) + 1e-3, (what, error(ours), error(theirs))
 
 
 @pytest.mark.parametrize('barriers_kept', [False, True], ids=['xla_cpu', 'tpu_gpu'])

@@ -7,7 +7,8 @@ second dot's operand): 250 of the 870 MiB live at the bf16 ViT-Ti/16 b32 step's 
 `attend_recomputing` keeps only its inputs and recomputes the weights in the backward
 pass, as PyTorch's fused attention does; the gradients are autodiff's of the same forward.
 `attend` uses it where it was measured to pay (`recomputes`). Dots are
-precision.py's in a bf16 model (bf16 operands, float32 results), XLA's in float32 (ordered
+precision.py's where it has them (`precision.is_mixed`: bf16 operands, float32 results),
+else XLA's (in a bf16 model on an NVIDIA GPU bf16 results; in float32, ordered
 ones too made the ViT-Ti step 1.02-1.04x flax's against 1.12-1.14x for ordered
 projections alone; benchmarks/README.md); the softmax is float32 either way. q is scaled
 by the caller.
@@ -25,6 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from vit_jax.models import accelerator
 from vit_jax.models import activations
 from vit_jax.models import precision
 
@@ -65,19 +67,8 @@ def fuses(dtype, head_dim):
   bf16 and fp16 only) on an NVIDIA GPU it runs on (Ampere or later: not Colab's T4), with a
   head size it takes on each of them (a multiple of 8 up to 128; the paper's ViTs have 64
   or 80). Elsewhere the unfused core runs."""
-  return (precision.is_mixed(dtype) and cuda_capability() >= 8.0 and head_dim % 8 == 0
-          and head_dim <= 128)
-
-
-def cuda_capability():
-  """The default backend's CUDA compute capability (9.0 for an H100), 0 where it is not an
-  NVIDIA GPU."""
-  if jax.default_backend() != 'gpu':
-    return 0.0
-  try:
-    return float(jax.local_devices()[0].compute_capability)
-  except (AttributeError, TypeError, ValueError):  # not CUDA (ROCm)
-    return 0.0
+  return (jnp.dtype(dtype) == jnp.dtype(precision.COMPUTE_DTYPE)
+          and accelerator.is_ampere_or_later_nvidia_gpu() and head_dim % 8 == 0 and head_dim <= 128)
 
 
 def attend_fused(q, k, v, implementation='cudnn'):

@@ -18,21 +18,32 @@ float32 sums as flax's own dots, each weight gradient in the order that
 benchmarks/README.md): XLA:CPU copies an operand of each weight-gradient dot transposed,
 and this order copies the smaller one.
 
+On an NVIDIA GPU with bf16 tensor cores (Ampere or later) a bf16 model does not use these
+dots (`is_mixed`): XLA's own bf16 dots there accumulate in float32 too (cuBLAS, Triton) and
+return bf16, as `torch.autocast` does, and the step ran faster with them: bf16 ViT-B/16 b128
+1.065x on an H200 with cuDNN's fused attention, 1.01-1.05x on an H100 without it
+(benchmarks/README.md, thirtieth and fifteenth sessions; `before_after.py --change
+mixed_dots`). Half the bytes of a float32 result go through every elementwise op around
+each dot. Not measured on a TPU, which keeps this module's dots.
+
 `dense_options(dtype)` are the flax Dense/DenseGeneral fields for a model computing in
-`dtype`: for bfloat16, inputs cast to bf16, kernel and bias left float32 (the bias is
+`dtype`: where `is_mixed`, inputs cast to bf16, kernel and bias left float32 (the bias is
 added to the float32 result); for float32 on the CPU backend, `float32_dot_general`;
-otherwise none, i.e. flax's own dots (TPU and GPU lay out transposes themselves).
+otherwise none, i.e. flax's own dots (TPU and GPU lay out transposes themselves; a bf16
+model's flax dots cast the kernel to bf16 and return bf16).
 
 `layer_output(y, dtype)` casts a layer's output to the model's dtype and names it for the
-dots remat policies (remat.py): float32 dots name their own results; in a bf16 model the
+dots remat policies (remat.py): float32 dots name their own results; where `is_mixed` the
 layer's bf16 output is named, which a policy keeps in half the bytes of the dot's float32
-result.
+result (XLA's own dots are dots to the policies).
 """
 import jax
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
+
+from vit_jax.models import accelerator
 
 COMPUTE_DTYPE = jnp.bfloat16
 # The names of these dots' results for remat policies (remat.py): jax.checkpoint's dot
@@ -168,7 +179,10 @@ def _promote_inputs_only(inputs, kernel, bias, dtype=None, inexact=True):
 
 
 def is_mixed(dtype):
-  return jnp.dtype(dtype) == jnp.dtype(COMPUTE_DTYPE)
+  """Whether a model computing in `dtype` uses this module's bf16 x bf16 -> f32 dots: in
+  bfloat16, except on an NVIDIA GPU with bf16 tensor cores (module doc)."""
+  return (jnp.dtype(dtype) == jnp.dtype(COMPUTE_DTYPE)
+          and not accelerator.is_ampere_or_later_nvidia_gpu())
 
 
 def dot_general_for(dtype):

@@ -43,7 +43,8 @@ class PatchEmbedding(nn.Module):
     kernel = self.param('kernel', nn.initializers.lecun_normal(),
                         (p, p, x.shape[-1], self.features), jnp.float32)
     bias = self.param('bias', nn.initializers.zeros, (self.features,), jnp.float32)
-    # In bfloat16 the bias is added to the dot's float32 result, as in the dense layers.
+    # Where precision.is_mixed the bias is added to the dot's float32 result, as in the
+    # dense layers.
     return (conv_as_dot.conv(x, kernel, (p, p), 'VALID', self.dtype) + bias).astype(self.dtype)
 
 
