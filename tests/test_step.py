@@ -5,11 +5,13 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 import pytest
 
 from vit_jax import step as step_lib
+from vit_jax.models import accelerator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,3 +75,25 @@ def test_label_smoothing_moves_the_targets_toward_uniform(kind):
   got = step_lib.per_example_loss(logits, labels, kind, label_smoothing=0.1)
   np.testing.assert_allclose(got, want, rtol=1e-5)
   assert not np.allclose(got, step_lib.per_example_loss(logits, labels, kind))
+
+
+@pytest.mark.parametrize(
+    'capability,model_name,without',
+    [
+        (9.0, 'ViT-B_16', True),  # measured: 1.03-1.09x on an H200 (benchmarks/README.md)
+        (9.0, 'R50+ViT-B_16', False),  # measured: 0.97-1.00x
+        (9.0, 'BiT-M-R50x1', False),  # convolutions, as the hybrid's stem
+        (0.0, 'ViT-B_16', False),  # not an NVIDIA GPU
+    ])
+def test_a_vit_step_compiles_without_command_buffers_on_an_nvidia_gpu(monkeypatch, capability,
+                                                                      model_name, without):
+  monkeypatch.setattr(accelerator, 'cuda_capability', lambda: capability)
+  config = ml_collections.ConfigDict({'model_name': model_name, 'model': {}, 'remat': ''})
+  options = step_lib.compiler_options(config) or {}
+  assert (options == step_lib.NO_COMMAND_BUFFERS) == without, options
+  assert not without or options  # and nothing else added on a GPU
+
+
+def test_the_command_buffer_option_exists_in_this_jaxlib():
+  # XLA refuses an option name it does not know, on every backend.
+  jax.jit(lambda x: x + 1, compiler_options=step_lib.NO_COMMAND_BUFFERS).lower(1.0).compile()

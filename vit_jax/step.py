@@ -9,9 +9,18 @@ import optax
 
 from vit_jax import checkpoint
 from vit_jax import masked_patches
+from vit_jax import models
 from vit_jax import polyak
 from vit_jax import sharding
+from vit_jax.models import accelerator
 from vit_jax.models import remat as remat_lib
+
+# XLA:GPU runs a program's kernels as command buffers (CUDA graphs) by default. In JAX's
+# preallocated memory pool, where vit-train runs, the ViT train step ran faster without them
+# and the hybrid's did not (benchmarks/README.md, thirtieth session: H200, b128; bf16
+# ViT-B/16 1.07-1.09x, float32 1.03-1.07x; R50+ViT-B/16 0.97-0.98x, float32 1.00x). So a
+# model without a ResNet stem compiles its step without them on an NVIDIA GPU.
+NO_COMMAND_BUFFERS = {'xla_gpu_enable_command_buffer': ''}
 
 
 def per_example_loss(logits, labels, kind, label_smoothing=0.0):
@@ -174,4 +183,13 @@ def jit(model, tx, schedule, config, mesh, in_shardings):
   """The step jitted for `in_shardings` (state, batch, rng); the state is donated."""
   return jax.jit(make_train_step(model, tx, schedule, config, mesh), in_shardings=in_shardings,
                  out_shardings=(in_shardings[0], in_shardings[2]), donate_argnums=(0,),
-                 compiler_options=remat_lib.step_compiler_options(config.remat))
+                 compiler_options=compiler_options(config))
+
+
+def compiler_options(config):
+  """`jax.jit`'s compiler options for the train step of `config` on the default backend."""
+  options = dict(remat_lib.step_compiler_options(config.remat) or {})
+  if (accelerator.cuda_capability()
+      and models.get_variant(config.model_name, **config.model)['resnet_layers'] is None):
+    options.update(NO_COMMAND_BUFFERS)
+  return options or None
