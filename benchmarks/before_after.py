@@ -1,4 +1,4 @@
-r"""The train step with one of the models' CPU-motivated choices against the step without
+r"""The train step with one of vit_jax's backend-specific choices against the step without
 it: the evidence for that choice on this host. `--change`:
 
   ordered_dots      vit_jax/models/precision.py's ordered dots. float32: flax's own dots
@@ -28,7 +28,14 @@ it: the evidence for that choice on this host. `--change`:
                     core, which writes the (batch, heads, tokens, tokens) weights out.
   mixed_dots        (bfloat16) precision.py's bf16 x bf16 -> f32 dots, custom VJPs, vs
                     flax's and XLA's own bf16 dots (bf16 results, the backend's own
-                    accumulation): the question for TPU and GPU, where bytes cost more.
+                    accumulation), whatever precision.is_mixed ships for the backend: the
+                    question for TPU and GPU, where bytes cost more (on an NVIDIA GPU
+                    the bf16 results ship).
+  no_command_buffers
+                    (an NVIDIA GPU) the step compiled without XLA's command buffers (CUDA
+                    graphs) vs with them, XLA's default, whatever vit_jax.step ships for
+                    the model. Run it both with JAX's preallocation (vit-train's) and
+                    XLA_PYTHON_CLIENT_PREALLOCATE=false.
 
 Both sides are traced and compiled in one process under the XLA:CPU flags the CLI uses for
 the dtype (one --dtypes per run), then timed in alternating rounds (A B, B A, ...); the
@@ -49,6 +56,8 @@ import harness
 import jax
 import jax.numpy as jnp
 
+from vit_jax import step as step_lib
+from vit_jax.models import accelerator
 from vit_jax.models import activations
 from vit_jax.models import attention
 from vit_jax.models import conv_as_dot
@@ -62,7 +71,7 @@ parser.add_argument(
     '--change', default='ordered_dots',
     choices=('ordered_dots', 'lean_activations', 'lean_attention', 'prompt_weight_gradients',
              'parameter_gradients_first', 'conv_as_dot', 'bf16_patches', 'fused_attention',
-             'mixed_dots'))
+             'mixed_dots', 'no_command_buffers'))
 parser.add_argument('--remat', default='', help="one remat policy for both sides ('' off)")
 parser.add_argument('--out', default='')
 args = parser.parse_args()
@@ -107,10 +116,10 @@ def _before(change, dtype):
       raise SystemExit(f'--change fused_attention: {dtype} on {jax.default_backend()} is not '
                        'fused; pass --dtypes bfloat16 on an NVIDIA GPU (Ampere or later)')
     return _patched(attention, {'fuses': lambda dtype, head_dim: False})
+  if change == 'no_command_buffers':
+    return _step_options(command_buffers=True)
   if change == 'mixed_dots':
-    if not precision.is_mixed(dtype):
-      raise SystemExit('--change mixed_dots compares bfloat16 steps: pass --dtypes bfloat16')
-    return _flax_dots()
+    return _patched(precision, {'is_mixed': lambda d: False})
   if jnp.dtype(dtype) == jnp.float32:
     shipped = precision.dot_general_for
     return _patched(
@@ -119,23 +128,32 @@ def _before(change, dtype):
   return _patched(precision, {'_cotangent_transposed_is_cheaper': lambda *unused: False})
 
 
-@contextlib.contextmanager
-def _flax_dots():
-  """flax's bf16-result dots, the attention as shipped: `attention.fuses` asks
-  precision.is_mixed, so without this the before side lost cuDNN's fused attention too."""
-  shipped_dot, shipped_is_mixed, shipped_fuses = (precision.dot_general_for, precision.is_mixed,
-                                                  attention.fuses)
+def _after(change, dtype):
+  """A context in which the models trace and compile as `change` has them: as shipped,
+  except for a change that an accelerator session measures either way, whatever ships."""
+  if change == 'no_command_buffers':
+    if not accelerator.cuda_capability():
+      raise SystemExit('--change no_command_buffers: XLA:GPU\'s command buffers need an NVIDIA '
+                       f'GPU; the backend is {jax.default_backend()}')
+    return _step_options(command_buffers=False)
+  if change == 'mixed_dots':
+    if jnp.dtype(dtype) != jnp.bfloat16:
+      raise SystemExit('--change mixed_dots compares bfloat16 steps: pass --dtypes bfloat16')
+    return _patched(precision, {'is_mixed': lambda d: jnp.dtype(d) == jnp.bfloat16})
+  return contextlib.nullcontext()
 
-  def fuses_as_shipped(dtype, head_dim):
-    with _patched(precision, {'is_mixed': shipped_is_mixed}):
-      return shipped_fuses(dtype, head_dim)
 
-  with _patched(attention, {'fuses': fuses_as_shipped}), _patched(
-      precision, {
-          'is_mixed': lambda d: False,
-          'dot_general_for': lambda d: None if jnp.dtype(d) == jnp.bfloat16 else shipped_dot(d)
-      }):
-    yield
+def _step_options(command_buffers):
+  """The step compiled with or without XLA:GPU's command buffers, whatever the model."""
+  shipped = step_lib.compiler_options
+
+  def options(config):
+    kept = {
+        k: v for k, v in (shipped(config) or {}).items() if k not in step_lib.NO_COMMAND_BUFFERS
+    }
+    return (kept if command_buffers else {**kept, **step_lib.NO_COMMAND_BUFFERS}) or None
+
+  return _patched(step_lib, {'compiler_options': options})
 
 
 @contextlib.contextmanager
@@ -166,9 +184,10 @@ def main():
       config = bare_step.make_config(model, batch, dtype=dtype, image_size=args.image_size,
                                      remat=args.remat,
                                      model_overrides=bare_step.overrides(args.override))
+      with _after(args.change, dtype):  # first: it may refuse before anything compiles
+        after = bare_step.BareStep(config)
       with _before(args.change, dtype):
         before = bare_step.BareStep(config)
-      after = bare_step.BareStep(config)
       before.run(1)
       after.run(1)
       img_s = {'before': [], 'after': []}

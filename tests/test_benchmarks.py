@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from tests.conftest import harmless_preload
+from vit_jax.models import accelerator
 from vit_jax.models import attention
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -194,6 +195,26 @@ def test_before_after_fused_attention(tmp_path):
   assert proc.stderr.strip().splitlines()[-1] == (
       '--change fused_attention: bfloat16 on cpu is not fused; pass --dtypes bfloat16 on an '
       'NVIDIA GPU (Ampere or later)')
+
+
+def test_before_after_no_command_buffers(tmp_path):
+  # On an NVIDIA GPU both sides run (the same dots, the same attention); elsewhere it is
+  # refused in one line, before anything compiles.
+  flags = ('--change', 'no_command_buffers', '--models', 'ViT-Ti_16', '--batch', '2', '--dtypes',
+           'float32', '--steps', '1', '--rounds', '1', *TINY)
+  if accelerator.cuda_capability():
+    r = _run('before_after', *flags, tmp_path=tmp_path)['results'][0]
+    assert r['bf16_result_dots']['before'] == r['bf16_result_dots']['after'], r
+    return
+  proc = subprocess.run(
+      [sys.executable, os.path.join(REPO, 'benchmarks', 'before_after.py'), *flags], cwd=REPO,
+      capture_output=True, text=True, timeout=300, env={
+          **os.environ, 'VIT_JAX_XLA_CPU_FLAGS': '1'
+      })
+  assert proc.returncode != 0
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "--change no_command_buffers: XLA:GPU's command buffers need an NVIDIA GPU; the backend "
+      'is cpu')
 
 
 def test_allocator(tmp_path):
