@@ -177,6 +177,17 @@ def test_before_after_mixed_dots(tmp_path):
   assert (calls['after'] > 0) == attention.fuses(jnp.bfloat16, 24), calls
 
 
+def _refusal(script, *flags):
+  """The one line a benchmark that refuses its flags ends with (it must exit non-zero)."""
+  proc = subprocess.run(
+      [sys.executable, os.path.join(REPO, 'benchmarks', f'{script}.py'), *flags], cwd=REPO,
+      capture_output=True, text=True, timeout=300, env={
+          **os.environ, 'VIT_JAX_XLA_CPU_FLAGS': '1'
+      })
+  assert proc.returncode != 0, proc.stdout
+  return proc.stderr.strip().splitlines()[-1]
+
+
 def test_before_after_fused_attention(tmp_path):
   # Where it fuses: cuDNN's attention calls after (a forward and a backward per block), none
   # before. Elsewhere it is refused in one line.
@@ -186,13 +197,7 @@ def test_before_after_fused_attention(tmp_path):
     calls = _run('before_after', *flags, tmp_path=tmp_path)['results'][0]['fused_attention_calls']
     assert calls['before'] == 0 and calls['after'] >= 1, calls
     return
-  proc = subprocess.run(
-      [sys.executable, os.path.join(REPO, 'benchmarks', 'before_after.py'), *flags], cwd=REPO,
-      capture_output=True, text=True, timeout=300, env={
-          **os.environ, 'VIT_JAX_XLA_CPU_FLAGS': '1'
-      })
-  assert proc.returncode != 0
-  assert proc.stderr.strip().splitlines()[-1] == (
+  assert _refusal('before_after', *flags) == (
       '--change fused_attention: bfloat16 on cpu is not fused; pass --dtypes bfloat16 on an '
       'NVIDIA GPU (Ampere or later)')
 
@@ -206,13 +211,7 @@ def test_before_after_no_command_buffers(tmp_path):
     r = _run('before_after', *flags, tmp_path=tmp_path)['results'][0]
     assert r['bf16_result_dots']['before'] == r['bf16_result_dots']['after'], r
     return
-  proc = subprocess.run(
-      [sys.executable, os.path.join(REPO, 'benchmarks', 'before_after.py'), *flags], cwd=REPO,
-      capture_output=True, text=True, timeout=300, env={
-          **os.environ, 'VIT_JAX_XLA_CPU_FLAGS': '1'
-      })
-  assert proc.returncode != 0
-  assert proc.stderr.strip().splitlines()[-1] == (
+  assert _refusal('before_after', *flags) == (
       "--change no_command_buffers: XLA:GPU's command buffers need an NVIDIA GPU; the backend "
       'is cpu')
 

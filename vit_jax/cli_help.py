@@ -69,7 +69,8 @@ def quiet_the_missing_tpu_notice():
 
 def run(main, module_name, *flag_modules, program=None, flags_parser=None):
   """as_the_program, then absl's app.run(main), with --help exiting 0; flag mistakes are
-  one line naming `program` (default: the console script's name)."""
+  one line naming `program` (default: the console script's name); JAX's notice of a
+  missing TPU runtime is dropped where none is installed (quiet_the_missing_tpu_notice)."""
   as_the_program(module_name, *flag_modules)
   quiet_the_missing_tpu_notice()
   program = program or os.path.basename(sys.argv[0])
