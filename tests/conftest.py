@@ -1,5 +1,6 @@
 """Test set-up before jax starts: 8 simulated CPU devices, vit_jax's XLA:CPU flags, quiet TF,
 and one JAX compilation cache for the whole run."""
+import importlib.util
 import os
 import tempfile
 
@@ -19,7 +20,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 CACHE_VARIABLES = ('JAX_COMPILATION_CACHE_DIR', 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS',
                    'JAX_COMPILATION_CACHE_MAX_SIZE')
 _MADE_CACHE = None  # the cache directory this process made (and removes at the end)
-if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:  # the run's first process
+# The lock is the package filelock (the test extra); without it JAX would not use the cache.
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ and importlib.util.find_spec('filelock'):
   _MADE_CACHE = tempfile.mkdtemp(prefix='vit_jax_jit_')
   os.environ.update(zip(CACHE_VARIABLES, (_MADE_CACHE, '0', str(8 << 30))))
 
