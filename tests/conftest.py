@@ -10,11 +10,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # JAX's persistent compilation cache, shared by this run's pytest workers (they inherit the
 # environment of the process that imports this first) and by the CLI runs they start: many
 # tests compile the same programs (test_faults.py's CLI runs of one config, test_train.py's
-# runs in-process), and a cache hit skips XLA's compile, which is half the CPU time of a short
-# CLI run (one of test_faults.py's: 36 s of CPU without, 18 s with). A bounded size turns on
-# JAX's file lock, so one process never reads an entry that another is still writing. A
-# process killed between JAX's two writes of an entry would break the cache for every later
-# process of the run, so runs that a test kills or starves of disk leave it out
+# runs in-process), and a cache hit skips XLA's compile (one of test_faults.py's CLI runs:
+# 35 s of CPU without, 21-23 s with). A bounded size turns on JAX's file lock, so one process
+# never reads an entry that another is still writing; as every write then scans the whole
+# cache under that lock (0.45 s at the 4,361 entries that keeping every program left by the
+# end of a run, which made the suite slower), only programs that compile in 1 s or more are
+# kept. A process killed between JAX's two writes of an entry would break the cache for every
+# later process of the run, so runs that a test kills or starves of disk leave it out
 # (without_compilation_cache), as do the runs of the installed wheel (user_env): they start
 # as a user's would.
 CACHE_VARIABLES = ('JAX_COMPILATION_CACHE_DIR', 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS',
@@ -23,7 +25,7 @@ _MADE_CACHE = None  # the cache directory this process made (and removes at the 
 # The lock is the package filelock (the test extra); without it JAX would not use the cache.
 if 'JAX_COMPILATION_CACHE_DIR' not in os.environ and importlib.util.find_spec('filelock'):
   _MADE_CACHE = tempfile.mkdtemp(prefix='vit_jax_jit_')
-  os.environ.update(zip(CACHE_VARIABLES, (_MADE_CACHE, '0', str(8 << 30))))
+  os.environ.update(zip(CACHE_VARIABLES, (_MADE_CACHE, '1', str(8 << 30))))
 
 # The suite runs with the XLA:CPU flags the training CLI adds (vit_jax/xla_cpu_flags.py).
 from vit_jax import xla_cpu_flags  # noqa: E402
