@@ -1,31 +1,8 @@
-"""Test set-up before jax starts: 8 simulated CPU devices, vit_jax's XLA:CPU flags, quiet TF,
-and one JAX compilation cache for the whole run."""
-import importlib.util
+"""Test set-up before jax starts: 8 simulated CPU devices, vit_jax's XLA:CPU flags, quiet TF."""
 import os
-import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-# JAX's persistent compilation cache, shared by this run's pytest workers (they inherit the
-# environment of the process that imports this first) and by the CLI runs they start: many
-# tests compile the same programs (test_faults.py's CLI runs of one config, test_train.py's
-# runs in-process), and a cache hit skips XLA's compile (one of test_faults.py's CLI runs:
-# 35 s of CPU without, 21-23 s with). A bounded size turns on JAX's file lock, so one process
-# never reads an entry that another is still writing; as every write then scans the whole
-# cache under that lock (0.45 s at the 4,361 entries that keeping every program left by the
-# end of a run, which made the suite slower), only programs that compile in 1 s or more are
-# kept. A process killed between JAX's two writes of an entry would break the cache for every
-# later process of the run, so runs that a test kills or starves of disk leave it out
-# (without_compilation_cache), as do the runs of the installed wheel (user_env): they start
-# as a user's would.
-CACHE_VARIABLES = ('JAX_COMPILATION_CACHE_DIR', 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS',
-                   'JAX_COMPILATION_CACHE_MAX_SIZE')
-_MADE_CACHE = None  # the cache directory this process made (and removes at the end)
-# The lock is the package filelock (the test extra); without it JAX would not use the cache.
-if 'JAX_COMPILATION_CACHE_DIR' not in os.environ and importlib.util.find_spec('filelock'):
-  _MADE_CACHE = tempfile.mkdtemp(prefix='vit_jax_jit_')
-  os.environ.update(zip(CACHE_VARIABLES, (_MADE_CACHE, '1', str(8 << 30))))
 
 # The suite runs with the XLA:CPU flags the training CLI adds (vit_jax/xla_cpu_flags.py).
 from vit_jax import xla_cpu_flags  # noqa: E402
@@ -66,11 +43,6 @@ def _build_wheel_venv(tmp):
   ], capture_output=True, text=True)
   assert out.returncode == 0, out.stderr[-3000:]
   return venv
-
-
-def pytest_sessionfinish():
-  if _MADE_CACHE:  # the workers are done: only the process that made it removes it
-    shutil.rmtree(_MADE_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope='session')
@@ -120,15 +92,10 @@ def installed_jemalloc():
   return env and env[host_allocator.PRELOADED]
 
 
-def without_compilation_cache(env):
-  """`env` without the run's JAX compilation cache."""
-  return {k: v for k, v in env.items() if k not in CACHE_VARIABLES}
-
-
 def user_env(venv, devices=1):
   """The environment of a user whose shell has `venv` activated (and nothing of ours)."""
   env = {
-      k: v for k, v in without_compilation_cache(os.environ).items()
+      k: v for k, v in os.environ.items()
       if k not in ('PYTHONPATH', 'VIRTUAL_ENV', 'TF_CPP_MIN_LOG_LEVEL')
   }
   env['PATH'] = f'{venv}/bin:' + env.get('PATH', '')

@@ -24,7 +24,6 @@ from vit_jax import checkpoint
 from vit_jax import rundir
 from vit_jax import train
 from vit_jax.configs import quickstart
-from tests.conftest import without_compilation_cache
 
 ARGS = [
     '--config=quickstart', '--config.total_steps=30', '--config.warmup_steps=2',
@@ -35,11 +34,8 @@ ARGS = [
 ]
 
 
-def _env(devices=8, compilation_cache=True):
-  """The CLI's environment; runs that are killed or starved of disk leave the run's JAX
-  compilation cache alone (tests/conftest.py)."""
-  env = os.environ if compilation_cache else without_compilation_cache(os.environ)
-  return dict(env, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
+def _env(devices=8):
+  return dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
               TF_CPP_MIN_LOG_LEVEL='2')
 
 
@@ -51,8 +47,8 @@ def _cli(cwd, workdir, *extra, devices=8, file_size_limit=None):
         f'({file_size_limit}, {file_size_limit})); sys.argv[0] = "vit_jax.main"; '
         'runpy.run_module("vit_jax.main", run_name="__main__")'
     ]
-  proc = subprocess.run(command, cwd=cwd, env=_env(devices, not file_size_limit),
-                        capture_output=True, text=True, timeout=400)
+  proc = subprocess.run(command, cwd=cwd, env=_env(devices), capture_output=True, text=True,
+                        timeout=400)
   lines = proc.stderr.strip().splitlines()
   return proc.returncode, proc.stderr, lines[-1] if lines else ''
 
@@ -406,8 +402,7 @@ def test_ctrl_c_saves_then_exits_non_zero(tmp_path):
   proc = subprocess.Popen([
       sys.executable, '-m', 'vit_jax.main', *ARGS, '--workdir=run', '--config.total_steps=5000',
       '--config.log_every_steps=5', '--config.checkpoint_every_steps=0'
-  ], cwd=tmp_path, env=_env(compilation_cache=False), stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
+  ], cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   log = tmp_path / 'run' / 'train.INFO'
   deadline = time.time() + 200
   while not (log.exists() and 'step 5/' in log.read_text()):
@@ -441,8 +436,8 @@ def test_sigterm_before_the_loop_releases_the_lock_and_exits_0(tmp_path, lands_i
           'rundir.check_resume_config = preempted\n'
           'main.run()\n')
   proc = subprocess.run([sys.executable, '-c', code, *ARGS, '--workdir=run'], cwd=tmp_path,
-                        env=dict(_env(compilation_cache=False), VIT_JAX_HOST_ALLOCATOR='system'),
-                        capture_output=True, text=True, timeout=300)
+                        env=dict(_env(), VIT_JAX_HOST_ALLOCATOR='system'), capture_output=True,
+                        text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stderr.strip().splitlines()[-1] == (
       'vit_jax: preempted (SIGTERM) outside the training steps (set-up, compile or wrap-up): the '
@@ -621,7 +616,7 @@ def test_second_ctrl_c_aborts_at_once(tmp_path):
             'assert p.requested == "SIGINT"\n'
             'os.kill(os.getpid(), signal.SIGINT)\n'
             'time.sleep(30)\n')
-  proc = subprocess.run([sys.executable, '-c', script], cwd=tmp_path, env=_env(2, False),
+  proc = subprocess.run([sys.executable, '-c', script], cwd=tmp_path, env=_env(2),
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 130, proc.stderr[-3000:]
   assert proc.stderr.strip().splitlines()[-1].startswith(

@@ -306,7 +306,23 @@ def _tiny_run_config(**kw):
   return c
 
 
-def test_train_resume_and_load_pretrained(tmp_path):
+@pytest.fixture
+def compilation_cache(tmp_path):
+  """JAX's persistent compilation cache in tmp_path, for this test only: a second run of
+  the same config then compiles nothing (the test's cost is the first run's compiles)."""
+  from jax._src import compilation_cache as cache  # pylint: disable=g-import-not-at-top
+  names = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs')
+  before = {n: getattr(jax.config, n) for n in names}
+  jax.config.update(names[0], str(tmp_path / 'jax_cache'))
+  jax.config.update(names[1], 0.0)
+  cache.reset_cache()
+  yield
+  for n, v in before.items():
+    jax.config.update(n, v)
+  cache.reset_cache()
+
+
+def test_train_resume_and_load_pretrained(tmp_path, compilation_cache):  # pylint: disable=redefined-outer-name,unused-argument
   """A short run through train_and_evaluate; stopped and resumed it gives the same bits;
   its final.npz fine-tunes through load_pretrained (head and mask embedding dropped)."""
   c = _tiny_run_config(checkpoint_every_steps=2, keep_checkpoints=-1)

@@ -16,7 +16,6 @@ from tensorboard.util import tensor_util
 
 from vit_jax.configs import quickstart
 from vit_jax import train
-from tests.conftest import without_compilation_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,9 +45,8 @@ def _reference_config(idx_dir):
   return c
 
 
-def _env(devices):  # processes that a test kills leave the run's compilation cache alone
-  return dict(without_compilation_cache(os.environ),
-              XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+def _env(devices):
+  return dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
 
 
 def _start_hosts(workdir, idx_dir, total_steps, heartbeat=100):

@@ -40,12 +40,7 @@ def _start(workdir, idx_dir):
       '--config.pp.train_crop=inception',
       '--config.pp.flip=True'
   ]
-  # The runs share a compilation cache of their own, not the test run's (tests/conftest.py):
-  # a kill may cut an entry short, and JAX then compiles that program again. No size bound,
-  # so no access-time files, which a kill would leave half-written.
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2',
-             JAX_COMPILATION_CACHE_DIR=os.path.join(os.path.dirname(workdir), 'jit_cache'),
-             JAX_COMPILATION_CACHE_MAX_SIZE='-1')
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2')
   return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
 
