@@ -217,6 +217,38 @@ def test_checksums_are_those_of_the_bits_on_any_mesh():
   assert checkpoint.state_checksums({**state, 'a': moved})['a'][1] != sums['a'][1]
 
 
+def test_a_state_replicated_on_cpu_devices_saves_without_compiling(tmp_path):
+  # orbax's replica-parallel saving would compile a slice per array shape here: on CPU
+  # devices, which share the host's memory, train_state_manager turns it off.
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  shapes = [(8, 5), (24,), (3, 16, 2), (40, 3)]  # a side of 8k: orbax would split it 8 ways
+  state = {
+      f'w{i}': jax.device_put(jnp.full(s, i, jnp.float32), replicated) for i, s in enumerate(shapes)
+  }
+  checkpoint.state_checksums(state)  # its own program, compiled before counting
+  compiles = []
+
+  def count(event, duration, **_):
+    if event == '/jax/core/compile/backend_compile_duration':
+      compiles.append(duration)
+
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    manager = checkpoint.train_state_manager(str(tmp_path / 'ckpt'), keep=1)
+    checkpoint.save_train_state(manager, 1, state)
+    manager.wait_until_finished()
+  finally:
+    jax.monitoring.unregister_event_duration_listener(count)
+  assert len(jax.devices()) == 8 and compiles == []
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                          state)
+  restored = checkpoint.restore_train_state(manager, abstract)
+  for k, v in state.items():
+    np.testing.assert_array_equal(restored[k], v)
+  assert os.path.isdir(tmp_path / 'ckpt/1/default/array_metadatas')  # orbax's layout is kept
+
+
 TINY = dict(num_layers=1, hidden_size=32, mlp_dim=32, num_heads=2)
 
 

@@ -343,6 +343,18 @@ class DifferentModelError(ValueError):
   """The checkpoints in a directory do not fit the model (another model's workdir)."""
 
 
+def _save_each_replicated_array_from_one_replica():
+  """Turns off orbax's replica-parallel saving (in this process; the files are the same).
+
+  By default orbax splits an array that several devices hold among them, so that each copies
+  its part to the host. CPU devices share the host's memory: there is nothing to copy in
+  parallel, and the split only adds a compiled slice per array shape at the first save (a
+  30-step CLI run on 8 CPU devices: 36 s of CPU with it, 28 s without, measured). orbax
+  0.12 reads the choice from its default jax.Array handler and offers no public setter.
+  """
+  ocp.type_handlers.get_type_handler(jax.Array)._use_replica_parallel = False  # pylint: disable=protected-access
+
+
 def train_state_manager(directory, keep):
   """An orbax manager for `directory` that keeps the last `keep` steps (-1: all).
 
@@ -354,6 +366,8 @@ def train_state_manager(directory, keep):
   # removed at the next start (it is never taken for a checkpoint).
   options = ocp.CheckpointManagerOptions(max_to_keep=None if keep == -1 else keep, create=True,
                                          cleanup_tmp_directories=True)
+  if jax.devices()[0].platform == 'cpu':
+    _save_each_replicated_array_from_one_replica()
   return ocp.CheckpointManager(directory, options=options,
                                item_handlers=ocp.StandardCheckpointHandler())
 
