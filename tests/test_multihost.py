@@ -120,5 +120,8 @@ def test_a_dead_process_makes_the_other_exit(idx_dir, tmp_path):
         'start every process again with the same command: they resume from the last checkpoint'
     ), last
   else:
-    assert hosts[0].returncode == -signal.SIGABRT, out[-3000:]
-    assert 'Terminating process because the JAX distributed service detected fatal errors' in out
+    # Which of the runtime's threads meets the dead peer first, and so what it prints before
+    # aborting, is up to the scheduler: here its heartbeat check ("Terminating process because
+    # the JAX distributed service detected fatal errors"); once in CI, under load, a line not
+    # kept by the test. The text before Python's thread dump is shown if this fails.
+    assert hosts[0].returncode == -signal.SIGABRT, out.split('Fatal Python error')[0][-3000:]
