@@ -344,7 +344,7 @@ class DifferentModelError(ValueError):
 
 
 def _save_each_replicated_array_from_one_replica():
-  """Turns off orbax's replica-parallel saving (in this process; the files are the same).
+  """Turns off orbax's replica-parallel saving in this process (what is saved is the same).
 
   By default orbax splits an array that several devices hold among them, so that each copies
   its part to the host. CPU devices share the host's memory: there is nothing to copy in
