@@ -217,6 +217,42 @@ def test_checksums_are_those_of_the_bits_on_any_mesh():
   assert checkpoint.state_checksums({**state, 'a': moved})['a'][1] != sums['a'][1]
 
 
+def _compiles_during(fn):
+  """How many XLA programs `fn()` compiled."""
+  compiles = []
+
+  def count(event, duration, **_):
+    if event == '/jax/core/compile/backend_compile_duration':
+      compiles.append(duration)
+
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    fn()
+  finally:
+    jax.monitoring.unregister_event_duration_listener(count)
+  return len(compiles)
+
+
+def test_checksums_compile_once_per_array_shape_not_per_state():
+  # A state's arrays repeat a few shapes (a ViT's blocks): one program per shape compiles in
+  # a fraction of the time of one program over the whole state, which grows with its arrays.
+  shapes = [(6, 40), (40,), (40, 6)]
+
+  def state(blocks):
+    return {
+        f'block{b}': {
+            f'w{i}': jnp.full(s, b + i, jnp.float32) for i, s in enumerate(shapes)
+        } for b in range(blocks)
+    }
+
+  small, large = state(1), state(5)
+  assert _compiles_during(lambda: checkpoint.state_checksums(small)) <= len(shapes)
+  sums = []
+  assert _compiles_during(lambda: sums.append(checkpoint.state_checksums(large))) == 0
+  assert len(sums[0]) == 15 and sums[0]['block3/w1'] != sums[0]['block4/w1']
+  assert sums[0]['block0/w2'] == checkpoint.state_checksums(small)['block0/w2']
+
+
 def test_a_state_replicated_on_cpu_devices_saves_without_compiling(tmp_path):
   # orbax's replica-parallel saving would compile a slice per array shape here: on CPU
   # devices, which share the host's memory, train_state_manager turns it off.
@@ -226,21 +262,14 @@ def test_a_state_replicated_on_cpu_devices_saves_without_compiling(tmp_path):
   state = {
       f'w{i}': jax.device_put(jnp.full(s, i, jnp.float32), replicated) for i, s in enumerate(shapes)
   }
-  checkpoint.state_checksums(state)  # its own program, compiled before counting
-  compiles = []
+  checkpoint.state_checksums(state)  # its own programs, compiled before counting
+  manager = checkpoint.train_state_manager(str(tmp_path / 'ckpt'), keep=1)
 
-  def count(event, duration, **_):
-    if event == '/jax/core/compile/backend_compile_duration':
-      compiles.append(duration)
-
-  jax.monitoring.register_event_duration_secs_listener(count)
-  try:
-    manager = checkpoint.train_state_manager(str(tmp_path / 'ckpt'), keep=1)
+  def save():
     checkpoint.save_train_state(manager, 1, state)
     manager.wait_until_finished()
-  finally:
-    jax.monitoring.unregister_event_duration_listener(count)
-  assert len(jax.devices()) == 8 and compiles == []
+
+  assert len(jax.devices()) == 8 and _compiles_during(save) == 0
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                           state)
   restored = checkpoint.restore_train_state(manager, abstract)
