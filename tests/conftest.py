@@ -37,8 +37,10 @@ def _build_wheel_venv(tmp):
   wheel, = (tmp / 'dist').glob('vit_jax-*.whl')
   venv = tmp / 'venv'
   subprocess.run([sys.executable, '-m', 'venv', str(venv)], check=True)
+  # --no-compile: pip's byte-compiling of every installed module (TensorFlow's thousands
+  # included) is half the install's time; the modules the tests import compile on first use.
   out = subprocess.run([
-      str(venv / 'bin' / 'python'), '-m', 'pip', 'install', '-q', '-c',
+      str(venv / 'bin' / 'python'), '-m', 'pip', 'install', '-q', '--no-compile', '-c',
       os.path.join(ROOT, 'constraints.txt'), f'{wheel}[test]'
   ], capture_output=True, text=True)
   assert out.returncode == 0, out.stderr[-3000:]
@@ -49,7 +51,7 @@ def _build_wheel_venv(tmp):
 def wheel_venv(tmp_path_factory):
   """A fresh venv holding only the wheel built from this checkout (with its `test` extra),
   installed with the tested constraints: what a user gets from `pip install`. pytest-xdist's
-  workers share one (a build takes ~90 s of a 2-core machine): the first to ask builds it in
+  workers share one (a build takes ~50 s of a 2-core machine): the first to ask builds it in
   the run's temporary root, under a lock the others wait on. The tests only read it."""
   if not os.environ.get('PYTEST_XDIST_WORKER'):
     return _build_wheel_venv(tmp_path_factory.mktemp('wheel'))
