@@ -48,7 +48,7 @@ def _build_wheel_venv(tmp):
   return venv
 
 
-def pytest_configure(config):  # pylint: disable=unused-argument
+def pytest_configure(config):
   """Each pytest process keeps what it compiles in a JAX compilation cache of its own: its
   tests compile the same train steps and initialisations again and again (test_train.py:
   329 s -> 238 s with three workers). One process per cache: no file lock, no reader of a
