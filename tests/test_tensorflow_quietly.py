@@ -54,3 +54,36 @@ print('ok')
   p = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=300,
                      env=env, cwd=tempfile.gettempdir())
   assert p.returncode == 0 and p.stdout == 'ok\n', p.stderr[-2000:]
+
+
+def _child(script, **env_vars):
+  """Runs `script` in a fresh Python that imports the vit_jax under test; its stdout."""
+  package_root = os.path.dirname(os.path.dirname(tensorflow_quietly.__file__))
+  env = dict(
+      os.environ,
+      PYTHONPATH=os.pathsep.join([package_root, *filter(None, [os.environ.get('PYTHONPATH')])]))
+  env.pop('TF_USE_LEGACY_KERAS', None)
+  env.update(env_vars)
+  p = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=300,
+                     env=env, cwd=tempfile.gettempdir())
+  assert p.returncode == 0, p.stderr[-2000:]
+  return p.stdout
+
+
+KERAS_SCRIPT = '''
+import os, sys
+import vit_jax.tensorflow_quietly
+print('keras' in sys.modules, 'matplotlib' in sys.modules, os.environ.get('TF_USE_LEGACY_KERAS'))
+import tensorflow as tf
+print(type(tf.keras.layers.Dense(2)).__module__.split('.')[0])
+'''
+
+
+def test_keras_is_left_out_of_the_import_and_loads_on_first_use():
+  """Keras (and matplotlib through it) is not imported with TensorFlow, the variable that
+  keeps it out is gone after the import, and tf.keras still gives Keras 3 when asked."""
+  assert _child(KERAS_SCRIPT).split() == ['False', 'False', 'None', 'keras']
+
+
+def test_a_users_tf_use_legacy_keras_is_left_as_set():
+  assert _child(KERAS_SCRIPT, TF_USE_LEGACY_KERAS='0').split() == ['True', 'True', '0', 'keras']

@@ -1,4 +1,5 @@
-"""TensorFlow, imported without the notices its C++ libraries print as they load.
+"""TensorFlow, imported without the notices its C++ libraries print as they load, and
+without Keras.
 
 TensorFlow 2.21 writes four lines to stderr on import (absl's "All log messages before
 absl::InitializeLog() ..." and "oneDNN custom operations are on ...", twice), ahead of
@@ -10,7 +11,16 @@ when set). The command-line programs import it before anything that imports Tens
 `import vit_jax` does not, so a notebook gets TensorFlow as it comes.
 Turning the oneDNN operations off (TF_ENABLE_ONEDNN_OPTS=0) would also silence them, but
 the input pipeline ran slower without them (benchmarks/README.md, twenty-seventh session).
+
+TensorFlow's import also imports Keras 3 (keras.src.optimizers, and through Keras
+matplotlib.pyplot): ~1 s of the start-up of every command, for a library none of them uses.
+With TF_USE_LEGACY_KERAS set it imports tf_keras instead, or nothing when tf_keras is not
+installed. So, unless the user set it or has tf_keras, the import runs with it set and it is
+removed after: `tf.keras` still loads Keras 3 on first use, as TensorFlow's lazy loader reads
+the variable then.
 """
+import contextlib
+import importlib.util
 import os
 import re
 import sys
@@ -28,9 +38,26 @@ def kept_lines(captured):
   return [line for line in captured.splitlines(keepends=True) if not NOTICES.search(line)]
 
 
+@contextlib.contextmanager
+def _keras_left_out():
+  if 'TF_USE_LEGACY_KERAS' in os.environ or importlib.util.find_spec('tf_keras') is not None:
+    yield
+    return
+  os.environ['TF_USE_LEGACY_KERAS'] = '1'
+  try:
+    yield
+  finally:
+    del os.environ['TF_USE_LEGACY_KERAS']
+
+
 def _import_tensorflow():
   if 'tensorflow' in sys.modules:
     return
+  with _keras_left_out():
+    _import_tensorflow_quietly()
+
+
+def _import_tensorflow_quietly():
   sys.stderr.flush()
   saved = None
   try:
