@@ -122,22 +122,10 @@ def user_dir(tmp_path_factory):
       os.makedirs(photos / split / f'class{index % 2}', exist_ok=True)
       Image.fromarray(data_fixtures.id_image(index)).convert('RGB').save(
           photos / split / f'class{index % 2}' / name.replace('.jpg', '.png'))
-  _write_published_vit_b16(home / 'ViT-B_16.npz')
+  data_fixtures.write_published(home / 'ViT-B_16.npz', 'ViT-B_16')
   with open(home / 'names.txt', 'w') as f:
     f.write(''.join(f'class {i}\n' for i in range(1000)))
   return home
-
-
-def _write_published_vit_b16(path):
-  """A published-format ViT-B/16 file with a 1000-class head (random values, real shapes)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from vit_jax import checkpoint, models  # pylint: disable=import-outside-toplevel
-  model = models.get_model('ViT-B_16', num_classes=1000)
-  shapes = jax.eval_shape(
-      lambda: model.init(jax.random.PRNGKey(0), np.zeros((1, 224, 224, 3), np.float32)))['params']
-  rng = np.random.default_rng(0)
-  params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(np.float32), shapes)
-  checkpoint.save_npz(str(path), params)
 
 
 def _shell(argv, cwd):

@@ -14,6 +14,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 from tensorflow_datasets.testing import mocking
 
+from tests import data_fixtures
 from tests.conftest import console_script
 from vit_jax import data_sources
 from vit_jax import input_pipeline
@@ -241,9 +242,8 @@ if os.environ.get('VIT_TEST_TFDS_MOCK_EXAMPLES'):
 """
 TINY = [
     '--config.image_size=32', '--config.total_steps=2', '--config.warmup_steps=1',
-    '--config.batch_size=8', '--config.eval_batch_size=8', '--config.pretrained_path=',
-    '--config.log_every_steps=1', '--config.shuffle_buffer=8', '--config.train_split=train',
-    '--config.eval_split=test'
+    '--config.batch_size=8', '--config.eval_batch_size=8', '--config.log_every_steps=1',
+    '--config.shuffle_buffer=8', '--config.train_split=train', '--config.eval_split=test'
 ]  # VTAB slices pass 16 examples.
 RUN_TASKS = ('dtd', 'dsprites_location', 'smallnorb_elevation')  # natural + 2 structured
 
@@ -261,9 +261,11 @@ def test_vtab_runner_on_mock_tasks(tmp_path):
   shim = tmp_path / 'shim'
   shim.mkdir()
   (shim / 'sitecustomize.py').write_text(MOCK_SITECUSTOMIZE)
+  # Fine-tuned from a file, as VTAB runs are (it stands in for the published checkpoint).
+  data_fixtures.write_published(tmp_path / 'ViT-Ti_16.npz', 'ViT-Ti_16')
   command = shlex.join([
       sys.executable, '-m', 'vit_jax.launch.vtab', '--model=ViT-Ti_16', '--workdir=runs/vtab',
-      f'--tasks={",".join(RUN_TASKS)}', *TINY
+      f'--tasks={",".join(RUN_TASKS)}', *TINY, f'--config.pretrained_path={tmp_path}/ViT-Ti_16.npz'
   ])
   first = _vtab_shell(command, tmp_path, shim)
   assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
