@@ -13,11 +13,12 @@ Turning the oneDNN operations off (TF_ENABLE_ONEDNN_OPTS=0) would also silence t
 the input pipeline ran slower without them (benchmarks/README.md, twenty-seventh session).
 
 TensorFlow's import also imports Keras 3 (keras.src.optimizers, and through Keras
-matplotlib.pyplot): ~1 s of the start-up of every command, for a library none of them uses.
-With TF_USE_LEGACY_KERAS set it imports tf_keras instead, or nothing when tf_keras is not
-installed. So, unless the user set it or has tf_keras, the import runs with it set and it is
-removed after: `tf.keras` still loads Keras 3 on first use, as TensorFlow's lazy loader reads
-the variable then.
+matplotlib.pyplot), ~1 s of CPU, for a library no command uses. With TF_USE_LEGACY_KERAS set
+it imports tf_keras instead, or nothing when tf_keras is not installed. So, unless the user
+set it or has tf_keras, the import runs with it set and it is removed after: `tf.keras` still
+loads Keras 3 on first use, as TensorFlow's lazy loader reads the variable then. (vit-train
+loads it all the same, later: clu's TensorBoard writer imports tensorboard's hparams API,
+which subclasses a tf.keras callback.)
 """
 import contextlib
 import importlib.util
