@@ -46,18 +46,12 @@ assert 'tensorflow' in sys.modules
 assert dups and dups[0] in closed, (dups, closed)
 print('ok')
 '''
-  # The child imports the vit_jax under test, wherever pytest was started from.
-  package_root = os.path.dirname(os.path.dirname(tensorflow_quietly.__file__))
-  env = dict(
-      os.environ,
-      PYTHONPATH=os.pathsep.join([package_root, *filter(None, [os.environ.get('PYTHONPATH')])]))
-  p = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=300,
-                     env=env, cwd=tempfile.gettempdir())
-  assert p.returncode == 0 and p.stdout == 'ok\n', p.stderr[-2000:]
+  assert _child(script) == 'ok\n'
 
 
 def _child(script, **env_vars):
-  """Runs `script` in a fresh Python that imports the vit_jax under test; its stdout."""
+  """Runs `script` in a fresh Python that imports the vit_jax under test (wherever pytest
+  was started from); its stdout, once it exited 0."""
   package_root = os.path.dirname(os.path.dirname(tensorflow_quietly.__file__))
   env = dict(
       os.environ,
