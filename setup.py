@@ -13,12 +13,11 @@ INSTALL_REQUIRES = [
     "flax>=0.12.8,<0.13",
     "optax>=0.2.8,<0.3",
     "orbax-checkpoint>=0.12.8,<0.13",
-    "clu>=0.0.12",
     "ml_collections>=1.1.0",
     "numpy>=2.4,<3",
     "scipy>=1.17",
     "tensorflow-cpu>=2.21,<3",  # tf.data and gfile only: JAX owns the accelerators
-    # tensorflow-cpu 2.21 no longer pulls in tensorboard; clu's writers import it.
+    # tensorflow-cpu 2.21 no longer pulls in tensorboard; the event files are written with it.
     "tensorboard>=2.21",
     "tensorflow-datasets>=4.9.10",
     "pillow>=11",

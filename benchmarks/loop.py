@@ -25,12 +25,12 @@ import tempfile
 import time
 
 import bare_step
-from clu import metric_writers
 import harness
 import jax
 
 from tests import data_fixtures
 from vit_jax import pipeline_priority
+from vit_jax import tensorboard_events
 from vit_jax import train
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
@@ -72,7 +72,7 @@ class _Recorder:
 def run_loop(config, tmp):
   log = []
   workdir = tempfile.mkdtemp(dir=tmp, prefix='loop_')
-  writer = _Recorder(metric_writers.create_default_writer(workdir), log)
+  writer = _Recorder(tensorboard_events.EventWriter(workdir), log)
   try:
     t = time.perf_counter()
     result = train.train_and_evaluate(config, workdir, stop_after_steps=args.steps, writer=writer)

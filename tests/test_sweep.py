@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from vit_jax import tensorboard_events
 from vit_jax.launch import sweep
 from tests import data_fixtures
 from tests.conftest import console_script
@@ -21,9 +22,8 @@ def _repo_cwd(monkeypatch):
 
 
 def write_accuracy(directory, values):
-  """Event files as train.py writes them (clu's writer, scalar 'accuracy')."""
-  from clu import metric_writers  # pylint: disable=g-import-not-at-top
-  writer = metric_writers.SummaryWriter(str(directory))
+  """Event files as train.py writes them (scalar 'accuracy')."""
+  writer = tensorboard_events.EventWriter(str(directory))
   for step, value in values:
     writer.write_scalars(step, {'accuracy': value, 'loss': 1.0})
   writer.close()

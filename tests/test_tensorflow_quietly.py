@@ -49,17 +49,17 @@ print('ok')
   assert _child(script) == 'ok\n'
 
 
-def _child(script, **env_vars):
-  """Runs `script` in a fresh Python that imports the vit_jax under test (wherever pytest
-  was started from); its stdout, once it exited 0."""
+def _child(script, *args, **env_vars):
+  """Runs `script` (with `args` in sys.argv) in a fresh Python that imports the vit_jax under
+  test (wherever pytest was started from); its stdout, once it exited 0."""
   package_root = os.path.dirname(os.path.dirname(tensorflow_quietly.__file__))
   env = dict(
       os.environ,
       PYTHONPATH=os.pathsep.join([package_root, *filter(None, [os.environ.get('PYTHONPATH')])]))
   env.pop('TF_USE_LEGACY_KERAS', None)
   env.update(env_vars)
-  p = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=300,
-                     env=env, cwd=tempfile.gettempdir())
+  p = subprocess.run([sys.executable, '-c', script, *args], capture_output=True, text=True,
+                     timeout=300, env=env, cwd=tempfile.gettempdir())
   assert p.returncode == 0, p.stderr[-2000:]
   return p.stdout
 
@@ -81,3 +81,22 @@ def test_keras_is_left_out_of_the_import_and_loads_on_first_use():
 
 def test_a_users_tf_use_legacy_keras_is_left_as_set():
   assert _child(KERAS_SCRIPT, TF_USE_LEGACY_KERAS='0').split() == ['True', 'True', '0', 'keras']
+
+
+TRAINING_SCRIPT = '''
+import sys
+import vit_jax.tensorflow_quietly
+import vit_jax.train
+from vit_jax import tensorboard_events
+writer = tensorboard_events.EventWriter(sys.argv[1])
+writer.write_hparams({'base_lr': 0.1})
+writer.write_scalars(1, {'loss': 1.0})
+writer.close()
+print('keras' in sys.modules, 'matplotlib' in sys.modules)
+'''
+
+
+def test_the_training_loop_and_its_event_files_load_no_keras(tmp_path):
+  """vit-train's imports, and its TensorBoard writes, leave Keras out (clu's writer, used
+  before, loaded it through tensorboard's hparams API)."""
+  assert _child(TRAINING_SCRIPT, str(tmp_path)).split() == ['False', 'False']

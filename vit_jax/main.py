@@ -80,7 +80,7 @@ def initialize_distributed():
 
 class _QuietLibraries:
   """Drops the INFO chatter of orbax and jax internals from the log (warnings stay)."""
-  _NOISY = ('/orbax/', '/jax/_src/', '/clu/metric_writers/')
+  _NOISY = ('/orbax/', '/jax/_src/')
 
   def filter(self, record):
     return record.levelno > logging.converter.STANDARD_INFO or not any(part in record.pathname

@@ -17,7 +17,6 @@ import time
 import traceback
 
 from absl import logging
-from clu import metric_writers
 import jax
 from jax.experimental import multihost_utils
 import jax.numpy as jnp
@@ -40,6 +39,7 @@ from vit_jax import polyak
 from vit_jax import preprocessing
 from vit_jax import rundir
 from vit_jax import sharding
+from vit_jax import tensorboard_events
 from vit_jax import trace
 from vit_jax import step as step_lib
 from vit_jax import vtab
@@ -183,8 +183,9 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None, o
 
   `stop_after_steps` ends the run early at that step (with a checkpoint), as a
   preemption would, without changing the schedule. A local `workdir` may be relative.
-  `writer`: a clu metric writer for the scalars (default: TensorBoard events and the
-  log in `workdir`). `on_start()` is called once the workdir is this run's (locked, its
+  `writer`: where the scalars and hyperparameters go (anything with write_scalars,
+  write_hparams and flush, a clu metric writer too; default: a TensorBoard event file in
+  `workdir`). `on_start()` is called once the workdir is this run's (locked, its
   config checked), before anything is written there (vit-train opens its log file).
   Faults end the run with a one-line ConfigError (TrainingError while training):
   a non-finite loss or gradient (nothing non-finite is ever saved), a failed
@@ -451,7 +452,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                  if polyak.enabled(config) else lambda s: s['params'])
   try:
     if writer is None:
-      writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
+      writer = tensorboard_events.EventWriter(workdir, active=jax.process_index() == 0)
     if start == 0:
       writer.write_hparams({
           k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool))
