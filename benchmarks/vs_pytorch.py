@@ -164,9 +164,8 @@ def main():
   import jax  # pylint: disable=import-outside-toplevel
   bare_step.setup(1, args.dtypes.split(','))
   from vit_jax import models as vmodels  # pylint: disable=import-outside-toplevel
-  # After imports (vit_jax.train brings TensorFlow, orbax and tensorboard for its input
-  # pipeline, checkpoints and event files: ~0.5 GiB the PyTorch worker has no counterpart of),
-  # before any model.
+  # After imports (JAX, flax, optax and orbax, ~0.2 GiB; bare_step keeps TensorFlow out:
+  # tests/test_step.py), before any model.
   jax_baseline_rss = harness.rss_gib()
 
   load_start = harness.loadavg()
