@@ -3,7 +3,7 @@
 What clu's default writer wrote (tf.summary scalars, tensorboard's hparams summary), without
 what it imported: clu writes hyperparameters through tensorboard's `hparams.api`, whose Keras
 callback subclasses `tf.keras.callbacks.Callback` at import, so every vit-train loaded Keras 3
-and matplotlib (~1.2 s of CPU) for nothing. `hparams.summary_v2` writes the same summary and
+and matplotlib (~1 s of CPU) for nothing. `hparams.summary_v2` writes the same summary and
 imports no Keras. The log lines are train.py's own; clu's logging writer repeated them.
 """
 from tensorboard.plugins.hparams import summary_v2 as hparams_summary
