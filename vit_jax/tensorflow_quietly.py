@@ -16,9 +16,9 @@ TensorFlow's import also imports Keras 3 (keras.src.optimizers, and through Kera
 matplotlib.pyplot), ~1 s of CPU, for a library no command uses. With TF_USE_LEGACY_KERAS set
 it imports tf_keras instead, or nothing when tf_keras is not installed. So, unless the user
 set it or has tf_keras, the import runs with it set and it is removed after: `tf.keras` still
-loads Keras 3 on first use, as TensorFlow's lazy loader reads the variable then. (Nothing
-vit-train imports uses it: its event files are written without tensorboard's hparams API,
-which would load it: `vit_jax/tensorboard_events.py`.)
+loads Keras 3 on first use, as TensorFlow's lazy loader reads the variable then. Nothing
+vit-train imports later loads it either: its event files are written without tensorboard's
+hparams API, which would (`vit_jax/tensorboard_events.py`).
 """
 import contextlib
 import importlib.util
