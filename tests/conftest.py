@@ -48,21 +48,34 @@ def _build_wheel_venv(tmp):
   return venv
 
 
-def pytest_configure(config):
-  """Each pytest process keeps what it compiles in a JAX compilation cache of its own: its
-  tests compile the same train steps and initialisations again and again (test_train.py:
-  329 s -> 238 s with three workers). One process per cache: no file lock, no reader of a
-  half-written entry; the CLI runs the tests start (new processes) do not use it."""
-  import jax  # pylint: disable=g-import-not-at-top
-  config.vit_jax_compilation_cache = tempfile.mkdtemp(prefix='vit_jax_tests_jax_cache_')
-  jax.config.update('jax_compilation_cache_dir', config.vit_jax_compilation_cache)
-  # A cache hit costs ~0.2 s to read here: only programs slower than that to compile.
-  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+# One JAX compilation cache for the whole run, given by environment variables so that the
+# CLI runs the tests start (new processes, each compiling the same train steps again) use it
+# too: a repeated vit-train run of a small config took 30 -> 17 s of CPU. The pytest
+# controller (or the one process) makes it before its workers start, which inherit the
+# variables, and removes it at the end. A size limit turns on JAX's file lock around each
+# read and write, which makes the cache safe for many processes; a process killed while
+# writing (SIGKILL) could still leave a cut-off entry, so the tests that kill runs give them
+# a cache of their own (private_compilation_cache below).
+_CACHE_DIR = 'JAX_COMPILATION_CACHE_DIR'
+_RUN_CACHE = 'VIT_JAX_TESTS_JAX_CACHE'  # set: a process above made the run's cache
+_OWN_CACHE = None
+if _RUN_CACHE not in os.environ:
+  _OWN_CACHE = tempfile.mkdtemp(prefix='vit_jax_tests_jax_cache_')
+  os.environ[_RUN_CACHE] = os.environ[_CACHE_DIR] = _OWN_CACHE
+  os.environ['JAX_COMPILATION_CACHE_MAX_SIZE'] = str(32 << 30)
+  # A cache hit costs ~0.2 s to read: only programs slower than that to compile.
+  os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0.5'
 
 
-def pytest_unconfigure(config):
-  if hasattr(config, 'vit_jax_compilation_cache'):
-    shutil.rmtree(config.vit_jax_compilation_cache, ignore_errors=True)
+def pytest_unconfigure(config):  # pylint: disable=unused-argument
+  if _OWN_CACHE:
+    shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+def private_compilation_cache(env, directory):
+  """env with a JAX compilation cache in `directory` instead of the run's: for CLI runs a
+  test kills, which must not leave a half-written entry where other tests read."""
+  return {**env, _CACHE_DIR: str(directory)}
 
 
 @pytest.fixture(scope='session')

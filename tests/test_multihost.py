@@ -16,6 +16,7 @@ from tensorboard.util import tensor_util
 
 from vit_jax.configs import quickstart
 from vit_jax import train
+from tests.conftest import private_compilation_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,15 +50,15 @@ def _env(devices):
   return dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
 
 
-def _start_hosts(workdir, idx_dir, total_steps, heartbeat=100):
+def _start_hosts(workdir, idx_dir, total_steps, heartbeat=100, env=None):
   address = f'127.0.0.1:{_free_port()}'
   return [
       subprocess.Popen(
           _args(workdir, idx_dir, total_steps) + [
               f'--coordinator_address={address}', '--num_processes=2', f'--process_id={i}',
               f'--heartbeat_timeout_seconds={heartbeat}'
-          ], cwd=ROOT, env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      for i in range(2)
+          ], cwd=ROOT, env=env or _env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+          text=True) for i in range(2)
   ]
 
 
@@ -93,7 +94,9 @@ def test_two_processes_of_4_devices_equal_one_of_8(idx_dir, tmp_path):
 
 
 def test_a_dead_process_makes_the_other_exit(idx_dir, tmp_path):
-  hosts = _start_hosts(str(tmp_path / 'w'), idx_dir, total_steps=100_000, heartbeat=5)
+  # Killed runs get a compilation cache of their own (tests/conftest.py).
+  env = private_compilation_cache(_env(4), tmp_path / 'jax_cache')
+  hosts = _start_hosts(str(tmp_path / 'w'), idx_dir, total_steps=100_000, heartbeat=5, env=env)
   try:
     # Wait until process 1 trains, then kill it without warning.
     deadline = time.time() + 240

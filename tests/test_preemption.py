@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 
+from tests.conftest import private_compilation_cache
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOTAL = 14
 
@@ -19,6 +21,7 @@ IDX_SIZES = (48, 16)  # (train, test) sizes of the idx_dir fixture
 
 
 def _start(workdir, idx_dir):
+  """A run in workdir; the runs of one test share a compilation cache next to it."""
   args = [
       sys.executable,
       '-m',
@@ -40,7 +43,9 @@ def _start(workdir, idx_dir):
       '--config.pp.train_crop=inception',
       '--config.pp.flip=True'
   ]
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2')
+  env = private_compilation_cache(
+      dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2'),
+      os.path.join(os.path.dirname(workdir), 'jax_cache'))
   return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
 
