@@ -28,9 +28,11 @@ EXTRAS_REQUIRE = {
     # Accelerators: the same jax version with its TPU / CUDA 12 plugin.
     "tpu": ["jax[tpu]>=0.10.2,<0.11"],
     "cuda12": ["jax[cuda12]>=0.10.2,<0.11"],
+    # filelock: JAX locks its compilation cache with it, which the test run shares between
+    # processes (tests/conftest.py).
     "test": [
         "pytest>=9", "pytest-xdist>=3.8", "nbclient>=0.11", "nbformat>=5.10", "ipykernel>=7",
-        "ruff>=0.17", "yapf>=0.43"
+        "ruff>=0.17", "yapf>=0.43", "filelock>=3.12"
     ],
     # benchmarks/vs_pytorch.py, against the PyTorch its figures were measured with. 2.13's
     # CPU build resolves here; an open range resolved to 2.14.1+cu130 and ~3 GB of CUDA wheels.

@@ -12,6 +12,7 @@ xla_cpu_flags.apply()
 import ctypes.util  # noqa: E402
 import fcntl  # noqa: E402
 import glob  # noqa: E402
+import importlib.util  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -59,7 +60,8 @@ def _build_wheel_venv(tmp):
 _CACHE_DIR = 'JAX_COMPILATION_CACHE_DIR'
 _RUN_CACHE = 'VIT_JAX_TESTS_JAX_CACHE'  # set: a process above made the run's cache
 _OWN_CACHE = None
-if _RUN_CACHE not in os.environ:
+# (Without filelock, JAX would refuse the size limit: no shared cache then.)
+if _RUN_CACHE not in os.environ and importlib.util.find_spec('filelock'):
   _OWN_CACHE = tempfile.mkdtemp(prefix='vit_jax_tests_jax_cache_')
   os.environ[_RUN_CACHE] = os.environ[_CACHE_DIR] = _OWN_CACHE
   os.environ['JAX_COMPILATION_CACHE_MAX_SIZE'] = str(32 << 30)
