@@ -13,6 +13,7 @@ import ctypes.util  # noqa: E402
 import fcntl  # noqa: E402
 import glob  # noqa: E402
 import importlib.util  # noqa: E402
+import pathlib  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -54,9 +55,10 @@ def _build_wheel_venv(tmp):
 # too: a repeated vit-train run of a small config took 30 -> 17 s of CPU. The pytest
 # controller (or the one process) makes it before its workers start, which inherit the
 # variables, and removes it at the end. A size limit turns on JAX's file lock around each
-# read and write, which makes the cache safe for many processes; a process killed while
-# writing (SIGKILL) could still leave a cut-off entry, so the tests that kill runs give them
-# a cache of their own (private_compilation_cache below).
+# read and write, which makes the cache safe for many processes. A process that dies or
+# cannot write while it writes an entry (SIGKILL, a full disk) leaves it cut off and without
+# its access time, and then every later write to the cache fails with a warning: the tests
+# that do that to runs give them a cache of their own, or none (own_compilation_cache).
 _CACHE_DIR = 'JAX_COMPILATION_CACHE_DIR'
 _RUN_CACHE = 'VIT_JAX_TESTS_JAX_CACHE'  # set: a process above made the run's cache
 _OWN_CACHE = None
@@ -69,15 +71,32 @@ if _RUN_CACHE not in os.environ and importlib.util.find_spec('filelock'):
   os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0.5'
 
 
+def pytest_sessionfinish(session):
+  """Fails the run if its compilation cache holds a cut-off entry (one without its access
+  time): a test let a run die or run out of disk while writing to it."""
+  if not _OWN_CACHE:
+    return
+  cut_off = sorted(entry.name for entry in pathlib.Path(_OWN_CACHE).glob('*-cache')
+                   if not entry.with_name(entry.name[:-len('cache')] + 'atime').exists())
+  if cut_off:
+    reporter = session.config.pluginmanager.get_plugin('terminalreporter')
+    reporter.ensure_newline()
+    reporter.write_line(
+        f'the compilation cache holds cut-off entries {cut_off}: give the runs that are '
+        'killed or starved of disk own_compilation_cache(...)')
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_unconfigure(config):  # pylint: disable=unused-argument
   if _OWN_CACHE:
     shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
-def private_compilation_cache(env, directory):
-  """env with a JAX compilation cache in `directory` instead of the run's: for CLI runs a
-  test kills, which must not leave a half-written entry where other tests read."""
-  return {**env, _CACHE_DIR: str(directory)}
+def own_compilation_cache(env, directory=None):
+  """env for a CLI run that a test kills or starves of disk: a JAX compilation cache in
+  `directory`, or none, instead of the run's."""
+  env = {k: v for k, v in env.items() if k != _CACHE_DIR}
+  return {**env, _CACHE_DIR: str(directory)} if directory else env
 
 
 @pytest.fixture(scope='session')

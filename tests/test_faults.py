@@ -26,6 +26,7 @@ from vit_jax import checkpoint
 from vit_jax import rundir
 from vit_jax import train
 from vit_jax.configs import quickstart
+from tests.conftest import own_compilation_cache
 
 ARGS = [
     '--config=quickstart', '--config.total_steps=30', '--config.warmup_steps=2',
@@ -49,8 +50,8 @@ def _cli(cwd, workdir, *extra, devices=8, file_size_limit=None):
         f'({file_size_limit}, {file_size_limit})); sys.argv[0] = "vit_jax.main"; '
         'runpy.run_module("vit_jax.main", run_name="__main__")'
     ]
-  proc = subprocess.run(command, cwd=cwd, env=_env(devices), capture_output=True, text=True,
-                        timeout=400)
+  env = own_compilation_cache(_env(devices)) if file_size_limit else _env(devices)
+  proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
   lines = proc.stderr.strip().splitlines()
   return proc.returncode, proc.stderr, lines[-1] if lines else ''
 

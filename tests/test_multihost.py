@@ -16,7 +16,7 @@ from tensorboard.util import tensor_util
 
 from vit_jax.configs import quickstart
 from vit_jax import train
-from tests.conftest import private_compilation_cache
+from tests.conftest import own_compilation_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,7 +95,7 @@ def test_two_processes_of_4_devices_equal_one_of_8(idx_dir, tmp_path):
 
 def test_a_dead_process_makes_the_other_exit(idx_dir, tmp_path):
   # Killed runs get a compilation cache of their own (tests/conftest.py).
-  env = private_compilation_cache(_env(4), tmp_path / 'jax_cache')
+  env = own_compilation_cache(_env(4), tmp_path / 'jax_cache')
   hosts = _start_hosts(str(tmp_path / 'w'), idx_dir, total_steps=100_000, heartbeat=5, env=env)
   try:
     # Wait until process 1 trains, then kill it without warning.

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from tests.conftest import private_compilation_cache
+from tests.conftest import own_compilation_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOTAL = 14
@@ -43,7 +43,7 @@ def _start(workdir, idx_dir):
       '--config.pp.train_crop=inception',
       '--config.pp.flip=True'
   ]
-  env = private_compilation_cache(
+  env = own_compilation_cache(
       dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2'),
       os.path.join(os.path.dirname(workdir), 'jax_cache'))
   return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
