@@ -369,10 +369,11 @@ def test_float32_models_on_cpu_use_the_ordered_dots_with_flax_gradients(
   params['head']['kernel'] = 0.1 * jax.random.normal(jax.random.PRNGKey(1),
                                                      params['head']['kernel'].shape)
   loss = lambda p: jnp.sum(jnp.sin(model.apply({'params': p}, x, train=False)))
-  ours = jax.value_and_grad(loss)(params)
+  # Jitted, as the train step runs: op by op, the hybrid's case took 83 CPU s instead of 61.
+  ours = jax.jit(jax.value_and_grad(loss))(params)
   assert 'optimization_barrier' in str(jax.make_jaxpr(jax.grad(loss))(params))  # (g^T x)^T
   monkeypatch.setattr(precision, 'dot_general_for', lambda dtype: None)
-  reference = jax.value_and_grad(loss)(params)
+  reference = jax.jit(jax.value_and_grad(loss))(params)
   assert 'optimization_barrier' not in str(jax.make_jaxpr(jax.grad(loss))(params))
   np.testing.assert_allclose(ours[0], reference[0], rtol=1e-6)
   for a, b in zip(jax.tree.leaves(ours[1]), jax.tree.leaves(reference[1])):
