@@ -6,7 +6,9 @@ r"""Where the train step's device time goes, by kind of work: vit_jax against ti
       --torch eager        # CPU: vit_jax's thunks and PyTorch's operators, side by side
 
 Each side runs in its own process, one after the other (JAX preallocates the GPU's memory,
-as vit-train does), and traces `--steps` steps after `--warmup` untraced ones.
+as vit-train does), and traces `--steps` steps after `--warmup` untraced ones. vit_jax's
+runs under the host allocator vit-train picks (--allocator, as vs_pytorch.py), so that its
+XLA:CPU flags are the ones the start-up probe chose for vit-train; PyTorch's without it.
 vit_jax: the bare step (bare_step.py, as train_step.py times it) under jax.profiler. Each
 device event (a GPU kernel; on the CPU, an XLA thunk) names the HLO instruction it runs
 (its hlo_op stat); the instruction's kind comes from the compiled program's HLO text: a dot
@@ -42,6 +44,8 @@ import time
 
 import harness
 
+from vit_jax import host_allocator  # imports no JAX
+
 KINDS = ('matmul', 'attention', 'convolution', 'reduction fusion', 'elementwise fusion',
          'copy/layout', 'other')
 
@@ -51,6 +55,7 @@ parser.add_argument('--warmup', type=int, default=3, help='untraced steps before
 parser.add_argument('--torch', default='compile', choices=('none', 'eager', 'compile'),
                     help="PyTorch's side: eager, under torch.compile, or none")
 parser.add_argument('--top', type=int, default=12, help='the longest HLO ops / kernels listed')
+harness.add_allocator_arg(parser)
 parser.add_argument('--out', default='')
 parser.add_argument('--side', default='', choices=('', 'vit_jax', 'torch'), help=argparse.SUPPRESS)
 args = parser.parse_args()
@@ -195,6 +200,7 @@ def vit_jax_side(name, batch, dtype):
   machine = bare_step.machine_info()
   return {
       'impl': f'vit_jax (jax {jax.__version__})',
+      'host_allocator': host_allocator.describe(),
       'gpu_memory': machine['gpu_memory'],
       'device': jax.devices()[0].device_kind,
       'wall_ms_per_step': 1e3 * wall / args.steps,
@@ -289,6 +295,7 @@ def torch_side(name, batch, dtype):
     per_kind[classify(op)] += ms
   return {
       'impl': f'{impl} (torch {torch.__version__})',
+      'ld_preload': os.environ.get('LD_PRELOAD', ''),
       'note': note,
       'device': torch.cuda.get_device_name() if cuda else f'CPU, {torch.get_num_threads()} threads',
       'wall_ms_per_step': 1e3 * wall / args.steps,
@@ -309,7 +316,9 @@ def run_side(side, name, batch, dtype):
       str(args.warmup), '--torch', args.torch, '--top',
       str(args.top), *[f'--override={o}' for o in args.override]
   ]
-  proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+  env = (harness.jax_environment(args.allocator)
+         if side == 'vit_jax' else host_allocator.without_preload(os.environ))
+  proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=False)
   if proc.returncode:
     sys.exit(f'device_time.py: the {side} side of {name} {dtype} failed (exit '
              f'{proc.returncode}; its error is above)')
@@ -324,6 +333,7 @@ def main():
     sys.stdout.flush()
     print(json.dumps(result, default=float))
     return
+  harness.jax_environment(args.allocator)  # a bad --allocator: its one line before any side
   load_start = harness.loadavg()
   results = []
   sides = ['vit_jax'] + ([] if args.torch == 'none' else ['torch'])
@@ -342,6 +352,8 @@ def main():
       print(f'\n{name} b{batch} {dtype} on {row["vit_jax"]["device"]}, {args.steps} steps traced'
             + (f'; JAX\'s GPU memory {memory}' if memory else ''))
       print(harness.markdown_table(header, table))
+      print(f'vit_jax {row["vit_jax"]["host_allocator"]}; XLA_FLAGS='
+            f'{row["vit_jax"]["machine"]["xla_flags"] or "(none)"}')
       for s in sides:
         print(f'\nlongest of {row[s]["impl"]}:')
         print(

@@ -14,6 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
   sys.path.insert(0, REPO)
 
+from vit_jax import host_allocator  # noqa: E402  (no JAX)
 from vit_jax import xla_cpu_flags  # noqa: E402  (no JAX: it imports jaxlib only when asked)
 
 cores = xla_cpu_flags.cores  # the CPU cores this process may use
@@ -81,6 +82,26 @@ def add_model_args(parser, dtypes='float32', steps=2):
   parser.add_argument('--rounds', type=int, default=2)
   parser.add_argument('--override', action='append', default=[],
                       help='variant field, e.g. --override num_layers=2 (repeatable)')
+
+
+def add_allocator_arg(parser):
+  """--allocator: the host allocator of the benchmark's vit_jax process."""
+  parser.add_argument(
+      '--allocator', default='auto',
+      help="vit_jax's host allocator, as VIT_JAX_HOST_ALLOCATOR takes it (auto, jemalloc, "
+      "system, a path); PyTorch's side is started without it")
+
+
+def jax_environment(allocator):
+  """The environment a vit_jax process of a benchmark starts with: `allocator` preloaded as
+  vit-train would preload it (vit_jax/host_allocator.py). Its start-up flags are keyed on the
+  allocator (vit_jax/xla_cpu_flags.py), so a benchmark under another one times other flags.
+  A bad --allocator, or jemalloc asked for and not installed, exits with the fix."""
+  env = {**host_allocator.without_preload(os.environ), host_allocator.CHOICE: allocator}
+  try:
+    return host_allocator.reexec_environment(env) or env
+  except ValueError as e:
+    raise SystemExit(f'--allocator: {e}') from None
 
 
 def model_batches(args):

@@ -47,10 +47,7 @@ harness.add_model_args(parser)
 parser.add_argument('--torch_impl', default='auto', choices=('auto', 'timm', 'minimal'))
 parser.add_argument('--remat', default='',
                     help="vit_jax's remat policy (models/remat.py); '' = off")
-parser.add_argument(
-    '--allocator', default='auto',
-    help="vit_jax's host allocator, as VIT_JAX_HOST_ALLOCATOR takes it (auto, jemalloc, "
-    "system, a path); the PyTorch worker is started without it")
+harness.add_allocator_arg(parser)
 parser.add_argument('--torch_device', default='auto', choices=('auto', 'cpu', 'cuda'),
                     help="PyTorch's device; auto: cuda where JAX's default backend is a GPU")
 parser.add_argument(

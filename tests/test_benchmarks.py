@@ -251,9 +251,13 @@ def test_no_script_reuses_a_package_module_name():
 
 def test_device_time(tmp_path):
   # The vit_jax side on the CPU: every traced thunk is charged to an HLO instruction's kind.
+  # It runs under the allocator vit-train would preload, which keys the probe's verdict.
+  library = harmless_preload()  # stands in for jemalloc, as in test_allocator
   p = _run('device_time', '--models', 'ViT-Ti_16', '--batch', '2', '--dtypes', 'float32', '--steps',
-           '2', '--warmup', '1', '--torch', 'none', *TINY, tmp_path=tmp_path)
+           '2', '--warmup', '1', '--torch', 'none', '--allocator', library, *TINY,
+           tmp_path=tmp_path)
   side = p['results'][0]['vit_jax']
+  assert side['host_allocator'].startswith(f'host allocator: {library}, preloaded at start-up')
   assert side['ms_per_step']['matmul'] > 0 and side['ms_per_step']['elementwise fusion'] > 0
   assert sum(side['ms_per_step'].values()) < side['wall_ms_per_step']
   assert side['gpu_memory'] == '' and len(side['top']) == 12 and side['concurrency'] > 0.999
@@ -262,13 +266,28 @@ def test_device_time(tmp_path):
 def test_device_time_beside_pytorch_on_the_cpu(tmp_path):
   # PyTorch's operators on the CPU, classed by their aten:: names beside vit_jax's thunks.
   pytest.importorskip('torch')
+  library = harmless_preload()
   p = _run('device_time', '--models', 'ViT-Ti_16', '--batch', '2', '--dtypes', 'float32', '--steps',
-           '1', '--warmup', '1', '--torch', 'eager', *TINY, tmp_path=tmp_path)
+           '1', '--warmup', '1', '--torch', 'eager', '--allocator', library, *TINY,
+           tmp_path=tmp_path)
   side = p['results'][0]['torch']
+  assert side['ld_preload'] == ''  # PyTorch runs as its users run it, vit_jax's preload left out
   assert side['device'].startswith('CPU') and 'eager' in side['impl']
   for kind in ('matmul', 'attention', 'convolution', 'reduction fusion', 'elementwise fusion'):
     assert side['ms_per_step'][kind] > 0, kind
   assert sum(side['ms_per_step'].values()) < side['wall_ms_per_step']
+
+
+def test_device_time_refuses_a_bad_allocator():
+  proc = subprocess.run([
+      sys.executable,
+      os.path.join(REPO, 'benchmarks', 'device_time.py'), '--allocator', 'jemaloc', '--torch',
+      'none'
+  ], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  assert proc.stderr.strip().splitlines()[-1] == (
+      '--allocator: VIT_JAX_HOST_ALLOCATOR=jemaloc: no such file; set it to auto, jemalloc, '
+      'system, or the path of a libjemalloc.so.2')
 
 
 def _device_time_module(monkeypatch):
