@@ -246,11 +246,38 @@ def test_checksums_compile_once_per_array_shape_not_per_state():
     }
 
   small, large = state(1), state(5)
-  assert _compiles_during(lambda: checkpoint.state_checksums(small)) <= len(shapes)
+  # On the devices, as for arrays on accelerators or spread over hosts.
+  assert _compiles_during(lambda: checkpoint.state_checksums(small, host=False)) <= len(shapes)
   sums = []
-  assert _compiles_during(lambda: sums.append(checkpoint.state_checksums(large))) == 0
+  assert _compiles_during(lambda: sums.append(checkpoint.state_checksums(large, host=False))) == 0
   assert len(sums[0]) == 15 and sums[0]['block3/w1'] != sums[0]['block4/w1']
-  assert sums[0]['block0/w2'] == checkpoint.state_checksums(small)['block0/w2']
+  assert sums[0]['block0/w2'] == checkpoint.state_checksums(small, host=False)['block0/w2']
+  # In this host's memory (CPU devices): NumPy's sums, nothing compiled, the same numbers.
+  host = []
+  assert _compiles_during(lambda: host.append(checkpoint.state_checksums(state(6)))) == 0
+  assert {k: v for k, v in host[0].items() if not k.startswith('block5/')} == sums[0]
+
+
+def test_checksums_in_host_memory_equal_those_on_the_devices(monkeypatch):
+  monkeypatch.setattr(checkpoint, '_HOST_CHUNK', 7)  # many chunks, one cut short
+  rng = np.random.default_rng(0)
+  bits = rng.integers(0, 2**32, 45, dtype=np.uint32)
+  state = {
+      'f32': jnp.asarray(bits.view(np.float32).reshape(5, 9)),  # NaNs' bits too
+      'bf16': jnp.asarray(rng.standard_normal(23), jnp.bfloat16),
+      'f16': jnp.asarray(rng.standard_normal(11), jnp.float16),
+      'i32': jnp.asarray(bits.view(np.int32)),
+      'u8': jnp.asarray(bits.view(np.uint8)),
+      'i8': jnp.asarray(bits.view(np.int8)[:31]),
+      'bool': jnp.asarray(bits % 3 == 0),
+      'step': jnp.int32(7),
+  }
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ('data',))
+  state['sharded'] = jax.device_put(
+      state['f32'][:4], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data')))
+  host = checkpoint.state_checksums(state)
+  assert host == checkpoint.state_checksums(state, host=False)
+  assert host['sharded'] == checkpoint.state_checksums({'sharded': state['f32'][:4]})['sharded']
 
 
 def test_a_state_replicated_on_cpu_devices_saves_without_compiling(tmp_path):
