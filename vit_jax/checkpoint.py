@@ -422,9 +422,9 @@ def _odd_weights(n):
 def _host_sums(x):
   """_leaf_sums in NumPy (the same wrapping uint32 arithmetic, so the same two numbers):
   no program to compile. On the CPU the programs cost more than the sums: 13 array shapes
-  took 2.4 s to compile in a 6-step quickstart run, at its first save and again at resume;
-  ViT-B/16's parameters and momentum took 2.9 s the first time, then 0.43-0.49 s, and
-  0.34-0.46 s here (benchmarks/README.md, thirty-eighth session)."""
+  took 2.4 s to compile in a 6-step quickstart run, at its first save and again at resume.
+  ViT-B/16's parameters and momentum: 0.34-0.46 s here; the programs 2.9 s the first time,
+  0.43-0.49 s after (benchmarks/README.md, thirty-eighth session)."""
   words = np.asarray(x).reshape(-1)
   words = words.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[words.dtype.itemsize])
   weights = _odd_weights(_HOST_CHUNK)
