@@ -179,7 +179,8 @@ class BareStep:
     self.flops_xla = None if xla is None else xla * len(mesh.devices.flat)
     self.memory_gib = compiled_memory_gib(self.compiled)
     # The loop's wait for the step's temporaries under jemalloc (timed: the loop pays it).
-    temp = self.compiled.memory_analysis().temp_size_in_bytes if heap_wait else 0
+    temp = (self.compiled.memory_analysis().temp_size_in_bytes
+            * len(mesh.local_devices) if heap_wait else 0)
     self.heap_wait = host_memory.TemporariesWait(temp, platform=jax.devices()[0].platform)
     # As the loop does after compiling and reading the memory analysis; after XLA's cost
     # analysis too, which the loop does not run: under jemalloc the freed pages of each

@@ -62,8 +62,8 @@ def _allocated_bytes(mallctl):
 
 class TemporariesWait:
   """Around each step (see the module doc): notes what jemalloc holds before the step, and
-  after it waits until jemalloc holds no more than half of one device's temporaries above
-  that.
+  after it waits until jemalloc holds no more than half of `temp_bytes` (the step's
+  temporaries on all of this process's devices) above that.
 
   A no-op (the loop's dispatch stays asynchronous) under any other malloc, off CPU, or for
   temporaries under MIN_TEMP_BYTES. Each wait gives up after `bound_s`; after

@@ -438,8 +438,9 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                     state), abstract_batch, jax.ShapeDtypeStruct((2,), jnp.uint32)))
   build_seconds = time.perf_counter() - t_build  # ahead-of-time compilation, if any
-  heap_wait = host_memory.TemporariesWait(_temp_bytes(jitted_step),
-                                          platform=jax.devices()[0].platform)
+  # Every local device's temporaries are in this process's heap (CPU devices share it).
+  heap_wait = host_memory.TemporariesWait(
+      _temp_bytes(jitted_step) * len(mesh.local_devices), platform=jax.devices()[0].platform)
   # memory_analysis() in _temp_bytes leaves 50-130 MiB of freed pages that the step's
   # buffers do not reuse (benchmarks/README.md, twenty-first session).
   host_memory.release_freed()
