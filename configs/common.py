@@ -93,6 +93,9 @@ def get_config():
 
   # Devices.
   c.mesh_data = -1  # Devices on the data axis; -1 uses all.
+  # On the CPU backend: XLA devices the host's cores are split into (data parallel over
+  # them, each device's program on its own thread). TPU and GPU runs ignore it.
+  c.cpu_devices = 1
   c.fsdp = False  # Shard parameters and optimizer state over the data axis.
 
   # Loop.

@@ -51,6 +51,10 @@ def get_config(arg=None):
   c.grad_clip_norm = 1.0
   c.loss = 'softmax_xent'
 
+  # Two CPU devices, data parallel: the small model's attention dots run on one thread
+  # each, and a second device's program fills the other core (benchmarks/README.md).
+  c.cpu_devices = 2
+
   c.log_every_steps = 100
   c.eval_every_steps = 500
   c.checkpoint_every_steps = 1000

@@ -38,8 +38,10 @@ ARGS = [
 
 
 def _env(devices=8):
-  return dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
-              TF_CPP_MIN_LOG_LEVEL='2')
+  """The suite's environment with `devices` CPU devices; None: none forced, as a user's
+  shell (the config's cpu_devices decides)."""
+  flags = '' if devices is None else f'--xla_force_host_platform_device_count={devices}'
+  return dict(os.environ, XLA_FLAGS=flags, TF_CPP_MIN_LOG_LEVEL='2')
 
 
 def _cli(cwd, workdir, *extra, devices=8, file_size_limit=None):
@@ -521,6 +523,16 @@ def test_bad_value_is_one_line_from_the_cli(tmp_path):
   assert rc == 1 and 'Traceback' not in err
   assert last == ("vit_jax: eval_split 'tset': Unknown split 'tset'. Should be one of ['train', "
                   "'test']: set --config.eval_split"), last
+  # Without XLA_FLAGS, as in a user's shell: the quickstart splits the CPU in two devices.
+  rc, err, last = _cli(tmp_path, 'run', '--config.batch_size=33', devices=None)
+  assert rc == 1 and 'Traceback' not in err
+  assert last == ('vit_jax: batch_size 33 must be a multiple of the 2 devices: set '
+                  '--config.batch_size or --config.cpu_devices=1'), last
+  rc, err, last = _cli(tmp_path, 'run', '--config.cpu_devices=0', devices=None)
+  assert rc == 1 and 'Traceback' not in err
+  assert last == ('vit_jax: cpu_devices 0 must be a whole number >= 1: set --config.cpu_devices '
+                  '(1: the CPU is one device)'), last
+  assert not (tmp_path / 'run').exists()
 
 
 def _config(**overrides):
@@ -571,6 +583,7 @@ def _make_folder(root, empty_class):
      r'--config.model.patch_size'),
     (dict(image_size=0), r'image_size 0 must be >= 1 \(pixels per side\): set --config.image_size'),
     (dict(image_size=-4), r'image_size -4 must be >= 1'),
+    (dict(cpu_devices=-1), r'cpu_devices -1 must be a whole number >= 1: set --config.cpu_devices'),
 ])
 def test_bad_values_fail_at_start_up(tmp_path, overrides, message):
   if overrides.get('data_dir') == 'DATA':

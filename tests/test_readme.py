@@ -129,12 +129,20 @@ def user_dir(tmp_path_factory):
 
 
 def _shell(argv, cwd):
-  env = dict(os.environ, PATH=f'{BIN}:' + os.environ.get('PATH', ''),
-             XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  # A user's shell: no XLA_FLAGS (the suite's force 8 CPU devices).
+  env = dict(os.environ, PATH=f'{BIN}:' + os.environ.get('PATH', ''), XLA_FLAGS='')
   out = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, (f'{shlex.join(argv)} exited {out.returncode}:\n'
                                f'{out.stdout[-1500:]}\n{out.stderr[-3000:]}')
   return out
+
+
+def test_the_first_command_trains_on_two_cpu_devices(user_dir):
+  # configs/quickstart.py splits the CPU in two (data parallel), and says so in the log.
+  with open(user_dir / 'workdirs' / 'quickstart' / 'train.INFO') as f:
+    log = f.read()
+  assert '2 local / 2 global devices (cpu)' in log
+  assert 'CPU devices: 2 (--config.cpu_devices=2)' in log
 
 
 def test_every_shell_line_has_a_rule():

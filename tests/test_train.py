@@ -20,6 +20,7 @@ from vit_jax import flops
 from vit_jax import host_memory
 from vit_jax import models
 from vit_jax import rundir
+from vit_jax import sharding
 from vit_jax import train
 from vit_jax import step as step_lib
 from vit_jax import xla_cpu_flags
@@ -368,6 +369,27 @@ def _main(args, env_extra=None):
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2', **(env_extra or {}))
   return subprocess.run([sys.executable, '-m', 'vit_jax.main', *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600)
+
+
+def test_cpu_devices_come_from_the_config_unless_the_environment_sets_them():
+  assert sharding.cpu_devices(quickstart.get_config(), {}) == (2, '--config.cpu_devices=2')
+  assert sharding.cpu_devices({}, {}) == (1, '--config.cpu_devices=1')  # a config from before it
+  xla_flags = {
+      'XLA_FLAGS': '--xla_cpu_enable_fast_math=false '
+                   '--xla_force_host_platform_device_count=8'
+  }
+  assert sharding.cpu_devices(
+      quickstart.get_config(),
+      xla_flags) == (None,
+                     'XLA_FLAGS --xla_force_host_platform_device_count decides, not cpu_devices')
+  assert sharding.cpu_devices(
+      quickstart.get_config(),
+      {'JAX_NUM_CPU_DEVICES': '4'}) == (None, 'JAX_NUM_CPU_DEVICES=4 decides, not cpu_devices')
+  for bad in (0, -2, True, 1.5):
+    with pytest.raises(
+        ValueError, match=rf'^cpu_devices {bad!r} must be a whole number >= 1: '
+        r'set --config.cpu_devices \(1: the CPU is one device\)$'):
+      sharding.cpu_devices({'cpu_devices': bad}, {})
 
 
 def test_quickstart_command_end_to_end_shortened(idx_dir, tmp_path):

@@ -144,9 +144,10 @@ def _one_line(error):
   return lines[0] if len(lines) == 1 else ' '.join(lines[:2])
 
 
-def _open_log(workdir):
+def _open_log(workdir, cpu_devices):
   """The readable log: train.INFO (process 0), train.process<i>.INFO (the others), and the
-  lines that say what this process runs on."""
+  lines that say what this process runs on (`cpu_devices`: why the CPU backend has the
+  devices it has)."""
   import jax  # pylint: disable=g-import-not-at-top
   log_dir = FLAGS.local_log_dir if paths.is_remote(workdir) else workdir
   try:
@@ -166,6 +167,7 @@ def _open_log(workdir):
                jax.process_count(), jax.local_device_count(), jax.device_count(),
                jax.devices()[0].platform)
   if jax.devices()[0].platform == 'cpu':
+    logging.info('CPU devices: %d (%s)', jax.local_device_count(), cpu_devices)
     logging.info('%s', xla_cpu_flags.last_choice)
     logging.info('%s', host_allocator.describe())
     if note := cpu_features.bf16_note(FLAGS.config.dtype):
@@ -183,17 +185,19 @@ def main(argv):
   logging.get_absl_handler().addFilter(_QuietLibraries())
   workdir = paths.resolve(FLAGS.workdir)  # once: orbax refuses relative paths
   recorded = rundir.recorded_cpu_flags(workdir)  # a resumed run keeps its CPU kernels
+  from vit_jax import sharding  # pylint: disable=g-import-not-at-top
   try:
     # Before the backend starts; logged below, once the log file is open.
     xla_cpu_flags.apply(dtype=FLAGS.config.dtype, recorded=recorded, log=False)
-  except ValueError as e:  # a bad VIT_JAX_XLA_CPU_FLAGS value
+    cpu_devices = sharding.split_host_cpu(FLAGS.config)
+  except ValueError as e:  # a bad VIT_JAX_XLA_CPU_FLAGS or cpu_devices value
     sys.exit(f'vit_jax: {e}')
   initialize_distributed()
   from vit_jax import train  # pylint: disable=g-import-not-at-top  (after distributed init)
   log_open = []
 
   def open_log():
-    _open_log(workdir)
+    _open_log(workdir, cpu_devices)
     log_open.append(True)
 
   try:

@@ -16,10 +16,10 @@ from vit_jax import paths
 # Config fields that do not change the trained parameters: they may differ from the
 # workdir's config.json when a run resumes. Every other field must match, unless it
 # is named in config.resume_changes. (accum_steps: the same mean gradient; mesh_data,
-# fsdp, remat: the same step on another layout; data_dir: the same data, moved.)
+# cpu_devices, fsdp, remat: the same step on another layout; data_dir: the same data, moved.)
 _FREE_FIELDS = ('log_every_steps', 'eval_every_steps', 'checkpoint_every_steps', 'keep_checkpoints',
-                'prefetch', 'eval_batch_size', 'eval_split', 'mesh_data', 'fsdp', 'remat',
-                'accum_steps', 'data_dir', 'on_nonfinite', 'resume_changes', 'lr_grid',
+                'prefetch', 'eval_batch_size', 'eval_split', 'mesh_data', 'cpu_devices', 'fsdp',
+                'remat', 'accum_steps', 'data_dir', 'on_nonfinite', 'resume_changes', 'lr_grid',
                 'pp.eval_crop', 'pp.central_crop_fraction', 'peak_flops_per_device')
 _FREE_PREFIXES = ('fewshot_', 'profile_')
 

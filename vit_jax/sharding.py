@@ -3,7 +3,14 @@
 One mesh axis, 'data'. Batches are split over it. Parameters and optimizer state are
 replicated (data parallel) or, with `config.fsdp`, each array is split along its largest
 dimension that the axis size divides (arrays too small to be worth it stay replicated).
+
+On the CPU backend the devices are JAX's split of the host: `config.cpu_devices` of them
+(`split_host_cpu`, before the backend starts). XLA runs each device's program on its own
+thread, so ops that run on one thread (the attention's small batched dots) overlap with
+the other device's work instead of leaving cores idle (benchmarks/README.md).
 """
+import os
+
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
@@ -31,6 +38,43 @@ def mesh_size(config, devices=None, hosts=None):
   if n < devices and hosts > 1:
     raise ValueError('mesh_data must be -1 on several hosts: set --config.mesh_data=-1')
   return n
+
+
+# The XLA flag that sets the CPU backend's device count; like JAX_NUM_CPU_DEVICES, a value
+# of the user's own wins over config.cpu_devices.
+_CPU_DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
+
+
+def cpu_devices(config, environ=os.environ):
+  """(the CPU device count config.cpu_devices asks for, or None where the environment
+  sets it, why): a one-line ValueError for a count no host has."""
+  n = config.get('cpu_devices', 1)
+  if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    raise ValueError(f'cpu_devices {n!r} must be a whole number >= 1: set '
+                     '--config.cpu_devices (1: the CPU is one device)')
+  if environ.get('JAX_NUM_CPU_DEVICES'):
+    return None, f'JAX_NUM_CPU_DEVICES={environ["JAX_NUM_CPU_DEVICES"]} decides, not cpu_devices'
+  if _CPU_DEVICE_COUNT_FLAG in environ.get('XLA_FLAGS', ''):
+    return None, f'XLA_FLAGS {_CPU_DEVICE_COUNT_FLAG} decides, not cpu_devices'
+  return n, f'--config.cpu_devices={n}'
+
+
+def split_host_cpu(config, environ=os.environ):
+  """Makes the CPU backend config.cpu_devices devices (call before JAX starts a backend;
+  TPU and GPU runs are unaffected); returns why it has the count it has, for the log."""
+  n, why = cpu_devices(config, environ)
+  if n is not None and n != 1:  # 1 is JAX's own default
+    jax.config.update('jax_num_cpu_devices', n)
+  return why
+
+
+def or_one_cpu_device(config):
+  """' or --config.cpu_devices=1' where config.cpu_devices split this process's CPU into
+  its devices (the end of an error that the device count is a cause of), else ''."""
+  n, _ = cpu_devices(config)
+  if n and n > 1 and jax.default_backend() == 'cpu' and jax.local_device_count() == n:
+    return ' or --config.cpu_devices=1'
+  return ''
 
 
 def make_mesh(config):

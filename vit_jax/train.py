@@ -61,6 +61,7 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
   `hosts`: those of the machine the run is for (default: this process's)."""
   # First: a bad mesh is not blamed on the batch size.
   n_dev = sharding.mesh_size(config, devices, hosts)
+  sharding.cpu_devices(config)  # a count no host has
   for name in ('log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
                'fewshot_every_steps'):
     if config[name] < 0:
@@ -90,16 +91,18 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
                      f'set --config.image_size to a multiple of {stride}')
   # An accum_steps that does not divide batch_size is optim.validate's to name.
   accum = max(config.accum_steps, 1)
+  # Devices this process split its CPU into may be the reason.
+  or_split = sharding.or_one_cpu_device(config) if devices is None else ''
   if config.batch_size % accum == 0 and config.batch_size // accum % n_dev:
     per_micro = '' if accum == 1 else f' / accum_steps {accum}'
     raise ValueError(f'batch_size {config.batch_size}{per_micro} must be a multiple of the '
-                     f'{n_dev} devices: set --config.batch_size')
+                     f'{n_dev} devices: set --config.batch_size{or_split}')
   if config.prefetch < 0:
     raise ValueError(f'prefetch {config.prefetch} is negative: set --config.prefetch to the '
                      'batches to keep in flight to the devices (0 or more)')
   if config.eval_batch_size <= 0 or config.eval_batch_size % n_dev:
     raise ValueError(f'eval_batch_size {config.eval_batch_size} is not a positive multiple of '
-                     f'the {n_dev} devices: set --config.eval_batch_size')
+                     f'the {n_dev} devices: set --config.eval_batch_size{or_split}')
   if config.vtab_task and config.vtab_task not in vtab.VTAB:
     raise ValueError(f'vtab_task {config.vtab_task!r} is not a VTAB-1k task: set '
                      f'--config.vtab_task to one of {" ".join(vtab.VTAB)}, or \'\'')
