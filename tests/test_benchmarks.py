@@ -108,6 +108,17 @@ def test_ynnpack(tmp_path):
   assert len(r['ratio_per_round']) == 1 and r['ratio_per_round'][0] > 0
 
 
+def test_cpu_devices(tmp_path):
+  library = harmless_preload()  # stands in for jemalloc, as in test_allocator
+  p = _run('cpu_devices', '--models', 'ViT-Ti_16', '--batch', '2', '--steps', '1', '--rounds', '1',
+           '--allocator', library, *TINY, tmp_path=tmp_path)
+  assert p['ld_preload'] == library
+  r = p['results'][0]
+  assert r['device_count'] == {'1': [1], '2': [2]}  # (JSON's keys are strings)
+  assert r['img_s']['1'][0] > 0 and r['peak_rss_gib']['2'][0] > 0
+  assert len(r['ratio_per_round']) == 1 and r['ratio_per_round'][0] > 0
+
+
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_before_after_ordered_dots(tmp_path, dtype):
   # 64 images of 5 tokens: the MLP output layer's weight gradient is taken as (g^T x)^T.
