@@ -372,23 +372,18 @@ def _main(args, env_extra=None):
 
 
 def test_cpu_devices_come_from_the_config_unless_the_environment_sets_them():
-  assert sharding.cpu_devices(quickstart.get_config(), {}) == (2, '--config.cpu_devices=2')
+  qs = quickstart.get_config()
+  assert sharding.cpu_devices(qs, {}) == (2, '--config.cpu_devices=2')
   assert sharding.cpu_devices({}, {}) == (1, '--config.cpu_devices=1')  # a config from before it
-  xla_flags = {
-      'XLA_FLAGS': '--xla_cpu_enable_fast_math=false '
-                   '--xla_force_host_platform_device_count=8'
-  }
-  assert sharding.cpu_devices(
-      quickstart.get_config(),
-      xla_flags) == (None,
-                     'XLA_FLAGS --xla_force_host_platform_device_count decides, not cpu_devices')
-  assert sharding.cpu_devices(
-      quickstart.get_config(),
-      {'JAX_NUM_CPU_DEVICES': '4'}) == (None, 'JAX_NUM_CPU_DEVICES=4 decides, not cpu_devices')
+  flag = '--xla_force_host_platform_device_count'
+  n, why = sharding.cpu_devices(qs, {'XLA_FLAGS': f'--xla_cpu_enable_fast_math=false {flag}=8'})
+  assert (n, why) == (None, f'XLA_FLAGS {flag} decides, not cpu_devices')
+  n, why = sharding.cpu_devices(qs, {'JAX_NUM_CPU_DEVICES': '4'})
+  assert (n, why) == (None, 'JAX_NUM_CPU_DEVICES=4 decides, not cpu_devices')
   for bad in (0, -2, True, 1.5):
-    with pytest.raises(
-        ValueError, match=rf'^cpu_devices {bad!r} must be a whole number >= 1: '
-        r'set --config.cpu_devices \(1: the CPU is one device\)$'):
+    message = (rf'^cpu_devices {bad!r} must be a whole number >= 1: set --config.cpu_devices '
+               r'\(1: the CPU is one device\)$')
+    with pytest.raises(ValueError, match=message):
       sharding.cpu_devices({'cpu_devices': bad}, {})
 
 
