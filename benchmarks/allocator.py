@@ -14,10 +14,8 @@ buffer of temporaries or two.
   python benchmarks/allocator.py --models R50+ViT-B_16 --batch 8 --rounds 4 --without_wait
 """
 import argparse
-import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 
@@ -53,25 +51,11 @@ def _sides():
 
 def _train_step(model, batch, env, flags, workdir):
   """One train_step.py run under `env`: its JSON result, and its page faults and CPU."""
-  out = os.path.join(workdir, 'step.json')
-  cmd = [
-      sys.executable,
-      os.path.join(os.path.dirname(__file__), 'train_step.py'), '--models', model, '--batch',
-      str(batch), '--dtypes', args.dtypes, '--image_size',
-      str(args.image_size), '--steps',
-      str(args.steps), '--rounds', '1', '--remat', args.remat, '--peak', '1e12', '--out', out
-  ] + flags
-  for o in args.override:
-    cmd += ['--override', o]
   before = resource.getrusage(resource.RUSAGE_CHILDREN)
-  proc = subprocess.run(cmd, env={
+  payload = harness.train_step_process(args, model, batch, args.dtypes, {
       **env, 'TF_CPP_MIN_LOG_LEVEL': '2'
-  }, capture_output=True, text=True, check=False)
+  }, workdir, ['--remat', args.remat, '--peak', '1e12', *flags])
   after = resource.getrusage(resource.RUSAGE_CHILDREN)
-  if proc.returncode:
-    sys.exit(f'train_step.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}')
-  with open(out) as f:
-    payload = json.load(f)
   return {
       'img_s': payload['results'][0]['img_s_median'],
       'heap_wait': payload['results'][0]['heap_wait'],

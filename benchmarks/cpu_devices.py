@@ -12,10 +12,6 @@ parameters and optimizer state are on every device) is reported beside it.
   python benchmarks/cpu_devices.py --models ViT-Ti_16,ViT-B_16 --batch 32,8 --steps 4
 """
 import argparse
-import json
-import os
-import subprocess
-import sys
 import tempfile
 
 import harness
@@ -31,22 +27,8 @@ args = parser.parse_args()
 def _train_step(env, model, batch, dtype, devices, workdir):
   """(img/s, peak RSS GiB, its machine record) of one `train_step.py` process on `devices`
   devices."""
-  out = os.path.join(workdir, 'step.json')
-  cmd = [
-      sys.executable,
-      os.path.join(os.path.dirname(__file__), 'train_step.py'), '--models', model, '--batch',
-      str(batch), '--dtypes', dtype, '--image_size',
-      str(args.image_size), '--steps',
-      str(args.steps), '--rounds', '1', '--mesh',
-      str(devices), '--out', out
-  ]
-  for o in args.override:
-    cmd += ['--override', o]
-  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-  if proc.returncode:
-    sys.exit(f'train_step.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}')
-  with open(out) as f:
-    payload = json.load(f)
+  payload = harness.train_step_process(args, model, batch, dtype, env, workdir,
+                                       ['--mesh', str(devices)])
   return payload['results'][0]['img_s_median'], payload['peak_rss_gib'], payload['machine']
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,6 +103,29 @@ def jax_environment(allocator):
     return host_allocator.reexec_environment(env) or env
   except ValueError as e:
     raise SystemExit(f'--allocator: {e}') from None
+
+
+def train_step_process(args, model, batch, dtype, env, workdir, extra=()):
+  """The JSON of one `train_step.py` run in its own process under `env` (for what is fixed
+  when a process starts: XLA flags, allocator, CPU devices): `model` at `batch` and `dtype`,
+  args' --image_size, --steps and --override, one round, then the flags `extra`. Exits with
+  the tail of its output if it fails."""
+  out = os.path.join(workdir, 'step.json')
+  cmd = [
+      sys.executable,
+      os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train_step.py'), '--models', model,
+      '--batch',
+      str(batch), '--dtypes', dtype, '--image_size',
+      str(args.image_size), '--steps',
+      str(args.steps), '--rounds', '1', '--out', out, *extra
+  ]
+  for o in args.override:
+    cmd += ['--override', o]
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+  if proc.returncode:
+    sys.exit(f'train_step.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}')
+  with open(out) as f:
+    return json.load(f)
 
 
 def model_batches(args):

@@ -9,10 +9,7 @@ the other), interleaved per model and round: A B A B ..., and the ratio is taken
   python benchmarks/ynnpack.py --out /tmp/ynnpack.json
 """
 import argparse
-import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import harness
@@ -30,26 +27,12 @@ SIDES = {'xla defaults': '', 'ynnpack off': xla_cpu_flags.YNNPACK_OFF}
 
 
 def _train_step(model, batch, dtype, xla_flags, workdir):
-  out = os.path.join(workdir, 'step.json')
   env = {
       **os.environ, 'VIT_JAX_XLA_CPU_FLAGS': '0',
       'TF_CPP_MIN_LOG_LEVEL': '2',
       'XLA_FLAGS': xla_flags
   }
-  cmd = [
-      sys.executable,
-      os.path.join(os.path.dirname(__file__), 'train_step.py'), '--models', model, '--batch',
-      str(batch), '--dtypes', dtype, '--image_size',
-      str(args.image_size), '--steps',
-      str(args.steps), '--rounds', '1', '--peak', '1e12', '--out', out
-  ]
-  for o in args.override:
-    cmd += ['--override', o]
-  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-  if proc.returncode:
-    sys.exit(f'train_step.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}')
-  with open(out) as f:
-    payload = json.load(f)
+  payload = harness.train_step_process(args, model, batch, dtype, env, workdir, ['--peak', '1e12'])
   return payload['results'][0]['img_s_median'], payload['machine']['xla_flags']
 
 
