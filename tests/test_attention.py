@@ -159,9 +159,9 @@ def test_a_bf16_model_with_fused_attention_computes_the_same(monkeypatch):
         [jnp.ravel(g).astype(jnp.float32) for g in jax.tree.leaves(tree)])
     # A linear loss: its cotangent is exact, so the errors are the model's own.
     weights = jax.random.normal(jax.random.PRNGKey(3), (2, 5))
+    loss = lambda p: jnp.sum(apply(p) * weights)
     # Jitted, as the train step runs: op by op, the test took 63 s instead of 35.
-    return jax.jit(lambda p: (apply(p), flat(jax.grad(lambda q: jnp.sum(apply(q) * weights))(p))))(
-        params)
+    return jax.jit(lambda p: (apply(p), flat(jax.grad(loss)(p))))(params)
 
   with jax.default_matmul_precision('highest'):
     reference = logits_and_grads('float32')
