@@ -137,7 +137,7 @@ def point_configs(config, sets, points):
 
 
 def preflight(configs_of_points, what='point'):
-  """vit-train's start-up checks (train.validate_config) of every point's config, so that a
+  """vit-train's start-up checks (config_checks) of every point's config, so that a
   value only a later point has (a string, a tuple, a range) stops the sweep before the first
   point trains. The devices are not counted here, so that this process does not take the
   accelerator its points need: each point checks its batch against them at its start.

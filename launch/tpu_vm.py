@@ -31,7 +31,6 @@ The run starts in ~/vit_jax, so a --config file must be one of the tree that set
 from elsewhere is refused before anything is created (packaged names work as they are).
 """
 import argparse
-import copy
 import fnmatch
 import functools
 import importlib.metadata
@@ -676,19 +675,17 @@ def load_config(spec, overrides=()):
 
 
 def validate_for_slice(config, accelerator_type):
-  """vit_jax's start-up checks (train.validate_config) for the slice's devices and hosts;
-  for an unknown accelerator type the device checks are left out (one device)."""
-  from vit_jax import train  # pylint: disable=g-import-not-at-top  (imports TF too)
+  """vit_jax's start-up checks (config_checks) for the slice's devices and hosts; for an
+  unknown accelerator type the device checks are left out."""
+  from vit_jax import config_checks  # pylint: disable=g-import-not-at-top  (imports JAX)
   devices, hosts = num_devices(accelerator_type), num_hosts(accelerator_type)
-  config = copy.deepcopy(config)
-  if devices:
-    where = f'{accelerator_type}: {devices} devices on {hosts} host{"s" * (hosts > 1)}'
-  else:
-    where, devices, hosts = 'devices not checked', 1, 1
-    config.mesh_data = -1
-  n_train = config.num_train_examples if config.num_train_examples > 0 else None
   try:
-    train.validate_config(config, n_train, devices=devices, hosts=hosts)
+    if devices:
+      where = f'{accelerator_type}: {devices} devices on {hosts} host{"s" * (hosts > 1)}'
+      config_checks.validate_config(config, devices=devices, hosts=hosts)
+    else:
+      where = 'devices not checked'
+      config_checks.validate_before_devices(config)
   except ValueError as e:
     raise LaunchError(f'preflight ({where}): {_one_line(e)}') from None
 

@@ -3,6 +3,8 @@ here, and every row started (config checks, model, optimizer, position embedding
 model it names, as shapes only (jax.eval_shape: no parameters are made)."""
 import functools
 import os
+import subprocess
+import sys
 
 from absl import flags
 import flax
@@ -14,6 +16,7 @@ import pytest
 
 from tests.conftest import console_script
 from vit_jax import checkpoint
+from vit_jax import config_checks
 from vit_jax import configs
 from vit_jax import models
 from vit_jax import optim
@@ -398,7 +401,7 @@ def _start(c, num_classes, num_train_examples=None):
 
   A row's 'dev' twin (other splits only) reuses its optimizer-state trace.
   """
-  train.validate_config(c, num_train_examples)
+  config_checks.validate_config(c, num_train_examples)
   params, params_key = _param_shapes(c, num_classes)
   assert params['head']['kernel'].shape[-1] == num_classes
   steps = optim.total_steps(c, num_train_examples)
@@ -487,3 +490,27 @@ def test_an_unknown_field_suggests_the_nearest_names(override, hint):
 def test_a_value_of_the_wrong_type_is_in_plain_words():
   with pytest.raises(ValueError, match=r'^flag --config.total_steps=abc: expected an integer$'):
     configs.load('quickstart', ['--config.total_steps=abc'])
+
+
+_CHECK_BEFORE_DEVICES = '''
+import sys
+from jax._src import xla_bridge
+from vit_jax import config_checks, configs
+for spec in sys.argv[1:]:
+  config_checks.validate_before_devices(configs.load(spec))
+print(xla_bridge.backends_are_initialized(), 'tensorflow' in sys.modules)
+'''
+
+
+def test_packaged_configs_pass_the_checks_before_any_backend_or_tensorflow():
+  """vit-train runs these checks before TensorFlow loads and before the backend starts
+  (xla_cpu_flags and cpu_devices must come first): they may use neither."""
+  specs = [
+      'quickstart', 'finetune:ViT-H_14,imagenet2012', 'finetune:R50+ViT-B_16,cifar10',
+      'finetune:BiT-M-R50x1,oxford_iiit_pet', 'pretrain:ViT-B_16,imagenet21k', 'table2:ViT-H_14',
+      'masked_patches:quickstart', 'masked_patches:ViT-B_16,imagenet2012'
+  ]
+  proc = subprocess.run([sys.executable, '-c', _CHECK_BEFORE_DEVICES, *specs], capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.split() == ['False', 'False'], proc.stdout

@@ -15,6 +15,7 @@ import pytest
 
 from tests import data_fixtures
 from vit_jax import checkpoint
+from vit_jax import config_checks
 from vit_jax import evaluate
 from vit_jax import evaluate_cli
 from vit_jax import models
@@ -118,17 +119,17 @@ def test_fewshot_config_errors_name_the_fix():
   from vit_jax.configs import common  # pylint: disable=g-import-not-at-top
   c = common.get_config()
   c.fewshot_every_steps = 10
-  evaluate.validate_fewshot(c)
+  config_checks.validate_fewshot(c)
   c.fewshot_dataset = 'cifar100'  # the field before fewshot_datasets
   with pytest.raises(ValueError, match=r'^fewshot_dataset: replaced by fewshot_datasets'):
-    evaluate.validate_fewshot(c)
+    config_checks.validate_fewshot(c)
   del c.fewshot_dataset
   c.fewshot_datasets = ('cifar100',)
   with pytest.raises(ValueError, match="entry 'cifar100' is not \\(dataset, k-shot pool split"):
-    evaluate.validate_fewshot(c)
+    config_checks.validate_fewshot(c)
   c.fewshot_datasets = (('folder:/a/pets', 'train', 'test'), ('folder:/b/pets/', 'train', 'test'))
   with pytest.raises(ValueError, match="names 'pets' twice"):
-    evaluate.validate_fewshot(c)
+    config_checks.validate_fewshot(c)
   c.fewshot_datasets = (('folder:/a/pets', 'train', 'test'),)
   for field, value in (('fewshot_shots', ('a', 'b')), ('fewshot_shots', (0, 5)),
                        ('fewshot_shots', ()), ('fewshot_seeds', (0.5,))):
@@ -137,10 +138,10 @@ def test_fewshot_config_errors_name_the_fix():
     with pytest.raises(
         ValueError, match=f'^{field} .* is not a tuple of whole numbers.*: set e.g. '
         f'--config.{field}=1,5$'):
-      evaluate.validate_fewshot(bad)
+      config_checks.validate_fewshot(bad)
   c.fewshot_l2_reg = 0.0
   with pytest.raises(ValueError, match='^fewshot_l2_reg 0.0 is not positive'):
-    evaluate.validate_fewshot(c)
+    config_checks.validate_fewshot(c)
 
 
 def test_other_datasets_are_read_with_their_own_label_feature():

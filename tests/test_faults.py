@@ -535,6 +535,23 @@ def test_bad_value_is_one_line_from_the_cli(tmp_path):
   assert not (tmp_path / 'run').exists()
 
 
+def test_a_bad_value_is_refused_before_tensorflow_and_the_backend_start(tmp_path):
+  """A value wrong on any machine is one line before TensorFlow loads (most of the ~9 s a
+  refused run took) and before the backend starts; what needs the devices comes after."""
+  env = dict(_env(None), PYTHONPROFILEIMPORTTIME='1')  # a line of stderr per import
+  proc = subprocess.run([
+      sys.executable, '-m', 'vit_jax.main', '--config=quickstart', '--workdir=run',
+      '--config.model.num_heads=3'
+  ], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert lines[-1].startswith('vit_jax: model.num_heads 3 does not divide'), lines[-1]
+  imported = {l.rsplit('|', 1)[-1].strip() for l in lines if l.startswith('import time:')}
+  assert {'jax', 'vit_jax.config_checks'} <= imported, sorted(imported)[:20]
+  assert not {'tensorflow', 'vit_jax.rundir', 'vit_jax.train'} & imported
+  assert not (tmp_path / 'run').exists()
+
+
 def _config(**overrides):
   c = quickstart.get_config()
   c.model.num_layers = 1

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from vit_jax import checkpoint
+from vit_jax import config_checks
 from vit_jax import evaluate_cli
 from vit_jax import masked_patches as mp
 from vit_jax import models
@@ -254,7 +255,7 @@ def test_named_configs_follow_the_paper():
   assert q.objective == 'masked_patches' and q.dataset == 'fashion_mnist_local'
   for c in (jft, i21k, q):
     mp.validate(c)
-    train.validate_config(c, 60_000)
+    config_checks.validate_config(c, 60_000)
   # common.py holds the same fields and defaults as masked_patches.default_config().
   base = common.get_config()
   assert base.objective == 'classification'

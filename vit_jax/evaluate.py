@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from vit_jax import config_checks
 from vit_jax import input_pipeline
 from vit_jax import sharding
 from vit_jax.configs import common
@@ -302,52 +303,6 @@ def top1_accuracy(model, params, config, split, batch_size):
 
 
 # --------------------------------------------------------------- evaluator
-def dataset_label(dataset):
-  """The short name of a dataset in metrics and tables ('folder:<dir>': the folder's name)."""
-  if dataset.startswith('folder:'):
-    return dataset[len('folder:'):].rstrip('/').rsplit('/', 1)[-1]
-  return dataset
-
-
-def fewshot_tasks(config):
-  """[(label, dataset, train_split, eval_split)] of config.fewshot_datasets (empty: the
-  run's dataset and splits); the label names the dataset in metrics and tables."""
-  entries = tuple(
-      config.fewshot_datasets) or ((config.dataset, config.train_split, config.eval_split),)
-  tasks = []
-  for entry in entries:
-    if isinstance(entry, str) or len(entry) != 3:
-      raise ValueError(f'fewshot_datasets entry {entry!r} is not (dataset, k-shot pool split, '
-                       'held-out split): set e.g. --config.fewshot_datasets="(('
-                       "'cifar100', 'train', 'test'),)\"")
-    label = dataset_label(entry[0])
-    if label in [t[0] for t in tasks]:
-      raise ValueError(f'fewshot_datasets names {label!r} twice: list each dataset once')
-    tasks.append((label, *entry))
-  return tasks
-
-
-def validate_fewshot(config):
-  """Start-up check of the few-shot fields (one line naming the fix)."""
-  old = [k for k in ('fewshot_dataset', 'fewshot_train_split', 'fewshot_eval_split') if k in config]
-  if old:
-    raise ValueError(f'{", ".join(old)}: replaced by fewshot_datasets, a tuple of (dataset, '
-                     'k-shot pool split, held-out split): set e.g. --config.fewshot_datasets='
-                     '"((\'imagenet2012\', \'train[:5%]\', \'validation\'),)"')
-  if config.fewshot_every_steps:
-    fewshot_tasks(config)
-    for field, ok, want in (('fewshot_shots', lambda k: k >= 1, 'whole numbers >= 1'),
-                            ('fewshot_seeds', lambda s: True, 'whole numbers')):
-      values = config[field]
-      if not (isinstance(values, (tuple, list)) and values
-              and all(isinstance(v, int) and not isinstance(v, bool) and ok(v) for v in values)):
-        raise ValueError(f'{field} {values!r} is not a tuple of {want}: set e.g. '
-                         f'--config.{field}=1,5')
-    if not float(config.fewshot_l2_reg) > 0:
-      raise ValueError(f'fewshot_l2_reg {config.fewshot_l2_reg} is not positive: set '
-                       '--config.fewshot_l2_reg (the paper\'s few-shot ridge: 1024)')
-
-
 class FewShotEvaluator:
   """Few-shot linear accuracy of a model's current parameters, for the train loop.
 
@@ -355,8 +310,8 @@ class FewShotEvaluator:
     metrics = fewshot(params)
     # {'fewshot/<dataset>/<k>shot': mean over seeds, 'fewshot/mean/<k>shot': over datasets}
 
-  One _FewShotTask per entry of config.fewshot_datasets (fewshot_tasks); the fields
-  read are the fewshot_* ones of configs/common.py, plus image_size, pp,
+  One _FewShotTask per entry of config.fewshot_datasets (config_checks.fewshot_tasks);
+  the fields read are the fewshot_* ones of configs/common.py, plus image_size, pp,
   eval_batch_size, mesh_data.
   """
 
@@ -364,7 +319,7 @@ class FewShotEvaluator:
     fn = apply_fn(model)
     self.tasks = {
         label: _FewShotTask(config, fn, dataset, train_split, eval_split)
-        for label, dataset, train_split, eval_split in fewshot_tasks(config)
+        for label, dataset, train_split, eval_split in config_checks.fewshot_tasks(config)
     }
 
   def results(self, params):

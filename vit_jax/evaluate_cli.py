@@ -17,6 +17,7 @@ from absl import flags
 
 from vit_jax import tensorflow_quietly  # noqa: F401  (first: before TensorFlow loads)
 from vit_jax import cli_help
+from vit_jax import config_checks
 from vit_jax import evaluate
 from vit_jax import input_pipeline
 from vit_jax import model_flags
@@ -159,7 +160,7 @@ def _fewshot_rows(flags_, model, params, config, train_split, eval_split):
   for dataset in getattr(flags_, 'fewshot_datasets', None) or [config.dataset]:
     cfg = evaluate.data_config(config, dataset=dataset, split=eval_split)
     num_classes = input_pipeline.get_info(cfg).num_classes
-    label = evaluate.dataset_label(dataset)
+    label = config_checks.dataset_label(dataset)
     train_x, train_y = evaluate.extract_features(model, params, cfg, train_split, flags_.batch_size)
     fit, skipped = _shots_that_fit(flags_, shots, train_y, cfg, train_split, label)
     test_x, test_y = evaluate.extract_features(model, params, cfg, eval_split, flags_.batch_size)

@@ -177,6 +177,12 @@ def _open_log(workdir, cpu_devices):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  from vit_jax import config_checks  # pylint: disable=g-import-not-at-top
+  try:
+    # Before TensorFlow and the backend start: a mistyped value is one line in ~2 s, not ~9.
+    config_checks.validate_before_devices(FLAGS.config)
+  except ValueError as e:
+    sys.exit(f'vit_jax: {e}')
   # pylint: disable=g-import-not-at-top,unused-import
   from vit_jax import tensorflow_quietly  # noqa: F401  (before rundir imports TensorFlow)
   from vit_jax import rundir

@@ -8,6 +8,8 @@ ops seeded with the example's own seed, so a stream of examples can be resumed e
 """
 import tensorflow as tf
 
+from vit_jax import config_checks
+
 
 def _to_rgb(image: tf.Tensor) -> tf.Tensor:
   """uint8 [H,W], [H,W,1], [H,W,3] or [H,W,4] -> [H,W,3]."""
@@ -67,27 +69,6 @@ def inception_crop(image: tf.Tensor, seed: tf.Tensor, min_area: float = 0.05) ->
   return out
 
 
-TRAIN_CROPS = ('inception', 'resize')
-EVAL_CROPS = ('resize', 'central')
-
-
-def _unknown(name, value, choices):
-  return ValueError(f'pp.{name} {value!r} is unknown: set --config.pp.{name} to one of {choices}')
-
-
-def validate(config):
-  """Start-up checks of config.pp: one-line ValueErrors naming the field and the fix."""
-  pp = config.pp
-  if pp.train_crop not in TRAIN_CROPS:
-    raise _unknown('train_crop', pp.train_crop, TRAIN_CROPS)
-  if pp.eval_crop not in EVAL_CROPS:
-    raise _unknown('eval_crop', pp.eval_crop, EVAL_CROPS)
-  for name in ('inception_min_area', 'central_crop_fraction'):
-    if not 0 < pp[name] <= 1:
-      raise ValueError(f'pp.{name} {pp[name]} is a fraction of the image: set '
-                       f'--config.pp.{name} to a value in (0, 1]')
-
-
 def _scale(image: tf.Tensor) -> tf.Tensor:
   return tf.cast(image, tf.float32) / 127.5 - 1.0
 
@@ -108,7 +89,7 @@ def preprocess_train(image: tf.Tensor, seed: tf.Tensor, config) -> tf.Tensor:
   elif config.pp.train_crop == 'resize':
     image = _decode(image)
   else:
-    raise _unknown('train_crop', config.pp.train_crop, TRAIN_CROPS)
+    raise config_checks.unknown_crop('train_crop', config.pp.train_crop, config_checks.TRAIN_CROPS)
   size = config.image_size
   image = tf.image.resize(image, (size, size), method='bilinear')
   if config.pp.flip:
@@ -136,5 +117,5 @@ def preprocess_eval(image: tf.Tensor, config) -> tf.Tensor:
     image = image[top:top + size, left:left + size]
     image.set_shape([size, size, 3])
   else:
-    raise _unknown('eval_crop', config.pp.eval_crop, EVAL_CROPS)
+    raise config_checks.unknown_crop('eval_crop', config.pp.eval_crop, config_checks.EVAL_CROPS)
   return _scale(image)

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from vit_jax import checkpoint
 from vit_jax import chrono as chrono_lib
+from vit_jax import config_checks
 from vit_jax import device_peaks
 from vit_jax import errors
 from vit_jax import evaluate as evaluate_lib
@@ -36,97 +37,18 @@ from vit_jax import models
 from vit_jax import optim
 from vit_jax import paths
 from vit_jax import polyak
-from vit_jax import preprocessing
 from vit_jax import rundir
 from vit_jax import sharding
 from vit_jax import tensorboard_events
 from vit_jax import trace
 from vit_jax import step as step_lib
-from vit_jax import vtab
 from vit_jax import xla_cpu_flags
 from vit_jax.models import remat as remat_lib
-
-DTYPES = ('float32', 'bfloat16')
 
 ConfigError = errors.ConfigError  # raised by train_and_evaluate; main prints it as one line
 TrainingError = errors.TrainingError
 
-ON_NONFINITE = ('stop', 'skip')
 build_model = models.from_config  # (config, num_classes) -> the flax module
-
-
-def validate_config(config, num_train_examples=None, dataset_classes=None, *, devices=None,
-                    hosts=None):
-  """Start-up checks; each failure is one line naming the field and the fix. `devices` and
-  `hosts`: those of the machine the run is for (default: this process's)."""
-  # First: a bad mesh is not blamed on the batch size.
-  n_dev = sharding.mesh_size(config, devices, hosts)
-  sharding.cpu_devices(config)  # a count no host has
-  for name in ('log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
-               'fewshot_every_steps'):
-    if config[name] < 0:
-      raise ValueError(f'{name} {config[name]} is negative: set --config.{name} to a '
-                       'period in steps, or 0 for only at the end')
-  if config.keep_checkpoints == 0 or config.keep_checkpoints < -1:
-    raise ValueError(f'keep_checkpoints {config.keep_checkpoints} would keep no checkpoint to '
-                     'resume from: set --config.keep_checkpoints to 1 or more (-1 keeps all)')
-  if config.get('on_nonfinite', 'stop') not in ON_NONFINITE:
-    raise ValueError(f'on_nonfinite {config.on_nonfinite!r} is unknown: set '
-                     f'--config.on_nonfinite to one of {ON_NONFINITE}')
-  if config.accum_steps < 0:
-    raise ValueError(f'accum_steps {config.accum_steps} is negative: set --config.accum_steps '
-                     'to 1 or more, or 0 for the fewest micro-batches that fit in memory')
-  if dataset_classes and 0 < config.num_classes < dataset_classes:
-    raise ValueError(f'num_classes {config.num_classes} is smaller than the dataset\'s '
-                     f'{dataset_classes} classes (labels up to {dataset_classes - 1}): set '
-                     f'--config.num_classes={dataset_classes} or -1 (from the dataset)')
-  if config.dtype not in DTYPES:
-    raise ValueError(f'dtype {config.dtype!r} is unknown: set --config.dtype to one of {DTYPES}')
-  stride = models.pixels_per_token(models.get_variant(config.model_name, **config.model))
-  if config.image_size < 1:
-    raise ValueError(f'image_size {config.image_size} must be >= 1 (pixels per side): set '
-                     '--config.image_size')
-  if config.image_size % stride:
-    raise ValueError(f'image_size {config.image_size} is not divisible by patch size {stride}: '
-                     f'set --config.image_size to a multiple of {stride}')
-  # An accum_steps that does not divide batch_size is optim.validate's to name.
-  accum = max(config.accum_steps, 1)
-  # Devices this process split its CPU into may be the reason.
-  or_split = sharding.or_one_cpu_device(config) if devices is None else ''
-  if config.batch_size % accum == 0 and config.batch_size // accum % n_dev:
-    per_micro = '' if accum == 1 else f' / accum_steps {accum}'
-    raise ValueError(f'batch_size {config.batch_size}{per_micro} must be a multiple of the '
-                     f'{n_dev} devices: set --config.batch_size{or_split}')
-  if config.prefetch < 0:
-    raise ValueError(f'prefetch {config.prefetch} is negative: set --config.prefetch to the '
-                     'batches to keep in flight to the devices (0 or more)')
-  if config.eval_batch_size <= 0 or config.eval_batch_size % n_dev:
-    raise ValueError(f'eval_batch_size {config.eval_batch_size} is not a positive multiple of '
-                     f'the {n_dev} devices: set --config.eval_batch_size{or_split}')
-  if config.vtab_task and config.vtab_task not in vtab.VTAB:
-    raise ValueError(f'vtab_task {config.vtab_task!r} is not a VTAB-1k task: set '
-                     f'--config.vtab_task to one of {" ".join(vtab.VTAB)}, or \'\'')
-  fields = models.get_variant(config.model_name, **config.model)
-  if not 0 <= config.label_smoothing < 1:
-    raise ValueError(f'label_smoothing {config.label_smoothing} is a fraction of the target: '
-                     'set --config.label_smoothing to a value in [0, 1)')
-  for name in ('dropout_rate', 'attention_dropout_rate'):
-    if not 0 <= fields.get(name, 0.0) < 1:
-      raise ValueError(f'model.{name} {fields[name]} is a probability: set '
-                       f'--config.model.{name} to a value in [0, 1)')
-  preprocessing.validate(config)
-  if config.pretrained_keep_prelogits and fields.get('representation_size') is None:
-    raise ValueError('pretrained_keep_prelogits needs the pre-logits layer in the model: set '
-                     '--config.model.representation_size to the checkpoint\'s size')
-  masked_patches.validate(config)
-  polyak.validate(config)
-  evaluate_lib.validate_fewshot(config)
-  device_peaks.validate_given(config.peak_flops_per_device)
-  optim.validate(config, num_train_examples)
-  trace.validate(config.profile_first_step, config.profile_steps,
-                 optim.known_total_steps(config, num_train_examples))
-
-
 make_eval_step = evaluate_lib.top1_step  # (model) -> the top-1 step the loop jits
 
 
@@ -239,7 +161,7 @@ def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
   config = _with_absolute_paths(config)
   try:
     # What needs no dataset first: a mistyped model is not reported as data that is missing.
-    validate_config(config)
+    config_checks.validate_config(config)
     # Local files only: a gs:// one is read later (its errors are one line too), as asking
     # a bucket here would stall an offline run before its data is checked.
     local = config.pretrained_path and not paths.is_remote(config.pretrained_path)
@@ -250,7 +172,7 @@ def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
     info = input_pipeline.get_info(config)
     data_summary = input_pipeline.validate_splits(config)
     num_classes = config.num_classes if config.num_classes > 0 else info.num_classes
-    validate_config(config, info.num_train_examples, dataset_classes=info.num_classes)
+    config_checks.validate_config(config, info.num_train_examples, dataset_classes=info.num_classes)
     total_steps = optim.total_steps(config, info.num_train_examples)
     schedule = optim.learning_rate_schedule(config, total_steps)
     tx = optim.make_optimizer(config, total_steps)
