@@ -12,9 +12,8 @@ from PIL import Image
 
 from vit_jax.configs import quickstart
 from vit_jax import checkpoint
-from vit_jax import data_sources
+from vit_jax import image_files
 from vit_jax import models
-from vit_jax import predict
 
 BIN = os.path.dirname(sys.executable)
 TINY = dict(num_layers=2, hidden_size=32, mlp_dim=64, num_heads=2, patch_size=7)
@@ -43,9 +42,10 @@ def save_random(path, size=(40, 30), mode='RGB', seed=0):
   Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode).save(path)
 
 
-def shell(argv, cwd):
+def shell(argv, cwd, **env_vars):
   env = dict(os.environ, PATH=f'{BIN}:' + os.environ.get('PATH', ''),
-             XLA_FLAGS='--xla_force_host_platform_device_count=1', TF_CPP_MIN_LOG_LEVEL='3')
+             XLA_FLAGS='--xla_force_host_platform_device_count=1', TF_CPP_MIN_LOG_LEVEL='3',
+             **env_vars)
   return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -119,8 +119,9 @@ def test_formats_decode_image_reads_and_tiff_named_on_the_command_line(home):
       '.bmp': 'BMP',
       '.webp': 'WebP'
   }
-  assert set(data_sources.IMAGE_EXTENSIONS) == set(names)
-  assert all(n in predict.FORMATS for n in names.values()) and 'TIFF' not in predict.FORMATS
+  assert set(image_files.IMAGE_EXTENSIONS) == set(names)
+  assert all(n in image_files.FORMATS for n in names.values())
+  assert 'TIFF' not in image_files.FORMATS
 
 
 @pytest.mark.parametrize('labels,reason', [('labels_dir', 'Is a directory'),
@@ -148,11 +149,11 @@ def test_top_k_is_at_least_one_and_at_most_the_classes(home):
 
 def test_images_are_decoded_one_batch_at_a_time(home, monkeypatch):
   reads = []
-  monkeypatch.setattr(predict, 'read_image', lambda path, config: reads.append(path) or np.zeros(
-      (28, 28, 3), np.float32))
+  monkeypatch.setattr(image_files, 'read_image',
+                      lambda path, config: reads.append(path) or np.zeros((28, 28, 3), np.float32))
   skipped = []
-  stream = predict.batches([f'{i}.png' for i in range(5)], None, batch_size=2,
-                           on_skip=skipped.append)
+  stream = image_files.batches([f'{i}.png' for i in range(5)], None, batch_size=2,
+                               on_skip=skipped.append)
   paths, images = next(stream)
   assert paths == ['0.png', '1.png'] and images.shape == (2, 28, 28, 3)
   assert reads == ['0.png', '1.png']  # nothing beyond the first batch decoded yet
@@ -163,7 +164,7 @@ def test_a_16_bit_gray_png_is_scaled_not_clipped(tmp_path):
   path = str(tmp_path / 'gray16.png')
   Image.fromarray(np.linspace(0, 65535, 28 * 28).reshape(28, 28).astype(np.uint16)).save(path)
   assert Image.open(path).mode == 'I;16'
-  image = predict.read_image(path, predict.eval_config(None, 28))
+  image = image_files.read_image(path, image_files.eval_config(None, 28))
   assert image.shape == (28, 28, 3) and abs(image.mean()) < 0.02  # a ramp from -1 to 1
   assert image.min() == -1 and image.max() == 1
 
@@ -221,6 +222,33 @@ def test_a_mistyped_flag_is_one_line(program, tmp_path):
   assert out.returncode == 1 and 'FATAL' not in out.stderr, out.stderr[-2000:]
   assert out.stderr.strip().splitlines()[-1] == (
       f"{program}: Unknown command line flag 'wokdir'. Did you mean: workdir ? (see --help)")
+
+
+def test_help_and_refused_arguments_answer_before_tensorflow_loads(home):
+  """vit-predict and vit-evaluate import TensorFlow (~5 s of a 2-core host) only to read
+  data: --help, and a path or value refused before the data, come without it."""
+  for argv, last in [
+      (['vit-predict', '--help'], '--top_k: Classes shown per image'),
+      (['vit-evaluate', '--help'], '--shots: Shots per class.'),
+      (['vit-predict', '--workdir', 'wd', 'img/mixed/good.png',
+        'cat.jpg'], 'vit-predict: cat.jpg: no such file or folder: pass image files or folders'),
+      (['vit-predict', '--checkpoint', 'nope.npz', '--model', 'ViT-B_16', 'img/pic.gif'],
+       'vit-predict: nope.npz cannot be read (No such file or directory (nope.npz)): check '
+       'the path and download'),
+      (['vit-evaluate', '--workdir', 'wd', '--shots=1,five'],
+       'vit-evaluate: --shots=1,five: expected whole numbers >= 1, comma-separated: e.g. '
+       '--shots=1,5'),
+  ]:
+    out = shell(argv, home, PYTHONPROFILEIMPORTTIME='1')  # a line of stderr per import
+    imported = {
+        l.rsplit('|', 1)[-1].strip() for l in out.stderr.splitlines()
+        if l.startswith('import time:')
+    }
+    assert 'vit_jax.model_flags' in imported and 'tensorflow' not in imported, argv
+    lines = [l for l in (out.stdout + out.stderr).splitlines() if not l.startswith('import time:')]
+    assert (out.returncode,
+            any(l.strip().startswith(last) for l in lines)) == (0 if '--help' in argv else 1,
+                                                                True), (argv, lines[-5:])
 
 
 @pytest.mark.parametrize('program,flag', [('vit-evaluate', '--batch_size'),

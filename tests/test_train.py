@@ -271,7 +271,8 @@ def test_multi_label_training_and_set_top1(tmp_path, caplog):
   from vit_jax import evaluate_cli  # pylint: disable=g-import-not-at-top
   cli = types.SimpleNamespace(workdir=str(tmp_path / 'multi'), checkpoint=None, dataset=None,
                               data_dir=None, eval_crop=None, mode='top1', train_split=None,
-                              eval_split=None, batch_size=16)
+                              eval_split=None, batch_size=16, shots=['1'], seeds=['0'],
+                              l2_reg=1024.0)
   with data_fixtures.mock_real(40):
     table = evaluate_cli.run(cli)
   assert table.splitlines()[1].split() == [

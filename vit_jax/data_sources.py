@@ -41,11 +41,11 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from vit_jax import image_files
 from vit_jax import vtab
 
 FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
 _IDX_PREFIX = {'train': 'train', 'test': 't10k'}  # split -> IDX file prefix
-IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.gif', '.bmp', '.webp')
 
 
 def _shard_ranges(spec: str, sizes: dict[str, int], index: int,
@@ -232,8 +232,8 @@ class _FolderSource(_LocalSource):
       found, _ = self._listing(split, name)
       if not found:  # would still count as a class: a head unit never trained
         raise ValueError(f'class folder {folder} holds no images '
-                         f'({"/".join(IMAGE_EXTENSIONS)}; sub-folders are not read): add its '
-                         'images or remove the folder.')
+                         f'({"/".join(image_files.IMAGE_EXTENSIONS)}; sub-folders are not '
+                         'read): add its images or remove the folder.')
       paths += [os.path.join(folder, f) for f in found]
       labels += [label] * len(found)
       names += [f'{name}/{f}' for f in found]
@@ -248,7 +248,7 @@ class _FolderSource(_LocalSource):
     entries = sorted(
         e.rstrip('/') for e in tf.io.gfile.listdir(os.path.join(self.root, split, name)))
     visible = [e for e in entries if not e.startswith('.')]
-    found = [e for e in visible if e.lower().endswith(IMAGE_EXTENSIONS)]
+    found = [e for e in visible if e.lower().endswith(image_files.IMAGE_EXTENSIONS)]
     return found, [e for e in visible if e not in found]
 
   def check_classes(self, train_spec: str) -> None:
@@ -274,7 +274,8 @@ class _FolderSource(_LocalSource):
         f'{s}/{c}/{e}' for s in read for c in self.classes_by_split[s]
         for e in self._listing(s, c)[1]
     ]
-    left_out = (f'; not read (not {"/".join(IMAGE_EXTENSIONS)} files, or sub-folders): '
+    extensions = '/'.join(image_files.IMAGE_EXTENSIONS)
+    left_out = (f'; not read (not {extensions} files, or sub-folders): '
                 f'{len(other)}, e.g. {", ".join(other[:3])}' if other else '')
     return f'folder:{self.root}: {self.num_classes} classes ({names}); {counts}{left_out}'
 

@@ -15,15 +15,15 @@ import sys
 from absl import app
 from absl import flags
 
-from vit_jax import tensorflow_quietly  # noqa: F401  (first: before TensorFlow loads)
 from vit_jax import cli_help
 from vit_jax import config_checks
-from vit_jax import evaluate
-from vit_jax import input_pipeline
 from vit_jax import model_flags
 from vit_jax import paths
-from vit_jax import rundir
 from vit_jax.configs import common
+
+# The evaluation (evaluate, input_pipeline, rundir) loads TensorFlow, ~5 s: it is imported
+# where used, once the arguments and the model have been checked, so that a command
+# refused for them, and --help, do not wait for it.
 
 _DEFAULTS = common.get_config()
 
@@ -61,13 +61,14 @@ def _define_flags():
       'fewshot_datasets', None, 'Datasets of the few-shot evaluation, each read '
       'with --train_split and --eval_split; several give per-dataset rows and '
       'their mean (default: --dataset).')
-  flags.DEFINE_list('shots', [str(k) for k in evaluate.DEFAULT_SHOTS], 'Shots per class.')
+  flags.DEFINE_list('shots', [str(k) for k in _DEFAULTS.fewshot_shots], 'Shots per class.')
   flags.DEFINE_bool(
       'standardise', _DEFAULTS.fewshot_standardise, 'Standardise the features '
       'by the k-shot set\'s mean and deviation before the fit (see fewshot_standardise '
       'in configs/common.py).')
-  flags.DEFINE_list('seeds', [str(s) for s in evaluate.DEFAULT_SEEDS], 'Seeds of the k-shot draws.')
-  flags.DEFINE_float('l2_reg', evaluate.DEFAULT_L2_REG,
+  flags.DEFINE_list('seeds', [str(s) for s in _DEFAULTS.fewshot_seeds],
+                    'Seeds of the k-shot draws.')
+  flags.DEFINE_float('l2_reg', _DEFAULTS.fewshot_l2_reg,
                      'Ridge regulariser of the few-shot regression.')
   flags.DEFINE_integer('batch_size', 64, 'Global evaluation batch size.')
   return flags.FLAGS
@@ -90,7 +91,16 @@ def _setting(flags_, name, run_config, run_value, default):
 
 def run(flags_):
   """Evaluates per the flags; returns the table as text."""
+  shots, seeds = _whole_numbers(flags_, 'shots', 1), _whole_numbers(flags_, 'seeds', 0)
+  if not flags_.l2_reg > 0:
+    raise ValueError(f'--l2_reg={flags_.l2_reg} is not positive: use e.g. '
+                     f'--l2_reg={_DEFAULTS.fewshot_l2_reg:g} (the default)')
   run_config, model, params, image_size = model_flags.load(flags_)
+  # pylint: disable=g-import-not-at-top,unused-import  (TensorFlow: see the imports above)
+  from vit_jax import tensorflow_quietly  # noqa: F401  (first: before TensorFlow loads)
+  from vit_jax import evaluate
+  from vit_jax import input_pipeline
+  # pylint: enable=g-import-not-at-top,unused-import
   rc = run_config or {}
   pp = rc.get('pp', {})
   get = lambda name, default: _setting(flags_, name, run_config, rc.get(name), default)
@@ -127,13 +137,18 @@ def run(flags_):
     rows.append(('top1', f'{eval_split} ReaL' if real else eval_split,
                  f'{acc:.4f}  ({n} images{" with a ReaL label" if real else ""})'))
   if mode in ('fewshot', 'all'):
-    rows += _fewshot_rows(flags_, model, params, config, train_split, eval_split)
+    rows += _fewshot_rows(flags_, model, params, config, train_split, eval_split, shots, seeds)
   return format_table(rows)
 
 
 def _check_class_names(flags_, config, eval_split):
   """Top-1 reads the head's class i as the dataset's label i: refuses a dataset that names
   its classes otherwise than the run recorded (a folder renamed, or another folder)."""
+  # pylint: disable=g-import-not-at-top  (loaded by run)
+  from vit_jax import evaluate
+  from vit_jax import input_pipeline
+  from vit_jax import rundir
+  # pylint: enable=g-import-not-at-top
   workdir = getattr(flags_, 'workdir', None)
   recorded = rundir.recorded_class_names(paths.resolve(workdir)) if workdir else None
   if recorded is None:
@@ -148,13 +163,12 @@ def _check_class_names(flags_, config, eval_split):
       "head's; evaluate on the run's classes, or use --mode fewshot")
 
 
-def _fewshot_rows(flags_, model, params, config, train_split, eval_split):
+def _fewshot_rows(flags_, model, params, config, train_split, eval_split, shots, seeds):
   """Table rows: each dataset's k-shot accuracy, then the mean over datasets if several."""
-  shots = _whole_numbers(flags_, 'shots', 1)
-  seeds = _whole_numbers(flags_, 'seeds', 0)
-  if not flags_.l2_reg > 0:
-    raise ValueError(f'--l2_reg={flags_.l2_reg} is not positive: use e.g. '
-                     f'--l2_reg={evaluate.DEFAULT_L2_REG:g} (the default)')
+  # pylint: disable=g-import-not-at-top  (loaded by run)
+  from vit_jax import evaluate
+  from vit_jax import input_pipeline
+  # pylint: enable=g-import-not-at-top
   standardise = getattr(flags_, 'standardise', _DEFAULTS.fewshot_standardise)
   results, rows = {}, []
   for dataset in getattr(flags_, 'fewshot_datasets', None) or [config.dataset]:
@@ -197,6 +211,10 @@ def _shots_that_fit(flags_, shots, train_y, cfg, train_split, label):
   reason, so that a small folder still gets its other rows; shots typed on the command
   line that it cannot draw stop the evaluation, before the held-out features.
   """
+  # pylint: disable=g-import-not-at-top  (loaded by run)
+  from vit_jax import evaluate
+  from vit_jax import input_pipeline
+  # pylint: enable=g-import-not-at-top
   if not len(train_y):
     raise ValueError(f'{label} split {train_split!r} holds no images for the k-shot draws: '
                      'use another --train_split')

@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from vit_jax import cli_help
+from vit_jax import image_files
 from vit_jax import model_flags
 from vit_jax.models import variants
 
@@ -306,8 +307,7 @@ MAX_IMAGES = 32  # A rollout figure each, and one forward pass over all of them.
 
 def image_paths(items):
   """--images as files: folders searched as vit-predict searches them; at most MAX_IMAGES."""
-  from vit_jax import predict  # pylint: disable=g-import-not-at-top  (loads TF)
-  files = predict.image_files(items)
+  files = image_files.find(items)
   if len(files) > MAX_IMAGES:
     raise ValueError(f'--images names {len(files)} images; vit-inspect draws a figure for each '
                      f'and runs them as one batch: pass at most {MAX_IMAGES}')
@@ -317,11 +317,10 @@ def image_paths(items):
 def load_images(paths, image_size, run_config=None):
   """Image files -> float32 [n, S, S, 3] in [-1, 1]: decoded and preprocessed as vit-predict
   does (the run's evaluation crop; 16-bit and gray images too)."""
-  from vit_jax import predict  # pylint: disable=g-import-not-at-top  (loads TF)
   try:
-    return predict.load_images(paths, predict.eval_config(run_config, image_size))
-  except predict.UnreadableImage as e:
-    raise ValueError(f'Cannot read image {e.path} ({e.reason}): pass {predict.FORMATS} '
+    return image_files.load_images(paths, image_files.eval_config(run_config, image_size))
+  except image_files.UnreadableImage as e:
+    raise ValueError(f'Cannot read image {e.path} ({e.reason}): pass {image_files.FORMATS} '
                      'files') from None
 
 

@@ -12,117 +12,20 @@ Results are printed batch by batch; a file that cannot be read is warned about a
 skipped, and the exit status is then 1.
 """
 import functools
-import os
-import re
 import sys
 
 from absl import flags
 import jax
-import ml_collections
 import numpy as np
 
-from vit_jax import tensorflow_quietly  # noqa: F401  (first: before TensorFlow loads)
 from vit_jax import cli_help
-from vit_jax import data_sources
-from vit_jax import input_pipeline
+from vit_jax import image_files
 from vit_jax import model_flags
 from vit_jax import paths
-from vit_jax import preprocessing
-from vit_jax import rundir
 
-# What tf.io.decode_image reads (data_sources.IMAGE_EXTENSIONS); not TIFF.
-FORMATS = 'JPEG, PNG, GIF, BMP or WebP'
-
-
-class UnreadableImage(ValueError):
-  """An image file that cannot be read or decoded: `path` and a short `reason`."""
-
-  def __init__(self, path, reason):
-    super().__init__(f'{path}: {reason}')
-    self.path, self.reason = path, reason
-
-
-def image_files(items):
-  """Files as given, and the image files under folders (sorted; hidden ones left out)."""
-  out = []
-  for item in items:
-    if os.path.isdir(item):
-      found = []
-      for d, dirs, files in os.walk(item):
-        dirs[:] = [x for x in dirs if not x.startswith('.')]
-        found += [
-            os.path.join(d, f) for f in files
-            if not f.startswith('.') and f.lower().endswith(data_sources.IMAGE_EXTENSIONS)
-        ]
-      if not found:
-        raise ValueError(f'{item} holds no image files '
-                         f'({", ".join(data_sources.IMAGE_EXTENSIONS)})')
-      out.extend(sorted(found))
-    elif os.path.isfile(item):
-      out.append(item)
-    else:
-      raise ValueError(f'{item}: no such file or folder: pass image files or folders')
-  if not out:
-    raise ValueError('No images: pass image files or folders as arguments')
-  return out
-
-
-def eval_config(run_config, image_size):
-  """The config preprocessing.preprocess_eval reads: the run's pp, else its defaults."""
-  pp = dict(eval_crop='resize', central_crop_fraction=0.875)
-  pp.update(dict((run_config or {}).get('pp', {})))
-  return ml_collections.ConfigDict(dict(image_size=image_size, pp=pp))
-
-
-def _short_reason(error):
-  """A TF error's message without the op and device it names."""
-  text = re.sub(r'\{\{.*?\}\}', '', error.message or '').strip()
-  text = re.sub(r'\s*\[Op:\w+\].*', '', text.splitlines()[0] if text else '')
-  if text.startswith('Unknown image file format'):
-    return f'not a {FORMATS} image'
-  return text or type(error).__name__
-
-
-def read_image(path, config):
-  """One file -> float32 [S, S, 3] in [-1, 1], as the evaluation preprocesses it.
-
-  Raises UnreadableImage when the file cannot be read or decoded.
-  """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (preprocessing loaded it)
-  try:
-    return preprocessing.preprocess_eval(tf.io.read_file(path), config).numpy()
-  except tf.errors.OpError as e:
-    raise UnreadableImage(path, _short_reason(e)) from None
-
-
-def load_images(files, config):
-  """Files -> float32 [n, S, S, 3]; UnreadableImage for the first that cannot be read."""
-  input_pipeline.keep_tf_off_accelerators()
-  return np.stack([read_image(path, config) for path in files])
-
-
-def batches(files, config, batch_size=32, on_skip=None):
-  """Yields (paths, images [n <= batch_size, S, S, 3]), decoding one batch at a time.
-
-  A file that cannot be read is passed to on_skip(UnreadableImage) and left out
-  (without on_skip, the error is raised).
-  """
-  input_pipeline.keep_tf_off_accelerators()
-  paths, images = [], []
-  for path in files:
-    try:
-      images.append(read_image(path, config))
-    except UnreadableImage as e:
-      if on_skip is None:
-        raise
-      on_skip(e)
-      continue
-    paths.append(path)
-    if len(paths) == batch_size:
-      yield paths, np.stack(images)
-      paths, images = [], []
-  if paths:
-    yield paths, np.stack(images)
+# TensorFlow is imported by the first image's decode (image_files), and by the class names of
+# a run (rundir, input_pipeline): a command refused for its arguments or its model exits
+# before TensorFlow's ~5 s import.
 
 
 def top_k(logits, k):
@@ -149,6 +52,11 @@ def class_names(run_config, labels_file, num_classes, workdir=None):
     return names
   if run_config is None:
     return None
+  # pylint: disable=g-import-not-at-top,unused-import  (TensorFlow: see the imports above)
+  from vit_jax import tensorflow_quietly  # noqa: F401  (first: before TensorFlow loads)
+  from vit_jax import input_pipeline
+  from vit_jax import rundir
+  # pylint: enable=g-import-not-at-top,unused-import
   recorded = rundir.recorded_class_names(paths.resolve(workdir)) if workdir else None
   if recorded is not None:
     return recorded if len(recorded) == num_classes else None
@@ -182,7 +90,7 @@ def run(flags_, items, batch_size=32):
   """Prints the predictions batch by batch; returns (files, files skipped)."""
   if flags_.top_k < 1:
     raise ValueError(f'--top_k={flags_.top_k}: pass 1 or more (classes shown per image)')
-  files = image_files(items)
+  files = image_files.find(items)
   run_config, model, params, image_size = model_flags.load(flags_)
   if not model.num_classes:
     raise ValueError('The checkpoint has no classification head: use vit-evaluate --mode '
@@ -196,7 +104,8 @@ def run(flags_, items, batch_size=32):
     skipped.append(error.path)
     print(f'warning: skipped {error}', file=sys.stderr, flush=True)
 
-  for batch_files, images in batches(files, eval_config(run_config, image_size), batch_size, skip):
+  config = image_files.eval_config(run_config, image_size)
+  for batch_files, images in image_files.batches(files, config, batch_size, skip):
     order, probs = top_k(predict(model, params, images, batch_size), k)
     print(format_predictions(batch_files, order, probs, names), flush=True)
   return len(files), len(skipped)
@@ -217,7 +126,7 @@ def main(argv):
     sys.exit(f'vit-predict: {e}')
   if skipped:
     sys.exit(f'vit-predict: {skipped} of {total} files could not be read (warnings above): '
-             f'convert them to {FORMATS}, or leave them out')
+             f'convert them to {image_files.FORMATS}, or leave them out')
 
 
 def run_cli():

@@ -1,0 +1,119 @@
+"""Image files as vit-predict and vit-inspect read them: found under folders, then decoded
+and preprocessed exactly as the run evaluates them (preprocessing.preprocess_eval: its
+resolution and evaluation crop; gray and 16-bit images too).
+
+Finding the files imports no TensorFlow: a command refused for a path it was given says so
+before TensorFlow's import (~5 s), which the first decode makes.
+"""
+import functools
+import os
+import re
+
+import ml_collections
+import numpy as np
+
+# What tf.io.decode_image reads; folders (here and folder datasets) are searched for these.
+IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.gif', '.bmp', '.webp')
+FORMATS = 'JPEG, PNG, GIF, BMP or WebP'  # the same, as messages name them (not TIFF)
+
+
+class UnreadableImage(ValueError):
+  """An image file that cannot be read or decoded: `path` and a short `reason`."""
+
+  def __init__(self, path, reason):
+    super().__init__(f'{path}: {reason}')
+    self.path, self.reason = path, reason
+
+
+def find(items):
+  """Files as given, and the image files under folders (sorted; hidden ones left out)."""
+  out = []
+  for item in items:
+    if os.path.isdir(item):
+      found = []
+      for d, dirs, files in os.walk(item):
+        dirs[:] = [x for x in dirs if not x.startswith('.')]
+        found += [
+            os.path.join(d, f) for f in files
+            if not f.startswith('.') and f.lower().endswith(IMAGE_EXTENSIONS)
+        ]
+      if not found:
+        raise ValueError(f'{item} holds no image files ({", ".join(IMAGE_EXTENSIONS)})')
+      out.extend(sorted(found))
+    elif os.path.isfile(item):
+      out.append(item)
+    else:
+      raise ValueError(f'{item}: no such file or folder: pass image files or folders')
+  if not out:
+    raise ValueError('No images: pass image files or folders as arguments')
+  return out
+
+
+def eval_config(run_config, image_size):
+  """The config preprocessing.preprocess_eval reads: the run's pp, else its defaults."""
+  pp = dict(eval_crop='resize', central_crop_fraction=0.875)
+  pp.update(dict((run_config or {}).get('pp', {})))
+  return ml_collections.ConfigDict(dict(image_size=image_size, pp=pp))
+
+
+@functools.cache
+def _preprocessing():
+  """vit_jax.preprocessing, imported on the first decode, with TensorFlow kept off the
+  accelerators (input_pipeline.keep_tf_off_accelerators)."""
+  # pylint: disable=g-import-not-at-top,unused-import
+  from vit_jax import tensorflow_quietly  # noqa: F401  (first: before TensorFlow loads)
+  from vit_jax import input_pipeline
+  from vit_jax import preprocessing
+  # pylint: enable=g-import-not-at-top,unused-import
+  input_pipeline.keep_tf_off_accelerators()
+  return preprocessing
+
+
+def _short_reason(error):
+  """A TF error's message without the op and device it names."""
+  text = re.sub(r'\{\{.*?\}\}', '', error.message or '').strip()
+  text = re.sub(r'\s*\[Op:\w+\].*', '', text.splitlines()[0] if text else '')
+  if text.startswith('Unknown image file format'):
+    return f'not a {FORMATS} image'
+  return text or type(error).__name__
+
+
+def read_image(path, config):
+  """One file -> float32 [S, S, 3] in [-1, 1], as the evaluation preprocesses it.
+
+  Raises UnreadableImage when the file cannot be read or decoded.
+  """
+  preprocessing = _preprocessing()
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (_preprocessing loaded it)
+  try:
+    return preprocessing.preprocess_eval(tf.io.read_file(path), config).numpy()
+  except tf.errors.OpError as e:
+    raise UnreadableImage(path, _short_reason(e)) from None
+
+
+def load_images(files, config):
+  """Files -> float32 [n, S, S, 3]; UnreadableImage for the first that cannot be read."""
+  return np.stack([read_image(path, config) for path in files])
+
+
+def batches(files, config, batch_size=32, on_skip=None):
+  """Yields (paths, images [n <= batch_size, S, S, 3]), decoding one batch at a time.
+
+  A file that cannot be read is passed to on_skip(UnreadableImage) and left out
+  (without on_skip, the error is raised).
+  """
+  paths, images = [], []
+  for path in files:
+    try:
+      images.append(read_image(path, config))
+    except UnreadableImage as e:
+      if on_skip is None:
+        raise
+      on_skip(e)
+      continue
+    paths.append(path)
+    if len(paths) == batch_size:
+      yield paths, np.stack(images)
+      paths, images = [], []
+  if paths:
+    yield paths, np.stack(images)
