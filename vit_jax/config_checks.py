@@ -67,7 +67,8 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
                      f'--config.num_classes={dataset_classes} or -1 (from the dataset)')
   if config.dtype not in DTYPES:
     raise ValueError(f'dtype {config.dtype!r} is unknown: set --config.dtype to one of {DTYPES}')
-  stride = models.pixels_per_token(models.get_variant(config.model_name, **config.model))
+  fields = models.get_variant(config.model_name, **config.model)
+  stride = models.pixels_per_token(fields)
   if config.image_size < 1:
     raise ValueError(f'image_size {config.image_size} must be >= 1 (pixels per side): set '
                      '--config.image_size')
@@ -91,7 +92,6 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
   if config.vtab_task and config.vtab_task not in vtab.VTAB:
     raise ValueError(f'vtab_task {config.vtab_task!r} is not a VTAB-1k task: set '
                      f'--config.vtab_task to one of {" ".join(vtab.VTAB)}, or \'\'')
-  fields = models.get_variant(config.model_name, **config.model)
   if not 0 <= config.label_smoothing < 1:
     raise ValueError(f'label_smoothing {config.label_smoothing} is a fraction of the target: '
                      'set --config.label_smoothing to a value in [0, 1)')
