@@ -1,4 +1,5 @@
-r"""Masked patch prediction in miniature, offline: Fashion-MNIST, the quickstart-sized ViT.
+r"""Masked patch prediction in miniature, offline: Fashion-MNIST, the quickstart-sized ViT
+on 4x4 patches.
 
   python experiments/masked_patches_fashion.py --workdir /tmp/mpp_fashion
 
@@ -64,6 +65,7 @@ def pretrain_config():
 
 def finetune_config(labels, seed, pretrained):
   c = quickstart.get_config()
+  c.model = mp_configs.get_config('quickstart').model  # the pre-trained model (its patches)
   c.seed = seed
   c.train_split = f'train[:{labels}]'
   c.shuffle_buffer = labels
@@ -102,7 +104,8 @@ def fewshot(config, params_or_none):
   pre-logits (the class token's output) and the mean of the patch tokens' outputs."""
   model = train.build_model(config, 0)
   if params_or_none is None:
-    params = train._init(config, model, jax.random.PRNGKey(config.seed))  # pylint: disable=protected-access
+    images = jnp.zeros((1, config.image_size, config.image_size, 3), jnp.float32)
+    params = model.init(jax.random.PRNGKey(config.seed), images, train=False)['params']
   else:
     params = checkpoint.load_pretrained(params_or_none, model, 0, config.image_size)
   n = FLAGS.fewshot_pool

@@ -38,6 +38,13 @@ SMALL_SWEEP = [
     'config.train_split=train[:64]', '--set', 'config.eval_split=test[:32]'
 ]
 
+# Every phase of the masked-patch experiment (pre-training, fine-tuning from it and from
+# scratch, 5-shot on frozen features) in seconds; its workdir and data are the test's.
+SMALL_EXPERIMENT = [
+    '--pretrain_steps=2', '--finetune_steps=2', '--finetune_batch=16', '--labels=32', '--seeds=0',
+    '--fewshot_pool=100', '--fewshot_draws=1'
+]
+
 
 def fenced_blocks(text):
   """[(language, body)] of the README's fenced code blocks."""
@@ -79,8 +86,8 @@ def rule(argv):
     return 'activate', []  # the tests put the venv's commands on PATH themselves
   if prog in ('curl', 'pip', 'gcloud', 'tfds'):
     return 'network', []
-  if prog == 'python' and argv[1].startswith('experiments/'):
-    return 'on demand', []  # minutes to hours: experiments are run by hand
+  if prog == 'python' and argv[1] == 'experiments/masked_patches_fashion.py':
+    return 'experiment', SMALL_EXPERIMENT
   if prog == 'python' and argv[1] == '-c' and 'shoe.png' in argv[2]:
     return 'run', []  # the image the commands after it read (also made by user_dir)
   if prog == 'vit-train':
@@ -172,6 +179,17 @@ def test_runs_as_written(argv, user_dir):
     assert {'position_embedding_similarity.png', 'embedding_filters.png',
             'attention_distance.png'} <= set(figures), figures
     assert any(f.startswith('rollout_') for f in figures), figures
+
+
+@pytest.mark.parametrize('argv', [a for a in readme_commands()[1] if rule(a)[0] == 'experiment'],
+                         ids=lambda a: shlex.join(a)[:60])
+def test_experiments_run_as_written_in_miniature(argv, user_dir, tmp_path):
+  """From the repository root, as the README runs them, on the user's small data."""
+  out = _shell(
+      argv + rule(argv)[1]
+      + [f'--workdir={tmp_path / "run"}', f'--data_dir={user_dir / USER_DATA}'], ROOT)
+  assert '| labelled images | from scratch | masked patch pre-trained |' in out.stdout
+  assert '| 32 (0.0533333%), test accuracy % over 1 seeds |' in out.stdout, out.stdout[-1500:]
 
 
 @pytest.mark.parametrize('argv', [a for a in readme_commands()[1] if rule(a)[0] == 'parse'],
