@@ -7,7 +7,7 @@ and round (1 N 1 N ...); the speed ratio is taken per pair, and each side's peak
 parameters and optimizer state are on every device) is reported beside it.
 
   python benchmarks/cpu_devices.py --models ViT-Ti_16 --batch 128 --image_size 28 \
-      --override patch_size=4 --override hidden_size=64 --override mlp_dim=128 \
+      --override patch_size=7 --override hidden_size=64 --override mlp_dim=128 \
       --override num_heads=4 --override num_layers=4 --steps 20   # the quickstart's step
   python benchmarks/cpu_devices.py --models ViT-Ti_16,ViT-B_16 --batch 32,8 --steps 4
 """

@@ -260,7 +260,7 @@ def test_quickstart_loads():
     QUICKSTART.get_config('x')
   # Its log lines say the model is smaller than its name: only the changed fields are named.
   assert models.describe(c.model_name, **c.model) == (
-      'ViT-Ti_16 with hidden_size=64, mlp_dim=128, num_heads=4, num_layers=4, patch_size=4')
+      'ViT-Ti_16 with hidden_size=64, mlp_dim=128, num_heads=4, num_layers=4, patch_size=7')
   assert models.describe('ViT-B_16', patch_size=16, dropout_rate=0.0) == 'ViT-B_16'
   assert models.describe('R50+ViT-B_16', resnet_layers=[3, 4, 9]) == 'R50+ViT-B_16'
 

@@ -401,15 +401,15 @@ def test_quickstart_command_end_to_end_shortened(idx_dir, tmp_path):
   assert glob.glob(os.path.join(workdir, 'events.out.tfevents.*'))
   log = open(os.path.join(workdir, 'train.INFO')).read()
   assert 'step 20/20' in log and 'img/s/core' in log and 'ETA' in log and 'MFU' in log
-  assert ('ViT-Ti_16 with hidden_size=64, mlp_dim=128, num_heads=4, num_layers=4, patch_size=4: '
-          '141,066 parameters; ') in log and 'Compiled the train step' in log
+  assert ('ViT-Ti_16 with hidden_size=64, mlp_dim=128, num_heads=4, num_layers=4, patch_size=7: '
+          '145,290 parameters; ') in log and 'Compiled the train step' in log
   assert 'orbax' not in log  # library chatter is filtered out of the readable log
   assert proc.stderr.count('XLA:CPU flags for float32') == 1 and 'XLA:CPU flags for' in log
   # The CPU flags the run started with are kept for its resumption (rundir.recorded_cpu_flags).
   assert rundir.recorded_cpu_flags(workdir) == xla_cpu_flags.FLAGS_BY_DTYPE['float32']
   assert rundir.recorded_cpu_flags(str(tmp_path / 'new')) is None
   params = checkpoint.load_npz(os.path.join(workdir, 'final.npz'))
-  model = models.get_model('ViT-Ti_16', num_classes=10, patch_size=4, hidden_size=64, mlp_dim=128,
+  model = models.get_model('ViT-Ti_16', num_classes=10, patch_size=7, hidden_size=64, mlp_dim=128,
                            num_heads=4, num_layers=4)
   assert model.apply({'params': params}, np.zeros((1, 28, 28, 3), np.float32)).shape == (1, 10)
 
@@ -439,7 +439,7 @@ def test_a_value_of_the_wrong_type_says_what_the_field_expects(tmp_path, overrid
 @pytest.mark.parametrize(
     'override,message',
     [
-        ('image_size=30', 'image_size 30 is not divisible by patch size 4'),
+        ('image_size=30', 'image_size 30 is not divisible by patch size 7'),
         # Found at start-up, not at the first evaluation.
         ('eval_split=test[:0]', "eval_split 'test[:0]' of fashion_mnist_local holds no examples: "
          'choose another --config.eval_split'),
