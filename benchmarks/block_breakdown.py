@@ -25,6 +25,7 @@ import harness
 import jax
 import jax.numpy as jnp
 
+from vit_jax import models
 from vit_jax.models import vit
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
@@ -40,8 +41,6 @@ parser.add_argument('--step_hlo', default='ViT-B_16',
                     help='model whose train step HLO is counted ("" skips)')
 parser.add_argument('--out', default='')
 args = parser.parse_args()
-
-DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
 
 class AttnBHQD(nn.Module):
@@ -136,7 +135,7 @@ def main():
   cases = []
   for dtype in args.dtypes.split(','):
     for v in variants:
-      m = Block(v, DTYPES[dtype])
+      m = Block(v, models.DTYPES[dtype])
       params = m.init(jax.random.PRNGKey(0), x)
       f = jax.jit(
           jax.grad(lambda p, x, m=m: jnp.sum(m.apply(p, x).astype(jnp.float32)), argnums=(0, 1)))

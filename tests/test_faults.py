@@ -581,6 +581,8 @@ def _make_folder(root, empty_class):
     (dict(keep_checkpoints=0), r'keep_checkpoints 0 would keep no checkpoint .*-1 keeps all'),
     (dict(log_every_steps=-1), r'log_every_steps -1 is negative: set --config.log_every_steps'),
     (dict(on_nonfinite='ignore'), r"on_nonfinite 'ignore' is unknown"),
+    (dict(dtype='float16'), r"dtype 'float16' is unknown: set --config.dtype to one of "
+     r"\('float32', 'bfloat16'\)"),
     (dict(num_classes=5), r'num_classes 5 is smaller than the dataset\'s 10 classes .* '
      r'--config.num_classes=10'),
     (dict(dataset='mnist', data_dir='DATA'),

@@ -16,7 +16,6 @@ from vit_jax import sharding
 from vit_jax import trace
 from vit_jax import vtab
 
-DTYPES = ('float32', 'bfloat16')
 ON_NONFINITE = ('stop', 'skip')
 # config.pp's crops (preprocessing.py applies them).
 TRAIN_CROPS = ('inception', 'resize')
@@ -65,8 +64,9 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
     raise ValueError(f'num_classes {config.num_classes} is smaller than the dataset\'s '
                      f'{dataset_classes} classes (labels up to {dataset_classes - 1}): set '
                      f'--config.num_classes={dataset_classes} or -1 (from the dataset)')
-  if config.dtype not in DTYPES:
-    raise ValueError(f'dtype {config.dtype!r} is unknown: set --config.dtype to one of {DTYPES}')
+  if config.dtype not in models.DTYPES:
+    raise ValueError(f'dtype {config.dtype!r} is unknown: set --config.dtype to one of '
+                     f'{tuple(models.DTYPES)}')
   fields = models.get_variant(config.model_name, **config.model)
   stride = models.pixels_per_token(fields)
   if config.image_size < 1:

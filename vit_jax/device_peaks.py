@@ -55,7 +55,7 @@ _GPU = (
     (('H200', 'NVL'), (1671 / 2, 835 / 2)),
     (('H200',), (1979 / 2, 989 / 2)),
 )
-_DTYPES = ('bfloat16', 'float32')
+_PEAK_COLUMNS = ('bfloat16', 'float32')  # the order of each row's two peaks
 
 # The CPU measurement: a square matmul of this side, repeated at least _CPU_RUNS times and
 # for at least _CPU_SECONDS (2048: 17.2 GFLOP, 25-110 ms on a 2-core AVX-512 host).
@@ -65,14 +65,14 @@ _CPU_SECONDS = 0.25
 
 
 def _check_dtype(dtype):
-  if dtype not in _DTYPES:
-    raise ValueError(f'dtype {dtype!r} has no peak FLOP/s: use one of {", ".join(_DTYPES)}')
+  if dtype not in _PEAK_COLUMNS:
+    raise ValueError(f'dtype {dtype!r} has no peak FLOP/s: use one of {", ".join(_PEAK_COLUMNS)}')
 
 
 def peak_flops(device_kind, dtype):
   """Peak dense matmul FLOP/s of one JAX device of `device_kind`; None if not in the table."""
   _check_dtype(dtype)
-  column = _DTYPES.index(dtype)
+  column = _PEAK_COLUMNS.index(dtype)
   if device_kind in _TPU:
     return _TPU[device_kind] * _TERA
   kind = device_kind.upper()

@@ -12,7 +12,8 @@ from vit_jax.models.vit import VisionTransformer
 
 # Options of the module that are not architecture fields of the variant table.
 _MODULE_OPTIONS = ('head_bias_init', 'dtype', 'remat')
-_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+# The compute dtypes a model takes by name (config.dtype); parameters stay float32.
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
 
 def get_model(name, num_classes, **overrides):
@@ -27,10 +28,10 @@ def get_model(name, num_classes, **overrides):
   if 'remat' in options:
     options['remat'] = remat.policy_name(options['remat'])
   if isinstance(options.get('dtype'), str):
-    if options['dtype'] not in _DTYPES:
+    if options['dtype'] not in DTYPES:
       raise ValueError(
-          f'dtype {options["dtype"]!r} is not supported: use one of {", ".join(_DTYPES)}')
-    options['dtype'] = _DTYPES[options['dtype']]
+          f'dtype {options["dtype"]!r} is not supported: use one of {", ".join(DTYPES)}')
+    options['dtype'] = DTYPES[options['dtype']]
   fields = get_variant(name, **overrides)
   family = fields.pop('family')
   cls = VisionTransformer if family == 'vit' else BiTResNet
