@@ -18,6 +18,7 @@ import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -87,9 +88,27 @@ def pytest_sessionfinish(session):
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# TFDS's DatasetInfo.initialize_from_bucket makes a tempfile.mkdtemp('tfds') for every builder
+# of a dataset that is not prepared (each mocked one, each run refused as not prepared) and
+# never removes it: offline it stays empty. About 40 a run of the suite; the process that
+# started the run removes the empty ones made since it started.
+_STARTED = time.time()
+
+
+def _remove_tfds_scratch_dirs():
+  for path in glob.glob(os.path.join(tempfile.gettempdir(), 'tmp*tfds')):
+    try:
+      if os.stat(path).st_mtime >= _STARTED and not os.listdir(path):
+        os.rmdir(path)
+    except OSError:
+      pass  # gone, or not ours to remove
+
+
 def pytest_unconfigure(config):  # pylint: disable=unused-argument
   if _OWN_CACHE:
     shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+  if 'PYTEST_XDIST_WORKER' not in os.environ:
+    _remove_tfds_scratch_dirs()
 
 
 def own_compilation_cache(env, directory=None):
