@@ -12,6 +12,7 @@ which works from any directory once the package is installed:
 
 An existing file wins over a packaged name.
 """
+import ast
 import difflib
 import importlib.util
 import os
@@ -22,6 +23,7 @@ import ml_collections
 from ml_collections import config_flags
 
 from vit_jax import errors
+from vit_jax.models import variants
 
 PACKAGED = ('quickstart', 'finetune', 'pretrain', 'table2', 'masked_patches')
 EXAMPLES = '--config=quickstart, --config=finetune:ViT-B_16,cifar10 or a file path'
@@ -73,17 +75,85 @@ def load(spec, overrides=()):
                      'from get_config()')
   config = module.get_config(arg) if arg else module.get_config()
   _check_complete(config, path)
-  if not overrides:
-    return config
+  overrides, model_fields = split_model_fields(config, overrides)
   check_override_names(config, overrides)
-  argv = ['vit_jax', f'--config={resolve(spec)}', *overrides]
-  flag_values = flags.FlagValues()
-  config_flags.DEFINE_config_file('config', None, '', flag_values=flag_values, sys_argv=argv)
+  if overrides:
+    argv = ['vit_jax', f'--config={resolve(spec)}', *overrides]
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file('config', None, '', flag_values=flag_values, sys_argv=argv)
+    try:
+      flag_values(argv)
+    except flags.Error as e:
+      raise ValueError(errors.plain_value_error(str(e).strip().splitlines()[0])) from None
+    config = flag_values.config
+  add_model_fields(config, model_fields)
+  return config
+
+
+_MODEL_FIELD = re.compile(r'^--?config\.model\.(\w+)(?:=(.*))?$', re.S)
+_MODEL_NAME = re.compile(r'^--?config\.model_name(?:=(.*))?$', re.S)
+
+
+def split_model_fields(config, args):
+  """(`args` without them, {name: value}) for the --config.model.NAME=VALUE in `args` whose
+  NAME the config's model does not hold but the model's variant has (num_layers on a
+  fine-tuning config, say). ml_collections sets only the fields a config holds, so these
+  are added to the parsed config by add_model_fields. A NAME the variant lacks is a
+  one-line ValueError naming the variant's fields."""
+  args = list(args)
+  model_name = config.model_name
+  for i, arg in enumerate(args):  # the last --config.model_name=X wins, as in absl
+    match = _MODEL_NAME.match(arg)
+    if match and (match.group(1) is not None or i + 1 < len(args)):
+      model_name = match.group(1) if match.group(1) is not None else args[i + 1]
+  variant = variants.VARIANTS.get(model_name)  # an unknown name's error comes later
+  rest, fields, i = [], {}, 0
+  while i < len(args):
+    match = _MODEL_FIELD.match(args[i])
+    if not match or variant is None or match.group(1) in config.model:
+      rest.append(args[i])
+      i += 1
+      continue
+    name, text = match.groups()
+    if text is None:  # '--config.model.NAME VALUE'
+      text = args[i + 1] if i + 1 < len(args) else ''
+      i += 1
+    i += 1
+    allowed = sorted(set(variant) - {'family'})
+    if name not in allowed:
+      close = difflib.get_close_matches(name, allowed, n=3)
+      hint = f' (did you mean {", ".join(close)}?)' if close else ''
+      raise ValueError(f'--config.model.{name}: model {model_name} has no field {name!r}{hint}; '
+                       f'its fields: {", ".join(allowed)}')
+    fields[name] = _model_field_value(name, text, variant[name])
+  return rest, fields
+
+
+def _model_field_value(name, text, default):
+  """The value of --config.model.NAME=text, of the type of the variant's default."""
+  kind = variants.OPTIONAL_FIELD_TYPES[name] if default is None else type(default)
+  if kind is str:
+    return text
   try:
-    flag_values(argv)
-  except flags.Error as e:
-    raise ValueError(errors.plain_value_error(str(e).strip().splitlines()[0])) from None
-  return flag_values.config
+    value = ast.literal_eval(text.strip())
+  except (ValueError, SyntaxError, MemoryError, RecursionError):
+    value = text
+  if isinstance(value, list):
+    value = tuple(value)
+  if kind is float and type(value) is int:  # pylint: disable=unidiomatic-typecheck
+    value = float(value)
+  if type(value) is kind or (value is None and default is None):  # bool is not an int here
+    return value
+  what = {int: 'an integer', float: 'a number', tuple: 'a tuple of integers such as (3,4,9)'}[kind]
+  raise ValueError(f'flag --config.model.{name}={text}: expected {what}'
+                   f'{" or None" if default is None else ""}')
+
+
+def add_model_fields(config, fields):
+  """Adds split_model_fields's `fields` to the (parsed) config's model."""
+  if fields:
+    with config.unlocked():
+      config.model.update(fields)
 
 
 def _check_complete(config, path):

@@ -9,7 +9,8 @@ def get_config():
 
   # Model.
   c.model_name = 'ViT-B_16'  # A name from vit_jax.models.VARIANTS.
-  # Variant overrides, e.g. dropout_rate, representation_size.
+  # Variant overrides, e.g. dropout_rate, representation_size: --config.model.X takes any
+  # field of the variant (vit_jax/models/variants.py), listed here or not.
   c.model = ml_collections.ConfigDict()
   c.dtype = 'float32'  # Compute dtype ('float32' or 'bfloat16'); parameters stay float32.
   c.remat = ml_collections.FieldReference('', field_type=object)  # Remat policy (models/remat.py).

@@ -421,12 +421,15 @@ def main(argv=None, runner=run_local, out=None):
     config = load_config(args.config)
     points = grid_points(build_grid(config, args.sweep))
     sets = [parse_set(s) for s in args.sets]
+    # A model.X the config does not list is checked against each point's variant, as
+    # vit-train does it (configs.split_model_fields), when the points' configs are built.
     for key in [k for k, _ in sets] + [p[0] for p in points[0][1]]:
-      if not _has_field(config, key):
+      if not (_has_field(config, key) or key.startswith('model.')):
         raise SweepError(f'config.{key} is not a field of {args.config}: check the name')
     for flag in overrides(sets, [a for _, point in points for a in point]):
       key, _, text = flag[len('--config.'):].partition('=')
-      check_value(config, key, text)
+      if _has_field(config, key):
+        check_value(config, key, text)
     swept = {k for k, _ in points[0][1]}
     if swept & {k for k, _ in sets}:
       raise SweepError(f'config.{sorted(swept & {k for k, _ in sets})[0]} is both --set and '

@@ -133,12 +133,13 @@ def _fresh_sources(mock):
     data_sources.clear_cache()
 
 
-def write_published(path, model_name: str, num_classes: int = 1000) -> None:
+def write_published(path, model_name: str, num_classes: int = 1000, **overrides) -> None:
   """A published-format checkpoint of `model_name` at `path` (random values, real shapes,
-  a `num_classes` head), as vit_jax.checkpoint.save_npz writes the published files."""
+  a `num_classes` head; `overrides` as for models.get_model), as
+  vit_jax.checkpoint.save_npz writes the published files."""
   import jax  # pylint: disable=import-outside-toplevel
   from vit_jax import checkpoint, models  # pylint: disable=import-outside-toplevel
-  model = models.get_model(model_name, num_classes=num_classes)
+  model = models.get_model(model_name, num_classes=num_classes, **overrides)
   shapes = jax.eval_shape(
       lambda: model.init(jax.random.PRNGKey(0), np.zeros((1, 224, 224, 3), np.float32)))['params']
   rng = np.random.default_rng(0)

@@ -492,6 +492,68 @@ def test_a_value_of_the_wrong_type_is_in_plain_words():
     configs.load('quickstart', ['--config.total_steps=abc'])
 
 
+def test_every_field_of_the_variant_is_a_model_override():
+  """--config.model.X takes the variant's fields the config does not list (the finetune
+  config lists the dropout rates only), typed as the variant's values; the variant of an
+  overridden model_name decides, wherever that flag stands."""
+  c = configs.load('finetune:ViT-B_16,cifar10', [
+      '--config.model.num_layers=1', '--config.model.representation_size=16',
+      '--config.model.classifier=gap', '--config.model.attention_dropout_rate=0',
+      '--config.model.dropout_rate=0.2', '--config.base_lr=0.1'
+  ])
+  assert dict(c.model) == dict(num_layers=1, representation_size=16, classifier='gap',
+                               dropout_rate=0.2, attention_dropout_rate=0.0)
+  assert type(c.model.attention_dropout_rate) is float and c.base_lr == 0.1 and c.is_locked
+  assert models.describe(c.model_name, **c.model) == (
+      'ViT-B_16 with classifier=gap, dropout_rate=0.2, num_layers=1, representation_size=16')
+  for args in (['--config.model.resnet_layers=(2,2)', '--config.model_name=R50+ViT-B_16'],
+               ['--config.model_name', 'R50+ViT-B_16', '--config.model.resnet_layers', '2,2']):
+    c = configs.load('finetune:ViT-B_16,cifar10', args)
+    assert (c.model_name, c.model.resnet_layers) == ('R50+ViT-B_16', (2, 2))
+  c = configs.load('finetune:R50+ViT-B_16,cifar10', ['--config.model.representation_size=None'])
+  assert c.model.representation_size is None and c.model.dropout_rate == 0.1
+
+
+@pytest.mark.parametrize('spec,override,message', [
+    ('finetune:ViT-B_16,cifar10', '--config.model.num_layer=2',
+     "--config.model.num_layer: model ViT-B_16 has no field 'num_layer' (did you mean "
+     'num_layers, resnet_layers?); its fields: attention_dropout_rate, classifier, '),
+    ('finetune:R50x1,cifar10', '--config.model.num_layers=2',
+     "--config.model.num_layers: model R50x1 has no field 'num_layers' (did you mean "
+     'resnet_layers?); its fields: resnet_layers, resnet_width'),
+    ('finetune:ViT-B_16,cifar10', '--config.model.num_layers=2.5',
+     'flag --config.model.num_layers=2.5: expected an integer'),
+    ('finetune:ViT-B_16,cifar10', '--config.model.num_layers=True',
+     'flag --config.model.num_layers=True: expected an integer'),
+    ('finetune:ViT-B_16,cifar10', '--config.model.resnet_layers=3',
+     'flag --config.model.resnet_layers=3: expected a tuple of integers such as (3,4,9) or None'),
+    ('finetune:ViT-B_16,cifar10', '--config.model.dropout_rate=x',
+     'flag --config.model.dropout_rate=x: expected a number'),
+])
+def test_a_bad_model_override_is_one_line(spec, override, message):
+  with pytest.raises(ValueError) as e:
+    configs.load(spec, [override])
+  assert str(e.value).startswith(message) and '\n' not in str(e.value), e.value
+
+
+def test_vit_train_takes_a_model_field_its_config_does_not_list(tmp_path):
+  """From the shell, as the pretrained_keep_prelogits error tells a fine-tuning user to
+  do: the field reaches the config checks (here refused there), a misspelt one is refused
+  with the variant's fields; one line each, nothing written."""
+  p = console_script('vit-train', tmp_path, '--config=finetune:ViT-B_16,cifar10', '--workdir=w',
+                     '--config.model.representation_size', '0')
+  assert p.returncode == 1 and os.listdir(tmp_path) == [], p.stderr
+  assert p.stderr.strip().splitlines()[-1] == (
+      'vit_jax: model.representation_size 0 must be a whole number >= 1: set '
+      '--config.model.representation_size'), p.stderr[-2000:]
+  p = console_script('vit-train', tmp_path, '--config=finetune:ViT-B_16,cifar10', '--workdir=w',
+                     '--config.model.clasifier=gap')
+  assert p.returncode == 1 and os.listdir(tmp_path) == [], p.stderr
+  assert p.stderr.strip().splitlines()[-1].startswith(
+      "vit-train: --config.model.clasifier: model ViT-B_16 has no field 'clasifier' (did you "
+      'mean classifier?); its fields: '), p.stderr[-2000:]
+
+
 _CHECK_BEFORE_DEVICES = '''
 import sys
 from jax._src import xla_bridge

@@ -88,6 +88,18 @@ def test_dry_run_argv_per_point(capsys):
   assert not os.path.exists('/tmp/sw/base_lr=0.001')
 
 
+def test_a_variant_field_the_config_does_not_list_is_swept(capsys):
+  sweep.main([
+      f'--config={FINETUNE}', '--workdir=/tmp/sw', '--sweep', 'config.model.num_layers=[1,2]',
+      '--set', 'config.model.classifier=gap', '--dry-run'
+  ])
+  lines = capsys.readouterr().out.splitlines()
+  assert [shlex.split(line)[-3:] for line in lines] == [[
+      f'--workdir=/tmp/sw/model.num_layers={n}', '--config.model.classifier=gap',
+      f'--config.model.num_layers={n}'
+  ] for n in (1, 2)]
+
+
 def test_preflight_leaves_the_accelerator_to_the_points(tmp_path):
   """vit-sweep checks every point's config without starting a JAX backend (on a TPU VM that
   would hold the TPU its points need): with a platform this machine lacks, it still runs."""
@@ -183,6 +195,11 @@ def test_tpu_sweep_chains_the_points(capsys):
          ], "point dtype=bf16: preflight (devices not checked): dtype 'bf16' is unknown"),
         ([f'--config={FINETUNE}', '--workdir=w', '--sweep', 'config.model.dropout_rate=[0.1,1.0]'
          ], 'point model.dropout_rate=1.0: preflight (devices not checked): model.dropout_rate'),
+        # Variant fields the config does not list: checked against the variant, per point.
+        ([f'--config={FINETUNE}', '--workdir=w', '--sweep', 'config.model.num_layers=[2,0]'
+         ], 'point model.num_layers=0: preflight (devices not checked): model.num_layers 0 must'),
+        ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.model.num_layer=2'
+         ], "--config.model.num_layer: model ViT-B_16 has no field 'num_layer' (did you mean"),
         ([
             f'--config={FINETUNE}', '--workdir=w', '--set', 'config.fewshot_every_steps=10',
             '--set', 'config.fewshot_shots=(0,5)'

@@ -263,11 +263,13 @@ def test_vtab_runner_on_mock_tasks(tmp_path):
   shim = tmp_path / 'shim'
   shim.mkdir()
   (shim / 'sitecustomize.py').write_text(MOCK_SITECUSTOMIZE)
-  # Fine-tuned from a file, as VTAB runs are (it stands in for the published checkpoint).
-  data_fixtures.write_published(tmp_path / 'ViT-Ti_16.npz', 'ViT-Ti_16')
+  # Fine-tuned from a file, as VTAB runs are (it stands in for the published checkpoint), of
+  # one block: the task runs' compiles are most of this test's time.
+  data_fixtures.write_published(tmp_path / 'ViT-Ti_16.npz', 'ViT-Ti_16', num_layers=1)
   command = shlex.join([
       sys.executable, '-m', 'vit_jax.launch.vtab', '--model=ViT-Ti_16', '--workdir=runs/vtab',
-      f'--tasks={",".join(RUN_TASKS)}', *TINY, f'--config.pretrained_path={tmp_path}/ViT-Ti_16.npz'
+      f'--tasks={",".join(RUN_TASKS)}', *TINY, '--config.model.num_layers=1',
+      f'--config.pretrained_path={tmp_path}/ViT-Ti_16.npz'
   ])
   first = _vtab_shell(command, tmp_path, shim)
   assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
@@ -276,6 +278,7 @@ def test_vtab_runner_on_mock_tasks(tmp_path):
   for task in RUN_TASKS:
     assert (workdir / task / 'final.npz').exists()
     log = (workdir / task / 'vtab.log').read_text()
+    assert 'ViT-Ti_16 with num_layers=1: ' in log  # a field the finetune config does not list
     finals[task] = float(re.findall(r'Final test top-1 accuracy[^0-9]*([0-9.]+)', log)[-1])
   with open(workdir / 'vtab_results.json') as f:
     results = json.load(f)

@@ -1,6 +1,7 @@
 r"""Entry point: vit-train (python -m vit_jax.main) --config=NAME[:<args>] --workdir=DIR.
 
-Any config field can be overridden: --config.base_lr=0.01 --config.model.dropout_rate=0.1.
+Any config field can be overridden: --config.base_lr=0.01 --config.model.dropout_rate=0.1;
+--config.model.X takes any field of the model's variant, whether the config lists it or not.
 The fields, one comment line each, are in configs/common.py; `--config=NAME --help` prints
 that config's fields and values first.
 On several hosts the same command runs once per host. On a Cloud TPU VM,
@@ -101,20 +102,22 @@ def parse_flags(argv):
   """absl's flag parsing, with a packaged --config name resolved to its file and every
   mistake (unknown field, bad value, missing file or flag) reported as one line."""
   argv = list(argv)
-  config = None
+  config, model_fields = None, {}
   try:
     i = _config_value_index(argv)
     if i is not None:
       prefix, eq, value = argv[i].partition('=') if argv[i].startswith('-') else ('', '', argv[i])
       argv[i] = prefix + eq + configs.resolve(value)
-      sys.argv[:] = argv  # the config flag reads its --config.x overrides from sys.argv
       config = configs.load(value)
+      argv, model_fields = configs.split_model_fields(config, argv)  # added after parsing
+      sys.argv[:] = argv  # the config flag reads its --config.x overrides from sys.argv
       configs.check_override_names(config, argv)
       if cli_help.HELP_FLAGS & set(argv):
         print(f'--config={value}: the fields and values it trains with (each overridable as '
               f'--config.FIELD=VALUE):\n\n' + '\n'.join(_field_lines(config)) + '\n')
     rest = FLAGS(argv)
     _ = FLAGS.config  # raises if the config file failed to load
+    configs.add_model_fields(FLAGS.config, model_fields)
     return rest
   except (flags.Error, ValueError, TypeError, OSError, AttributeError, KeyError) as e:
     hint = ''

@@ -86,6 +86,9 @@ VARIANTS = {
     },
 }
 
+# The type a field takes where its default is None (no pre-logits layer, no ResNet stem).
+OPTIONAL_FIELD_TYPES = {'representation_size': int, 'resnet_layers': tuple}
+
 
 def get_variant(name, **overrides):
   """The fields of variant `name` with `overrides` applied; one-line errors otherwise."""
