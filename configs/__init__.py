@@ -23,7 +23,6 @@ import ml_collections
 from ml_collections import config_flags
 
 from vit_jax import errors
-from vit_jax.models import variants
 
 PACKAGED = ('quickstart', 'finetune', 'pretrain', 'table2', 'masked_patches')
 EXAMPLES = '--config=quickstart, --config=finetune:ViT-B_16,cifar10 or a file path'
@@ -101,6 +100,11 @@ def split_model_fields(config, args):
   are added to the parsed config by add_model_fields. A NAME the variant lacks is a
   one-line ValueError naming the variant's fields."""
   args = list(args)
+  if not any((m := _MODEL_FIELD.match(arg)) and m.group(1) not in config.model for arg in args):
+    return args, {}
+  # Here, not at the top: vit_jax.models imports JAX and Flax (1 s), which vit-train's
+  # start-up (host_allocator's re-execution) and the quickstart's config do without.
+  from vit_jax.models import variants  # pylint: disable=g-import-not-at-top
   model_name = config.model_name
   for i, arg in enumerate(args):  # the last --config.model_name=X wins, as in absl
     match = _MODEL_NAME.match(arg)
@@ -131,6 +135,7 @@ def split_model_fields(config, args):
 
 def _model_field_value(name, text, default):
   """The value of --config.model.NAME=text, of the type of the variant's default."""
+  from vit_jax.models import variants  # pylint: disable=g-import-not-at-top  (as above)
   kind = variants.OPTIONAL_FIELD_TYPES[name] if default is None else type(default)
   if kind is str:
     return text

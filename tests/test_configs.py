@@ -576,3 +576,15 @@ def test_packaged_configs_pass_the_checks_before_any_backend_or_tensorflow():
                         text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.split() == ['False', 'False'], proc.stdout
+
+
+def test_vit_train_imports_no_jax_before_it_re_executes():
+  """vit-train's first process (before host_allocator re-executes it) imports vit_jax.main
+  and nothing heavy: JAX and Flax would be paid for twice. Loading the quickstart config
+  with its listed model fields overridden needs them neither."""
+  code = ('import sys; from vit_jax import configs, main;'
+          "configs.load('quickstart', ['--config.model.num_layers=1', '--config.base_lr=0.1']);"
+          "print(sorted(m for m in ('jax', 'flax', 'tensorflow') if m in sys.modules))")
+  proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.split() == ['[]'], proc.stdout
