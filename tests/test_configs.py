@@ -536,6 +536,18 @@ def test_a_bad_model_override_is_one_line(spec, override, message):
   assert str(e.value).startswith(message) and '\n' not in str(e.value), e.value
 
 
+def test_a_model_of_another_family_than_the_config_s_is_one_line():
+  """The quickstart sets ViT fields in config.model; a ResNet has none of them."""
+  config = configs.load('quickstart', ['--config.model_name=R50x1'])
+  with pytest.raises(ValueError) as e:
+    config_checks.validate_before_devices(config)
+  assert str(e.value) == (
+      'model_name R50x1 (bit family) has no field attention_dropout_rate, dropout_rate, '
+      'hidden_size, mlp_dim, num_heads, num_layers, patch_size, which the config sets in '
+      'config.model for another model: start from a config for R50x1 (e.g. '
+      '--config=finetune:R50x1,<dataset>) or one of your own')
+
+
 def test_vit_train_takes_a_model_field_its_config_does_not_list(tmp_path):
   """From the shell, as the pretrained_keep_prelogits error tells a fine-tuning user to
   do: the field reaches the config checks (here refused there), a misspelt one is refused

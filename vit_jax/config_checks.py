@@ -67,7 +67,7 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
   if config.dtype not in models.DTYPES:
     raise ValueError(f'dtype {config.dtype!r} is unknown: set --config.dtype to one of '
                      f'{tuple(models.DTYPES)}')
-  fields = models.get_variant(config.model_name, **config.model)
+  fields = _variant_fields(config)
   stride = models.pixels_per_token(fields)
   if config.image_size < 1:
     raise ValueError(f'image_size {config.image_size} must be >= 1 (pixels per side): set '
@@ -110,6 +110,20 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
   optim.validate(config, num_train_examples)
   trace.validate(config.profile_first_step, config.profile_steps,
                  optim.known_total_steps(config, num_train_examples))
+
+
+def _variant_fields(config):
+  """The model's fields with config.model's. A field its variant lacks was set by the
+  config itself (configs.split_model_fields refuses a user's own): the config was written
+  for a model of another family, as when --config.model_name=R50x1 meets the quickstart."""
+  table = models.VARIANTS.get(config.model_name)
+  foreign = sorted(set(config.model) - set(table)) if table else []
+  if foreign:
+    raise ValueError(f'model_name {config.model_name} ({table["family"]} family) has no field '
+                     f'{", ".join(foreign)}, which the config sets in config.model for another '
+                     f'model: start from a config for {config.model_name} (e.g. '
+                     f'--config=finetune:{config.model_name},<dataset>) or one of your own')
+  return models.get_variant(config.model_name, **config.model)
 
 
 def validate_before_devices(config):
