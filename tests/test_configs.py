@@ -551,7 +551,7 @@ def test_a_model_of_another_family_than_the_config_s_is_one_line():
 def test_vit_train_takes_a_model_field_its_config_does_not_list(tmp_path):
   """From the shell, as the pretrained_keep_prelogits error tells a fine-tuning user to
   do: the field reaches the config checks (here refused there), a misspelt one is refused
-  with the variant's fields; one line each, nothing written."""
+  with the variant's fields; one line each, nothing written. --help lists the fields."""
   p = console_script('vit-train', tmp_path, '--config=finetune:ViT-B_16,cifar10', '--workdir=w',
                      '--config.model.representation_size', '0')
   assert p.returncode == 1 and os.listdir(tmp_path) == [], p.stderr
@@ -564,6 +564,16 @@ def test_vit_train_takes_a_model_field_its_config_does_not_list(tmp_path):
   assert p.stderr.strip().splitlines()[-1].startswith(
       "vit-train: --config.model.clasifier: model ViT-B_16 has no field 'clasifier' (did you "
       'mean classifier?); its fields: '), p.stderr[-2000:]
+  # --help lists them, with the variant's values, after the config's own fields.
+  p = console_script('vit-train', tmp_path, '--config=finetune:ViT-B_16,cifar10', '--help')
+  listed = p.stdout.split('\n\nThe fields of ViT-B_16 the config leaves to the model (set as '
+                          '--config.model.FIELD=VALUE):\n\n')[1].split('\n\n')[0]
+  assert listed.splitlines() == [
+      'model.classifier: token', 'model.hidden_size: 768', 'model.mlp_dim: 3072',
+      'model.num_heads: 12', 'model.num_layers: 12', 'model.patch_size: 16',
+      'model.representation_size: None', 'model.resnet_layers: None', 'model.resnet_width: 1'
+  ], p.stdout[-3000:]
+  assert '\nmodel.dropout_rate: 0.0\n' in p.stdout.split('The fields of ViT-B_16')[0]
 
 
 _CHECK_BEFORE_DEVICES = '''

@@ -115,6 +115,7 @@ def parse_flags(argv):
       if cli_help.HELP_FLAGS & set(argv):
         print(f'--config={value}: the fields and values it trains with (each overridable as '
               f'--config.FIELD=VALUE):\n\n' + '\n'.join(_field_lines(config)) + '\n')
+        print('\n'.join(_variant_lines(config)) + '\n')
     rest = FLAGS(argv)
     _ = FLAGS.config  # raises if the config file failed to load
     configs.add_model_fields(FLAGS.config, model_fields)
@@ -135,6 +136,18 @@ def _field_lines(config, prefix=''):
       yield from _field_lines(value, f'{prefix}{name}.')
     else:
       yield f'{prefix}{name}: {value if isinstance(value, str) and value else repr(value)}'
+
+
+def _variant_lines(config):
+  """The fields of the config's model that config.model leaves to its variant, with the
+  variant's values: --config.model.NAME=VALUE sets them too."""
+  from vit_jax.models import variants  # pylint: disable=g-import-not-at-top  (JAX: --help only)
+  table = variants.VARIANTS.get(config.model_name, {})
+  rest = sorted(set(table) - set(config.model) - {'family'})
+  if rest:
+    yield (f'The fields of {config.model_name} the config leaves to the model (set as '
+           '--config.model.FIELD=VALUE):\n')
+    yield from _field_lines(ml_collections.ConfigDict({k: table[k] for k in rest}), 'model.')
 
 
 def _one_line(error):
