@@ -264,7 +264,7 @@ def test_vtab_runner_on_mock_tasks(tmp_path):
   shim.mkdir()
   (shim / 'sitecustomize.py').write_text(MOCK_SITECUSTOMIZE)
   # Fine-tuned from a file, as VTAB runs are (it stands in for the published checkpoint), of
-  # one block: the task runs' compiles are most of this test's time.
+  # one block, which each task's run compiles in less time than 12.
   data_fixtures.write_published(tmp_path / 'ViT-Ti_16.npz', 'ViT-Ti_16', num_layers=1)
   command = shlex.join([
       sys.executable, '-m', 'vit_jax.launch.vtab', '--model=ViT-Ti_16', '--workdir=runs/vtab',
