@@ -514,25 +514,31 @@ def test_every_field_of_the_variant_is_a_model_override():
   assert c.model.representation_size is None and c.model.dropout_rate == 0.1
 
 
-@pytest.mark.parametrize('spec,override,message', [
-    ('finetune:ViT-B_16,cifar10', '--config.model.num_layer=2',
-     "--config.model.num_layer: model ViT-B_16 has no field 'num_layer' (did you mean "
-     'num_layers, resnet_layers?); its fields: attention_dropout_rate, classifier, '),
-    ('finetune:R50x1,cifar10', '--config.model.num_layers=2',
-     "--config.model.num_layers: model R50x1 has no field 'num_layers' (did you mean "
-     'resnet_layers?); its fields: resnet_layers, resnet_width'),
-    ('finetune:ViT-B_16,cifar10', '--config.model.num_layers=2.5',
-     'flag --config.model.num_layers=2.5: expected an integer'),
-    ('finetune:ViT-B_16,cifar10', '--config.model.num_layers=True',
-     'flag --config.model.num_layers=True: expected an integer'),
-    ('finetune:ViT-B_16,cifar10', '--config.model.resnet_layers=3',
-     'flag --config.model.resnet_layers=3: expected a tuple of integers such as (3,4,9) or None'),
-    ('finetune:ViT-B_16,cifar10', '--config.model.dropout_rate=x',
-     'flag --config.model.dropout_rate=x: expected a number'),
-])
+@pytest.mark.parametrize(
+    'spec,override,message',
+    [
+        ('finetune:ViT-B_16,cifar10', '--config.model.num_layer=2',
+         "--config.model.num_layer: model ViT-B_16 has no field 'num_layer' (did you mean "
+         'num_layers, resnet_layers?); its fields: attention_dropout_rate, classifier, '),
+        ('finetune:R50x1,cifar10', '--config.model.num_layers=2',
+         "--config.model.num_layers: model R50x1 has no field 'num_layers' (did you mean "
+         'resnet_layers?); its fields: resnet_layers, resnet_width'),
+        ('finetune:ViT-B_16,cifar10', '--config.model.num_layers=2.5',
+         'flag --config.model.num_layers=2.5: expected an integer'),
+        ('finetune:ViT-B_16,cifar10', '--config.model.num_layers=True',
+         'flag --config.model.num_layers=True: expected an integer'),
+        ('finetune:ViT-B_16,cifar10', '--config.model.resnet_layers=3',
+         'flag --config.model.resnet_layers=3: expected a tuple of integers such as (3,4,9) or None'
+        ),
+        ('finetune:ViT-B_16,cifar10', '--config.model.dropout_rate=x',
+         'flag --config.model.dropout_rate=x: expected a number'),
+        # A value of the right type: the config checks' to refuse.
+        ('finetune:ViT-B_16,cifar10', '--config.model.classifier=GAP',
+         'classifier \'GAP\' is not supported: set --config.model.classifier to "token" or "gap"'),
+    ])
 def test_a_bad_model_override_is_one_line(spec, override, message):
   with pytest.raises(ValueError) as e:
-    configs.load(spec, [override])
+    config_checks.validate_before_devices(configs.load(spec, [override]))
   assert str(e.value).startswith(message) and '\n' not in str(e.value), e.value
 
 

@@ -103,7 +103,8 @@ def get_variant(name, **overrides):
         f'fields: {", ".join(allowed)}')
   fields.update(overrides)
   if fields['family'] == 'vit' and fields['classifier'] not in ('token', 'gap'):
-    raise ValueError(f'classifier {fields["classifier"]!r} is not supported: use "token" or "gap"')
+    raise ValueError(f'classifier {fields["classifier"]!r} is not supported: set '
+                     '--config.model.classifier to "token" or "gap"')
   if fields.get('resnet_layers') is not None:
     fields['resnet_layers'] = tuple(fields['resnet_layers'])
   _check_sizes(fields)
