@@ -129,14 +129,14 @@ def split_model_fields(config, args):
       hint = f' (did you mean {", ".join(close)}?)' if close else ''
       raise ValueError(f'--config.model.{name}: model {model_name} has no field {name!r}{hint}; '
                        f'its fields: {", ".join(allowed)}')
-    fields[name] = _model_field_value(name, text, variant[name])
+    default = variant[name]
+    kind = variants.OPTIONAL_FIELD_TYPES[name] if default is None else type(default)
+    fields[name] = _model_field_value(name, text, kind, optional=default is None)
   return rest, fields
 
 
-def _model_field_value(name, text, default):
-  """The value of --config.model.NAME=text, of the type of the variant's default."""
-  from vit_jax.models import variants  # pylint: disable=g-import-not-at-top  (as above)
-  kind = variants.OPTIONAL_FIELD_TYPES[name] if default is None else type(default)
+def _model_field_value(name, text, kind, optional):
+  """The value of --config.model.NAME=text as a `kind` (or None where `optional`)."""
   if kind is str:
     return text
   try:
@@ -147,11 +147,11 @@ def _model_field_value(name, text, default):
     value = tuple(value)
   if kind is float and type(value) is int:  # pylint: disable=unidiomatic-typecheck
     value = float(value)
-  if type(value) is kind or (value is None and default is None):  # bool is not an int here
+  if type(value) is kind or (value is None and optional):  # bool is not an int here
     return value
   what = {int: 'an integer', float: 'a number', tuple: 'a tuple of integers such as (3,4,9)'}[kind]
   raise ValueError(f'flag --config.model.{name}={text}: expected {what}'
-                   f'{" or None" if default is None else ""}')
+                   f'{" or None" if optional else ""}')
 
 
 def add_model_fields(config, fields):
