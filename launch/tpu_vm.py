@@ -692,9 +692,9 @@ def validate_for_slice(config, accelerator_type):
 
 def check_tfds(name, data_dir):
   """One line if `name` is prepared in data_dir; LaunchError naming the tfds build if not."""
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  from vit_jax import data_sources  # pylint: disable=g-import-not-at-top  (TensorFlow: slow)
   try:
-    builder = tfds.builder(name, data_dir=data_dir)
+    builder = data_sources.tfds_builder(name, data_dir)
     prepared = builder.is_prepared()
   except Exception as e:  # pylint: disable=broad-except
     if type(e).__name__ == 'DatasetNotFoundError':

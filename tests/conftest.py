@@ -89,9 +89,10 @@ def pytest_sessionfinish(session):
 
 
 # TFDS's DatasetInfo.initialize_from_bucket makes a tempfile.mkdtemp('tfds') for every builder
-# of a dataset that is not prepared (each mocked one, each run refused as not prepared) and
-# never removes it: offline it stays empty. About 40 a run of the suite; the process that
-# started the run removes the empty ones made since it started.
+# of a dataset that is not prepared and never removes it: offline it stays empty. vit_jax's
+# builders make it in a folder they remove (data_sources.tfds_builder); the tests' own
+# tfds.builder calls on mocked datasets do not. The process that started the run removes
+# the empty ones made since it started.
 _STARTED = time.time()
 
 

@@ -251,6 +251,17 @@ def test_cli_end_to_end(tiny):
   assert lines[1].startswith('top1') and '(20 images)' in lines[1]
   assert [l.split()[1:3] for l in lines[2:]] == [['fashion_mnist_local', '1-shot'],
                                                  ['fashion_mnist_local', '5-shot']]
+  # A TFDS dataset not prepared: the one line, not TFDS's three "Constructing tf.data.Dataset"
+  # lines above it (cli_help.quiet_the_libraries).
+  data_dir = os.path.join(os.path.dirname(tiny['path']), 'tfds')
+  cmd[cmd.index('fashion_mnist_local'):cmd.index('--image_size')] = [
+      'cifar10', '--data_dir', data_dir
+  ]
+  out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert (out.returncode, out.stderr.strip().splitlines()) == (1, [
+      f'vit-evaluate: dataset cifar10 is not prepared in data_dir {data_dir}: run `tfds build '
+      f'cifar10 --data_dir={data_dir}` or set --data_dir to where it is prepared.'
+  ]), out.stderr[-2000:]
   # Errors are one line naming the fix (in-process: the same code path as the CLI).
   args = dict(checkpoint=tiny['path'], model='ViT-Ti_16', model_overrides='num_layers=2,'
               'hidden_size=32,mlp_dim=64,num_heads=2,patch_size=7', dataset='fashion_mnist_local',

@@ -63,16 +63,28 @@ def test_a_mistake_found_after_start_up_is_the_only_line(wheel_venv, tmp_path):
   """Values that pass the flags but not the checks made once TensorFlow and JAX have
   started: stderr is the one line naming the fix, not TensorFlow's C++ notices and JAX's
   "no TPU" above it (vit_jax/tensorflow_quietly.py)."""
-  env = user_env(wheel_venv)
+  # TFDS's builder of a dataset not prepared logged "Constructing tf.data.Dataset" three
+  # times above the line, and left a folder in the temporary root (data_sources.tfds_builder).
+  scratch = tmp_path / 'tmp'
+  scratch.mkdir()
+  env = dict(user_env(wheel_venv), TMPDIR=str(scratch))
+  unprepared = (f'vit_jax: dataset cifar10 is not prepared in data_dir {tmp_path}/tfds: run '
+                f'`tfds build cifar10 --data_dir={tmp_path}/tfds` or set --config.data_dir to '
+                'where it is prepared.')
   for cmd, line in [
       (['vit-train', '--config=quickstart', '--workdir=runs/x',
         '--config.batch_size=0'], 'vit_jax: batch_size 0 must be > 0: set --config.batch_size'),
       (['vit-predict', '--checkpoint=nope.npz', '--model=ViT-B_16',
         'cat.jpg'], 'vit-predict: cat.jpg: no such file or folder: pass image files or folders'),
+      ([
+          'vit-train', '--config=finetune:ViT-B_16,cifar10', '--workdir=runs/x',
+          '--config.data_dir=tfds'
+      ], unprepared),
   ]:
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert (out.returncode, out.stderr.strip().splitlines()) == (1, [line]), out.stderr[-3000:]
   assert not (tmp_path / 'runs').exists()
+  assert not os.listdir(scratch)
 
 
 def test_a_sweep_started_in_a_checkout_runs_the_installed_package(wheel_venv, tmp_path):

@@ -283,7 +283,8 @@ def load_pretrained(path_or_params, model, num_classes, image_size, *, reset_hea
   if new_head is not None and (reset_head or old_head is None or old_head.shape != new_head.shape):
     old_k = old_head.shape[-1] if old_head is not None else 'no'
     changes.insert(0, f'head {old_k} -> {num_classes} classes (zeros, bias {head_bias_init:g})')
-  logging.info('load_pretrained: %s', '; '.join(changes) or 'nothing changed')
+  if changes:  # (not "nothing changed": a line above vit-evaluate's one-line errors)
+    logging.info('load_pretrained: %s', '; '.join(changes))
   return flax.traverse_util.unflatten_dict(out, sep='/')
 
 

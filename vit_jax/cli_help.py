@@ -10,7 +10,9 @@ absl also exits 1 after printing the help; `run` makes it 0, as the argparse pro
 absl shows INFO records on stderr, so on every CPU or GPU host the first line of
 vit-evaluate, vit-predict and vit-inspect was JAX's "Unable to initialize backend 'tpu':
 ... Failed to open libtpu.so". Where no TPU runtime is installed that says nothing; where
-one is (a TPU VM), the line explains a run that fell back to the CPU, and it stays.
+one is (a TPU VM), the line explains a run that fell back to the CPU, and it stays. The
+INFO chatter of orbax, JAX's internals and TFDS is dropped too: TFDS's "Constructing
+tf.data.Dataset ..." lines stood above the one line that refuses a dataset not prepared.
 """
 import importlib.util
 import logging
@@ -19,6 +21,7 @@ import sys
 
 from absl import app
 from absl import flags
+from absl import logging as absl_logging
 
 from vit_jax import errors
 
@@ -61,6 +64,22 @@ def _not_the_missing_tpu_notice(record):
   return not record.getMessage().startswith("Unable to initialize backend 'tpu'")
 
 
+class _QuietLibraries:
+  """Drops the INFO records of orbax, JAX's internals and TFDS (their warnings stay)."""
+  _NOISY = ('/orbax/', '/jax/_src/', '/tensorflow_datasets/')
+
+  def filter(self, record):
+    return record.levelno > logging.INFO or not any(part in record.pathname for part in self._NOISY)
+
+
+def quiet_the_libraries():
+  """Drops the INFO records of orbax, JAX's internals and TFDS from absl's log (stderr, and
+  vit-train's train.INFO), and JAX's notice of a missing TPU runtime where none is
+  installed."""
+  absl_logging.get_absl_handler().addFilter(_QuietLibraries())
+  quiet_the_missing_tpu_notice()
+
+
 def quiet_the_missing_tpu_notice():
   """Drops JAX's notice that it found no TPU runtime, unless one is installed."""
   if not _tpu_runtime_installed():
@@ -70,9 +89,9 @@ def quiet_the_missing_tpu_notice():
 def run(main, module_name, *flag_modules, program=None, flags_parser=None):
   """as_the_program, then absl's app.run(main), with --help exiting 0; flag mistakes are
   one line naming `program` (default: the console script's name); JAX's notice of a
-  missing TPU runtime is dropped where none is installed (quiet_the_missing_tpu_notice)."""
+  missing TPU runtime and the libraries' INFO chatter are dropped (quiet_the_libraries)."""
   as_the_program(module_name, *flag_modules)
-  quiet_the_missing_tpu_notice()
+  quiet_the_libraries()
   program = program or os.path.basename(sys.argv[0])
   try:
     app.run(main, flags_parser=flags_parser or one_line_flag_errors(program))

@@ -34,6 +34,7 @@ import functools
 import gzip
 import hashlib
 import os
+import tempfile
 import types
 from typing import Any, Callable
 
@@ -296,7 +297,7 @@ class _TfdsSource(Source):
   def __init__(self, name: str, data_dir: str, label_key: str = 'label', vtab_task: str = ''):
     self.name = name
     try:
-      self.builder = tfds.builder(name, data_dir=data_dir or None)
+      self.builder = tfds_builder(name, data_dir or None)
     except tfds.core.registered.DatasetNotFoundError:
       # TFDS also reads a dataset prepared elsewhere (imagenet21k, jft) from data_dir.
       raise ValueError(f"dataset {name!r} is neither a TFDS dataset nor prepared in data_dir "
@@ -369,6 +370,19 @@ class _TfdsSource(Source):
         max_size=max(host_sizes),
         shuffle_buffer=max(1, min(shuffle_buffer, n)),
         load=lambda ex: ex)
+
+
+def tfds_builder(name: str, data_dir: str | None):
+  """tfds.builder(name, data_dir=data_dir), less a folder TFDS leaves behind: the builder of
+  a dataset not prepared in data_dir copies the dataset's metadata into a mkdtemp() folder
+  it never removes (TFDS 4.9, DatasetInfo.initialize_from_bucket), one in /tmp for every
+  run refused for want of data. Here that folder is made in one removed afterwards."""
+  with tempfile.TemporaryDirectory() as folder:
+    before, tempfile.tempdir = tempfile.tempdir, folder
+    try:
+      return tfds.builder(name, data_dir=data_dir)
+    finally:
+      tempfile.tempdir = before
 
 
 def source(config) -> Source:

@@ -79,15 +79,6 @@ def initialize_distributed():
     jax.distributed.initialize(heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_seconds)
 
 
-class _QuietLibraries:
-  """Drops the INFO chatter of orbax and jax internals from the log (warnings stay)."""
-  _NOISY = ('/orbax/', '/jax/_src/')
-
-  def filter(self, record):
-    return record.levelno > logging.converter.STANDARD_INFO or not any(part in record.pathname
-                                                                       for part in self._NOISY)
-
-
 def _config_value_index(argv):
   """Index of the --config value in argv ('--config=V' or '--config V'), or None."""
   for i, arg in enumerate(argv):
@@ -203,8 +194,6 @@ def main(argv):
   from vit_jax import tensorflow_quietly  # noqa: F401  (before rundir imports TensorFlow)
   from vit_jax import rundir
   # pylint: enable=g-import-not-at-top,unused-import
-  # Before JAX starts (it logs at INFO that there is no TPU, before a one-line error).
-  logging.get_absl_handler().addFilter(_QuietLibraries())
   workdir = paths.resolve(FLAGS.workdir)  # once: orbax refuses relative paths
   recorded = rundir.recorded_cpu_flags(workdir)  # a resumed run keeps its CPU kernels
   from vit_jax import sharding  # pylint: disable=g-import-not-at-top
