@@ -15,6 +15,8 @@ import numpy as np
 # What tf.io.decode_image reads; folders (here and folder datasets) are searched for these.
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.gif', '.bmp', '.webp')
 FORMATS = 'JPEG, PNG, GIF, BMP or WebP'  # the same, as messages name them (not TIFF)
+# How files of those formats begin (WebP: b'RIFF', 4 bytes of size, b'WEBP').
+_SIGNATURES = (b'\xff\xd8\xff', b'\x89PNG\r\n\x1a\n', b'GIF87a', b'GIF89a', b'BM')
 
 
 class UnreadableImage(ValueError):
@@ -86,7 +88,13 @@ def read_image(path, config):
   preprocessing = _preprocessing()
   import tensorflow as tf  # pylint: disable=g-import-not-at-top  (_preprocessing loaded it)
   try:
-    return preprocessing.preprocess_eval(tf.io.read_file(path), config).numpy()
+    data = tf.io.read_file(path)
+    # Told apart here, a file of another format is not decoded: TensorFlow's C++ logs the
+    # failed decode ("Local rendezvous is aborting ...") above the line saying so.
+    head = data.numpy()[:12]
+    if not (head.startswith(_SIGNATURES) or head[:4] == b'RIFF' and head[8:] == b'WEBP'):
+      raise UnreadableImage(path, f'not a {FORMATS} image')
+    return preprocessing.preprocess_eval(data, config).numpy()
   except tf.errors.OpError as e:
     raise UnreadableImage(path, _short_reason(e)) from None
 
