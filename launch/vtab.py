@@ -47,8 +47,8 @@ def parse_tasks(spec):
   if unknown:
     close = difflib.get_close_matches(unknown[0], vtab.VTAB, n=3)
     hint = f' (did you mean {", ".join(close)}?)' if close else ''
-    raise VtabError(f'--tasks {spec!r}: {", ".join(unknown)} is not a VTAB-1k task{hint}; '
-                    f'{choose}')
+    what = 'is not a VTAB-1k task' if len(unknown) == 1 else 'are not VTAB-1k tasks'
+    raise VtabError(f'--tasks {spec!r}: {", ".join(unknown)} {what}{hint}; {choose}')
   return [t for t in vtab.task_names() if t in asked]
 
 

@@ -317,6 +317,8 @@ def test_vtab_runner_dry_run_and_bad_arguments(capsys):
       f'--workdir=/tmp/v/{t}', '--config.total_steps=500'
   ] for t in vtab.VTAB]
   for argv, message in [(['--tasks=dtd,nope'], 'nope is not a VTAB-1k task'),
+                        (['--tasks=dtd,cifar,nope'], 'cifar, nope are not VTAB-1k tasks (did '
+                         'you mean cifar100?)'),
                         (['--config.total_stepz=1'], "no field 'total_stepz'"),
                         (['--bogus'], "unknown argument '--bogus'"),
                         (['--config.total_steps=abc'], 'flag --config.total_steps=abc: expected '
