@@ -189,6 +189,8 @@ def test_experiments_run_as_written_in_miniature(argv, user_dir, tmp_path):
       argv + rule(argv)[1]
       + [f'--workdir={tmp_path / "run"}', f'--data_dir={user_dir / USER_DATA}'], ROOT)
   assert '| labelled images | from scratch | masked patch pre-trained |' in out.stdout
+  # Not TensorFlow's start-up notices (vit_jax/tensorflow_quietly.py) before anything else.
+  assert not re.search('absl::InitializeLog|oneDNN custom operations', out.stderr), out.stderr[:800]
   assert '| 32 (0.0533333%), test accuracy % over 1 seeds |' in out.stdout, out.stdout[-1500:]
 
 
