@@ -123,7 +123,13 @@ def fewshot(config, params_or_none):
 
 
 def _stats(values):
+  if len(values) == 1:  # no spread to show
+    return f'{100 * values[0]:.1f}'
   return f'{100 * np.mean(values):.1f} ± {100 * np.std(values):.1f}'
+
+
+def _over(n, what):
+  return f'over {n} {what}' + ('s' if n != 1 else '')
 
 
 def table(results):
@@ -136,14 +142,15 @@ def table(results):
     s = [results['finetune'][f'{labels}/scratch/{x}'] for x in FLAGS.seeds]
     m = [results['finetune'][f'{labels}/masked/{x}'] for x in FLAGS.seeds]
     pct = 100 * int(labels) / 60000
-    lines.append(f'| {labels} ({pct:g}%), test accuracy % over {seeds} seeds | {_stats(s)} | '
+    lines.append(f'| {labels} ({pct:g}%), test accuracy % {_over(seeds, "seed")} | {_stats(s)} | '
                  f'{_stats(m)} | {100 * (np.mean(m) - np.mean(s)):+.1f} |')
   for name, what in (('class_token', 'the class token (pre-logits)'),
                      ('patch_mean', 'the mean of the patch tokens')):
     f0 = results['fewshot']['random_init'][name]
     f1 = results['fewshot']['masked'][name]
-    lines.append(f'| 5-shot linear on frozen features, {what}, % over {FLAGS.fewshot_draws} '
-                 f'draws | {_stats(f0["per_seed"])} (random init) | {_stats(f1["per_seed"])} '
+    lines.append(f'| 5-shot linear on frozen features, {what}, % '
+                 f'{_over(FLAGS.fewshot_draws, "draw")} | {_stats(f0["per_seed"])} (random init) | '
+                 f'{_stats(f1["per_seed"])} '
                  f'| {100 * (f1["mean"] - f0["mean"]):+.1f} |')
   p = results['pretrain']
   lines.append('')

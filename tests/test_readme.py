@@ -191,7 +191,7 @@ def test_experiments_run_as_written_in_miniature(argv, user_dir, tmp_path):
   assert '| labelled images | from scratch | masked patch pre-trained |' in out.stdout
   # Not TensorFlow's start-up notices (vit_jax/tensorflow_quietly.py) before anything else.
   assert not re.search('absl::InitializeLog|oneDNN custom operations', out.stderr), out.stderr[:800]
-  assert '| 32 (0.0533333%), test accuracy % over 1 seeds |' in out.stdout, out.stdout[-1500:]
+  assert '| 32 (0.0533333%), test accuracy % over 1 seed |' in out.stdout, out.stdout[-1500:]
 
 
 @pytest.mark.parametrize('argv', [a for a in readme_commands()[1] if rule(a)[0] == 'parse'],

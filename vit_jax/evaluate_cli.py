@@ -181,9 +181,13 @@ def _fewshot_rows(flags_, model, params, config, train_split, eval_split, shots,
     results[label] = evaluate.fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes, fit,
                                                seeds, flags_.l2_reg, standardise=standardise)
     for k, r in results[label].items():
-      per_seed = ' '.join(f'{a:.4f}' for a in r['per_seed'])
-      rows.append(('fewshot', f'{label} {k}-shot', f'{r["mean"]:.4f} ± {r["std"]:.4f}  '
-                   f'(seeds {",".join(map(str, seeds))}: {per_seed})'))
+      if len(seeds) == 1:  # no spread to show
+        value = f'{r["mean"]:.4f}  (seed {seeds[0]})'
+      else:
+        per_seed = ' '.join(f'{a:.4f}' for a in r['per_seed'])
+        value = (f'{r["mean"]:.4f} ± {r["std"]:.4f}  (seeds {",".join(map(str, seeds))}: '
+                 f'{per_seed})')
+      rows.append(('fewshot', f'{label} {k}-shot', value))
     rows += [('fewshot', f'{label} {k}-shot', f'skipped: {why}') for k, why in skipped]
   if len(results) > 1:
     rows += [('fewshot', f'mean {k}-shot', f'{acc:.4f}  (over {len(results)} datasets)')
