@@ -26,6 +26,10 @@ it: the evidence for that choice on this host. `--change`:
                     patterns vs jnp.concatenate, which XLA:CPU runs in float32.
   fused_attention   (bfloat16, GPU) attention.py's cuDNN fused attention vs the unfused
                     core, which writes the (batch, heads, tokens, tokens) weights out.
+  tokens_padded_once
+                    (bfloat16, GPU) vit.py's encoder padding an odd token count (ViT's
+                    196 + 1) to an even one once for all its blocks' cuDNN attention vs
+                    each attention padding its q, k and v and slicing its output.
   mixed_dots        (bfloat16) precision.py's bf16 x bf16 -> f32 dots, custom VJPs, vs
                     flax's and XLA's own bf16 dots (bf16 results, the backend's own
                     accumulation), whatever precision.is_mixed ships for the backend: the
@@ -71,7 +75,7 @@ parser.add_argument(
     '--change', default='ordered_dots',
     choices=('ordered_dots', 'lean_activations', 'lean_attention', 'prompt_weight_gradients',
              'parameter_gradients_first', 'conv_as_dot', 'bf16_patches', 'fused_attention',
-             'mixed_dots', 'no_command_buffers'))
+             'tokens_padded_once', 'mixed_dots', 'no_command_buffers'))
 parser.add_argument('--remat', default='', help="one remat policy for both sides ('' off)")
 parser.add_argument('--out', default='')
 args = parser.parse_args()
@@ -111,10 +115,12 @@ def _before(change, dtype):
   if change == 'bf16_patches':
     return _patched(conv_as_dot,
                     {'concatenate_channels': lambda pieces: jnp.concatenate(pieces, axis=-1)})
-  if change == 'fused_attention':
+  if change in ('fused_attention', 'tokens_padded_once'):
     if not attention.fuses(dtype, 64):
-      raise SystemExit(f'--change fused_attention: {dtype} on {jax.default_backend()} is not '
+      raise SystemExit(f'--change {change}: {dtype} on {jax.default_backend()} is not '
                        'fused; pass --dtypes bfloat16 on an NVIDIA GPU (Ampere or later)')
+    if change == 'tokens_padded_once':
+      return _patched(vit, {'pads_tokens_once': lambda fused, tokens: False})
     return _patched(attention, {'fuses': lambda dtype, head_dim: False})
   if change == 'no_command_buffers':
     return _step_options(command_buffers=True)

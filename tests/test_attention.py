@@ -5,6 +5,7 @@ elsewhere) is the same attention, in the model too."""
 import re
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from tests import planned_memory
 from vit_jax import models
 from vit_jax.models import accelerator
 from vit_jax.models import attention
+from vit_jax.models import vit
 
 
 def _qkv(dtype, b=2, n=7, h=3, d=8):
@@ -132,13 +134,79 @@ def test_attend_fuses_in_bf16_on_an_ampere_or_later_gpu_with_a_head_size_cudnn_t
 @pytest.mark.parametrize('tokens', [16, 17])  # cuDNN's takes an even count: 17 is padded
 def test_fused_attention_is_the_same_attention(tokens):
   q, k, v, g = _qkv(jnp.bfloat16, n=tokens, h=3, d=64)
-  y, vjp = jax.vjp(lambda q, k, v: attention.attend_fused(q, k, v, _FUSED), q, k, v)
+  y, vjp = jax.vjp(lambda q, k, v: attention.attend_fused(q, k, v, implementation=_FUSED), q, k, v)
   y_plain, vjp_plain = jax.vjp(lambda q, k, v: _plain(q, k, v, jnp.bfloat16), q, k, v)
   assert y.shape == (2, tokens, 3, 64) and y.dtype == jnp.bfloat16  # tokens-major
   _close_in_bf16(y, y_plain.transpose(0, 2, 1, 3))
-  for ours, theirs in zip(vjp(g.transpose(0, 2, 1, 3).astype(y.dtype)), vjp_plain(g)):
+  # The unfused core's output is float32 where precision.py's dots run, else bf16 (a GPU).
+  for ours, theirs in zip(vjp(g.transpose(0, 2, 1, 3).astype(y.dtype)),
+                          vjp_plain(g.astype(y_plain.dtype))):
     assert ours.dtype == jnp.bfloat16
     _close_in_bf16(ours, theirs)
+
+
+def test_fused_attention_over_tokens_padded_by_the_caller_ignores_the_padding():
+  # As the encoder calls it (vit.pads_tokens_once): 17 tokens and an 18th, here not zeros,
+  # that is no key; the 17 queries' outputs and all gradients are the unpadded attention's.
+  q, k, v, g = _qkv(jnp.bfloat16, n=18, h=3, d=64)
+  attend = lambda q, k, v: attention.attend_fused(q, k, v, 17, implementation=_FUSED)
+  y, vjp = jax.vjp(attend, q, k, v)
+  assert y.shape == (2, 18, 3, 64)
+  first = lambda x: x[:, :17]
+  y_plain, vjp_plain = jax.vjp(lambda q, k, v: _plain(q, k, v, jnp.bfloat16), first(q), first(k),
+                               first(v))
+  _close_in_bf16(first(y), y_plain.transpose(0, 2, 1, 3))
+  g = g.transpose(0, 2, 1, 3).at[:, 17:].set(0)  # the padded query is sliced off
+  ours = vjp(g.astype(y.dtype))
+  for mine, theirs in zip(ours, vjp_plain(first(g).transpose(0, 2, 1, 3).astype(y_plain.dtype))):
+    _close_in_bf16(first(mine), theirs)
+  for mine in ours:  # nothing reaches the padded token: its gradients are exactly zero
+    np.testing.assert_array_equal(np.asarray(mine[:, 17:], np.float32), 0)
+
+
+def _fused_here(monkeypatch, implementation=_FUSED):
+  """The model's attention fused, by default with _FUSED's implementation."""
+  monkeypatch.setattr(attention, 'fuses', lambda dtype, head_dim: True)
+  monkeypatch.setattr(
+      attention, 'attend_fused',
+      lambda q, k, v, key_tokens=None, shipped=attention.attend_fused: shipped(
+          q, k, v, key_tokens, implementation=implementation))
+
+
+@pytest.mark.parametrize('classifier, image_size', [('token', 32), ('gap', 40)])
+def test_the_encoder_pads_an_odd_token_count_once_for_all_its_fused_attentions(
+    monkeypatch, classifier, image_size):
+  # 16 patches and the class token, or 25 patches averaged: each block's attention padded q, k
+  # and v (6 pads in two blocks); the encoder pads once. Logits and gradients are the same:
+  # in float32 (the padding is the same with bf16 models, whose roundings XLA places
+  # differently around a pad; test_a_bf16_model_with_fused_attention_computes_the_same).
+  model = models.get_model('ViT-Ti_16', num_classes=5, num_layers=2, patch_size=8,
+                           classifier=classifier)
+  x = jax.random.normal(jax.random.PRNGKey(2), (2, image_size, image_size, 3))
+  params = model.init(jax.random.PRNGKey(0), x, train=False)
+  params['params']['head']['kernel'] = jax.random.normal(jax.random.PRNGKey(1),
+                                                         params['params']['head']['kernel'].shape)
+  _fused_here(monkeypatch, 'xla')  # float32: cuDNN's takes bf16
+  weights = jax.random.normal(jax.random.PRNGKey(3), (2, 5))
+  loss = lambda p: jnp.sum(model.apply(p, x, train=False) * weights)
+  flat = lambda tree: jnp.concatenate(
+      [jnp.ravel(g).astype(jnp.float32) for g in jax.tree.leaves(tree)])
+  step = lambda: jax.jit(lambda p: (model.apply(p, x, train=False), flat(jax.grad(loss)(p))))
+
+  def pads(jaxpr=None):
+    """The pads the forward pass runs (a jitted jnp.pad's body is printed once, not per call)."""
+    if jaxpr is None:
+      jaxpr = jax.make_jaxpr(lambda p: model.apply(p, x, train=False))(params).jaxpr
+    inner = lambda eqn: sum(pads(j) for j in jax.extend.core.jaxprs_in_params(eqn.params))
+    return sum((eqn.primitive.name == 'pad') + inner(eqn) for eqn in jaxpr.eqns)
+
+  with jax.default_matmul_precision('highest'):  # not TF32 on a GPU
+    once = pads(), step()(params)
+    monkeypatch.setattr(vit, 'pads_tokens_once', lambda fused, tokens: False)
+    each = pads(), step()(params)
+  assert (once[0], each[0]) == (1, 6)
+  for ours, theirs in zip(once[1], each[1]):
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5 * float(jnp.abs(theirs).max()))
 
 
 def test_a_bf16_model_with_fused_attention_computes_the_same(monkeypatch):
@@ -167,9 +235,7 @@ def test_a_bf16_model_with_fused_attention_computes_the_same(monkeypatch):
     reference = logits_and_grads('float32')
   monkeypatch.setattr(attention, 'fuses', lambda dtype, head_dim: False)
   plain = logits_and_grads('bfloat16')
-  monkeypatch.setattr(attention, 'fuses', lambda dtype, head_dim: True)
-  monkeypatch.setattr(attention, 'attend_fused',
-                      lambda q, k, v, shipped=attention.attend_fused: shipped(q, k, v, _FUSED))
+  _fused_here(monkeypatch)
   fused = logits_and_grads('bfloat16')
   for what, ours, theirs, exact in zip(('logits', 'gradients'), fused, plain, reference):
     error = lambda y, exact=exact: float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact))

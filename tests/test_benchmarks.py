@@ -199,18 +199,22 @@ def _refusal(script, *flags):
   return proc.stderr.strip().splitlines()[-1]
 
 
-def test_before_after_fused_attention(tmp_path):
+@pytest.mark.parametrize('change', ['fused_attention', 'tokens_padded_once'])
+def test_before_after_fused_attention(tmp_path, change):
   # Where it fuses: cuDNN's attention calls after (a forward and a backward per block), none
-  # before. Elsewhere it is refused in one line.
-  flags = ('--change', 'fused_attention', '--models', 'ViT-Ti_16', '--batch', '2', '--dtypes',
-           'bfloat16', '--steps', '1', '--rounds', '1', *TINY)
+  # before the fused attention, as many before the tokens padded once. Elsewhere it is
+  # refused in one line.
+  flags = ('--change', change, '--models', 'ViT-Ti_16', '--batch', '2', '--dtypes', 'bfloat16',
+           '--steps', '1', '--rounds', '1', *TINY)
   if attention.fuses(jnp.bfloat16, 64):
     calls = _run('before_after', *flags, tmp_path=tmp_path)['results'][0]['fused_attention_calls']
-    assert calls['before'] == 0 and calls['after'] >= 1, calls
+    before = 0 if change == 'fused_attention' else calls['after']
+    assert calls['before'] == before and calls['after'] >= 1, calls
     return
-  assert _refusal('before_after', *flags) == (
-      '--change fused_attention: bfloat16 on cpu is not fused; pass --dtypes bfloat16 on an '
-      'NVIDIA GPU (Ampere or later)')
+  assert _refusal(
+      'before_after',
+      *flags) == (f'--change {change}: bfloat16 on cpu is not fused; pass --dtypes bfloat16 on an '
+                  'NVIDIA GPU (Ampere or later)')
 
 
 def test_before_after_no_command_buffers(tmp_path):

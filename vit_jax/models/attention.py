@@ -71,21 +71,26 @@ def fuses(dtype, head_dim):
           and accelerator.is_ampere_or_later_nvidia_gpu() and head_dim % 8 == 0 and head_dim <= 128)
 
 
-def attend_fused(q, k, v, implementation='cudnn'):
+def attend_fused(q, k, v, key_tokens=None, implementation='cudnn'):
   """values(weights(q, k), v) as one fused op, tokens-major (batch, queries, heads,
-  head_dim) in q's dtype; `implementation` as jax.nn.dot_product_attention takes it ('xla'
-  computes the same thing unfused, on any backend)."""
+  head_dim) in q's dtype. `key_tokens`: only the first key_tokens keys are attended to (the
+  rest pad the tokens to an even count; vit.py's encoder pads once for all its blocks).
+  `implementation` as jax.nn.dot_product_attention takes it ('xla' computes the same thing
+  unfused, on any backend)."""
   tokens = q.shape[1]
-  if tokens % 2 == 0:
+  if key_tokens is None and tokens % 2 == 0:
     return jax.nn.dot_product_attention(q, k, v, scale=1.0, implementation=implementation)
   # cuDNN's training path refuses an odd number of tokens (ViT's 196 + 1): JAX hands it an
   # empty bias that its check counts as a bias. One padded token, masked out as a key and
   # sliced off as a query, makes it even.
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0)))
-  lengths = jnp.full((q.shape[0],), tokens, jnp.int32)
-  y = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), scale=1.0, key_value_seq_lengths=lengths,
+  padded = key_tokens is None
+  if padded:
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0)))
+    q, k, v, key_tokens = pad(q), pad(k), pad(v), tokens
+  lengths = jnp.full((q.shape[0],), key_tokens, jnp.int32)
+  y = jax.nn.dot_product_attention(q, k, v, scale=1.0, key_value_seq_lengths=lengths,
                                    implementation=implementation)
-  return y[:, :tokens]
+  return y[:, :tokens] if padded else y
 
 
 def attend(q, k, v, dtype):
