@@ -1,6 +1,7 @@
 """Tests for vit_jax/chrono.py, vit_jax/device_peaks.py, vit_jax/trace.py and flops.step_flops:
 every figure against hand arithmetic, with a fake clock."""
 import glob
+import logging
 import os
 
 import jax
@@ -199,7 +200,8 @@ def _traces(logdir):
   return glob.glob(os.path.join(logdir, 'plugins', 'profile', '*', '*.xplane.pb'))
 
 
-def test_trace_of_chosen_steps(tmp_path):
+def test_trace_of_chosen_steps(tmp_path, caplog):
+  caplog.set_level(logging.INFO)
   step_fn = jax.jit(lambda x: x @ x)
   x = jnp.ones((32, 32))
   window = trace.StepTrace(str(tmp_path / 'window'), first_step=2, num_steps=2)
@@ -211,6 +213,13 @@ def test_trace_of_chosen_steps(tmp_path):
   window.close()
   assert active == [False, True, True, False, False]
   assert len(_traces(str(tmp_path / 'window'))) == 1
+  said = lambda: [r.getMessage() for r in caplog.records if 'Profiler trace' in r.getMessage()]
+  assert said() == [
+      f'Profiler trace of steps 2-3 in {tmp_path / "window"}: view it with '
+      f'`xprof --logdir={tmp_path / "window"}` or in TensorBoard\'s Profile tab '
+      '(`pip install xprof`)'
+  ]
+  caplog.clear()
 
   # The run ends inside the window: close() stops and writes the trace.
   cut = trace.StepTrace(str(tmp_path / 'cut'), first_step=3, num_steps=10)
@@ -220,6 +229,7 @@ def test_trace_of_chosen_steps(tmp_path):
   assert cut.active
   cut.close()
   assert not cut.active and len(_traces(str(tmp_path / 'cut'))) == 1
+  assert said()[0].startswith('Profiler trace of steps 3-4 in ')  # the steps it ran
 
   off = trace.StepTrace(str(tmp_path / 'off'), first_step=0, num_steps=0)
   off.before(1)

@@ -393,10 +393,14 @@ def test_quickstart_command_end_to_end_shortened(idx_dir, tmp_path):
   proc = _main([
       '--config=configs/quickstart.py', f'--workdir={workdir}', f'--config.data_dir={idx_dir}',
       '--config.total_steps=20', '--config.warmup_steps=5', '--config.batch_size=32',
-      '--config.eval_every_steps=10', '--config.checkpoint_every_steps=10'
+      '--config.eval_every_steps=10', '--config.checkpoint_every_steps=10',
+      '--config.profile_first_step=12', '--config.profile_steps=2'
   ])
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert 'Final test top-1 accuracy' in proc.stderr
+  profile = os.path.join(workdir, 'profile')
+  assert f'Profiler trace of steps 12-13 in {profile}: view it with `xprof' in proc.stderr
+  assert glob.glob(os.path.join(profile, 'plugins', 'profile', '*', '*.xplane.pb'))
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['10', '20']
   assert glob.glob(os.path.join(workdir, 'events.out.tfevents.*'))
   log = open(os.path.join(workdir, 'train.INFO')).read()

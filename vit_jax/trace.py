@@ -8,8 +8,10 @@
     trace.close()  # in a `finally`: stops a trace the run ended inside
 
 Steps [first_step, first_step + num_steps) are traced; num_steps 0 traces nothing. A run
-resumed inside the window traces the rest of it. Each host writes its own trace.
+resumed inside the window traces the rest of it. Each host writes its own trace and logs
+one line saying which steps it holds and where it is.
 """
+from absl import logging
 import jax
 
 
@@ -36,17 +38,21 @@ class StepTrace:
     self.end_step = first_step + num_steps  # one past the last traced step
     self.active = False
     self.done = num_steps == 0
+    self.traced = []  # the first and the last step traced so far
 
   def before(self, step):
     """Starts the trace if `step` is inside the window and no trace ran yet."""
     if not self.done and not self.active and self.first_step <= step < self.end_step:
       jax.profiler.start_trace(self.logdir)
       self.active = True
+      self.traced = [step, step]
 
   def after(self, step, outputs=None):
     """Stops the trace after the window's last step, once `outputs` are computed."""
-    if self.active and step >= self.end_step - 1:
-      self._stop(outputs)
+    if self.active:
+      self.traced[1] = step
+      if step >= self.end_step - 1:
+        self._stop(outputs)
 
   def close(self):
     """Stops a trace still running (the run ended inside the window)."""
@@ -59,3 +65,8 @@ class StepTrace:
     finally:
       jax.profiler.stop_trace()
       self.active, self.done = False, True
+    first, last = self.traced
+    steps = f'step {first}' if first == last else f'steps {first}-{last}'
+    logging.info(
+        'Profiler trace of %s in %s: view it with `xprof --logdir=%s` or in '
+        "TensorBoard's Profile tab (`pip install xprof`)", steps, self.logdir, self.logdir)
