@@ -231,6 +231,19 @@ def test_trace_of_chosen_steps(tmp_path, caplog):
   assert not cut.active and len(_traces(str(tmp_path / 'cut'))) == 1
   assert said()[0].startswith('Profiler trace of steps 3-4 in ')  # the steps it ran
 
+  # A run resumed after the window: nothing traced, one warning; inside it: the rest.
+  caplog.clear()
+  late = trace.StepTrace(str(tmp_path / 'late'), first_step=2, num_steps=2, resumed_at=3)
+  assert late.done and [r.getMessage() for r in caplog.records] == [
+      'No profiler trace in this run: its window, steps 2-3, lies before step 4, where the run '
+      'resumes; set --config.profile_first_step to 4 or later to trace again'
+  ]
+  assert not trace.StepTrace(str(tmp_path / 'inside'), 2, 2, resumed_at=2).done
+  caplog.clear()
+  assert trace.StepTrace(str(tmp_path / 'finished'), 2, 2, resumed_at=10, last_step=10).done
+  assert caplog.records[0].getMessage().endswith(
+      'lies before step 11, where the run resumes; the run has no steps left after step 10')
+
   off = trace.StepTrace(str(tmp_path / 'off'), first_step=0, num_steps=0)
   off.before(1)
   off.after(1)

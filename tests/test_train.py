@@ -98,8 +98,10 @@ def test_gradient_accumulation_equals_full_batch(idx_dir, tmp_path):
 
 
 def test_resume_continues_at_step_7_and_equals_uninterrupted(idx_dir, tmp_path, caplog):
-  # Dropout on: the resumed run must also reproduce the dropout masks of steps 7..12.
-  config = _config(idx_dir, total_steps=12, **{'model.dropout_rate': 0.1})
+  # Dropout on: the resumed run must also reproduce the dropout masks of steps 7..12. A trace
+  # of steps 2-3 changes nothing; the resumed run, past it, says it takes none.
+  config = _config(idx_dir, total_steps=12, profile_first_step=2, profile_steps=2,
+                   **{'model.dropout_rate': 0.1})
   straight = train.train_and_evaluate(config, str(tmp_path / 'straight'))
   workdir = str(tmp_path / 'resumed')
   stopped = train.train_and_evaluate(config, workdir, stop_after_steps=6)
@@ -109,6 +111,10 @@ def test_resume_continues_at_step_7_and_equals_uninterrupted(idx_dir, tmp_path, 
     resumed = train.train_and_evaluate(config, workdir)
   assert any('Resuming from the checkpoint of step 6' in r.getMessage() for r in caplog.records)
   assert any('step 7/12' in r.getMessage() for r in caplog.records)
+  assert [r.getMessage() for r in caplog.records if 'profiler trace' in r.getMessage()] == [
+      'No profiler trace in this run: its window, steps 2-3, lies before step 7, where the run '
+      'resumes; set --config.profile_first_step to 7 or later to trace again'
+  ]
   assert resumed['step'] == 12
   assert resumed['loss'] == straight['loss']
   _assert_trees_close(straight['params'], resumed['params'], 0.0)

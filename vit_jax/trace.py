@@ -8,8 +8,9 @@
     trace.close()  # in a `finally`: stops a trace the run ended inside
 
 Steps [first_step, first_step + num_steps) are traced; num_steps 0 traces nothing. A run
-resumed inside the window traces the rest of it. Each host writes its own trace and logs
-one line saying which steps it holds and where it is.
+resumed inside the window traces the rest of it; one resumed after it traces nothing and
+says so (a warning, not an error: a preempted run resumes with the flags it started with).
+Each host writes its own trace and logs one line saying which steps it holds and where it is.
 """
 from absl import logging
 import jax
@@ -31,7 +32,9 @@ def validate(first_step, num_steps, last_step=None):
 class StepTrace:
   """Starts jax.profiler before the window's first step, stops after its last."""
 
-  def __init__(self, logdir, first_step, num_steps):
+  def __init__(self, logdir, first_step, num_steps, resumed_at=0, last_step=None):
+    """`resumed_at`: the step of the state the run starts from (0 for a new run);
+    `last_step`: the run's last step, where known."""
     validate(first_step, num_steps)
     self.logdir = logdir
     self.first_step = first_step
@@ -39,6 +42,16 @@ class StepTrace:
     self.active = False
     self.done = num_steps == 0
     self.traced = []  # the first and the last step traced so far
+    if not self.done and self.end_step - 1 <= resumed_at:
+      next_step = resumed_at + 1
+      if last_step is not None and last_step < next_step:
+        fix = f'the run has no steps left after step {resumed_at}'
+      else:
+        fix = f'set --config.profile_first_step to {next_step} or later to trace again'
+      logging.warning(
+          'No profiler trace in this run: its window, steps %d-%d, lies before step %d, where '
+          'the run resumes; %s', first_step, self.end_step - 1, next_step, fix)
+      self.done = True
 
   def before(self, step):
     """Starts the trace if `step` is inside the window and no trace ran yet."""

@@ -399,7 +399,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                              num_devices=jax.device_count(), flops_per_step=flops_per_step,
                              peak_flops_per_device=peak)
   profile = trace.StepTrace(os.path.join(workdir, 'profile'), config.profile_first_step,
-                            config.profile_steps)
+                            config.profile_steps, resumed_at=start, last_step=total_steps)
   last = total_steps if stop_after_steps is None else min(stop_after_steps, total_steps)
   result = {'step': start}
   metric, unit = (('masked-patch accuracy', 'patches') if masked_patches.is_masked(config) else
