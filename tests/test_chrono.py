@@ -251,6 +251,15 @@ def test_trace_of_chosen_steps(tmp_path, caplog):
   assert not os.path.exists(tmp_path / 'off')
   with pytest.raises(ValueError, match='profile_first_step'):
     trace.StepTrace(str(tmp_path), first_step=0, num_steps=3)
+  with pytest.raises(ValueError, match='profile_first_step -3'):  # a typo, traced or not
+    trace.validate(-3, 0)
+  # A first step without a step count: nothing traced, and the run says why.
+  caplog.clear()
+  assert trace.StepTrace(str(tmp_path / 'no_steps'), first_step=100, num_steps=0).done
+  assert [r.getMessage() for r in caplog.records] == [
+      'No profiler trace in this run: profile_first_step is 100 but profile_steps is 0; set '
+      '--config.profile_steps to the number of steps to trace'
+  ]
 
 
 def test_a_trace_window_after_the_last_step_is_refused():

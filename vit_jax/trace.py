@@ -19,7 +19,7 @@ import jax
 def validate(first_step, num_steps, last_step=None):
   """A one-line ValueError naming the config fields if the window is out of range, or (with
   `last_step`, the run's last step, where known) starts after the run ends."""
-  if num_steps < 0 or (num_steps and first_step < 1):
+  if num_steps < 0 or first_step < 0 or (num_steps and first_step < 1):
     raise ValueError(f'profile_first_step {first_step} / profile_steps {num_steps}: set '
                      '--config.profile_first_step to 1 or more and --config.profile_steps to '
                      'the number of steps to trace (0: no trace)')
@@ -41,6 +41,10 @@ class StepTrace:
     self.end_step = first_step + num_steps  # one past the last traced step
     self.active = False
     self.done = num_steps == 0
+    if self.done and first_step:
+      logging.warning(
+          'No profiler trace in this run: profile_first_step is %d but profile_steps is 0; set '
+          '--config.profile_steps to the number of steps to trace', first_step)
     self.traced = []  # the first and the last step traced so far
     if not self.done and self.end_step - 1 <= resumed_at:
       next_step = resumed_at + 1
