@@ -26,6 +26,7 @@ from vit_jax import checkpoint
 from vit_jax import rundir
 from vit_jax import train
 from vit_jax.configs import quickstart
+from tests.conftest import built_once
 from tests.conftest import own_compilation_cache
 
 ARGS = [
@@ -68,10 +69,7 @@ def _read(path):
     return f.read()
 
 
-@pytest.fixture(scope='module')
-def good(tmp_path_factory):
-  """A finished 30-step run (checkpoints 10, 20, 30 and final.npz)."""
-  cwd = tmp_path_factory.mktemp('good')
+def _good_run(cwd):
   old = os.umask(0o022)
   try:
     rc, err, last = _cli(cwd, 'run')
@@ -79,7 +77,13 @@ def good(tmp_path_factory):
     os.umask(old)
   assert rc == 0, err[-3000:]
   assert 'Final test[:512] top-1 accuracy' in last
-  return cwd / 'run'
+
+
+@pytest.fixture(scope='module')
+def good(tmp_path_factory):
+  """A finished 30-step run (checkpoints 10, 20, 30 and final.npz), made once for all
+  workers: the tests copy it before they change it."""
+  return built_once(tmp_path_factory, 'good', _good_run) / 'run'
 
 
 def _copy(good, tmp_path, name='run'):
@@ -532,6 +536,16 @@ def test_bad_value_is_one_line_from_the_cli(tmp_path):
   assert rc == 1 and 'Traceback' not in err
   assert last == ('vit_jax: cpu_devices 0 must be a whole number >= 1: set --config.cpu_devices '
                   '(1: the CPU is one device)'), last
+  # Typed as a user types them: nan had turned clipping off silently; a grid of a word and
+  # a number (a tuple of one string to ml_collections) had been a TypeError's traceback.
+  rc, err, last = _cli(tmp_path, 'run', '--config.grad_clip_norm=nan')
+  assert rc == 1 and 'Traceback' not in err
+  assert last == ('vit_jax: grad_clip_norm nan is not a finite number: set '
+                  '--config.grad_clip_norm to a number'), last
+  rc, err, last = _cli(tmp_path, 'run', '--config.lr_grid=0.01,inf')
+  assert rc == 1 and 'Traceback' not in err
+  assert last == ("vit_jax: lr_grid ('0.01,inf',) must hold learning rates > 0: set "
+                  '--config.lr_grid, e.g. to 0.003,0.01'), last
   assert not (tmp_path / 'run').exists()
 
 
@@ -603,8 +617,17 @@ def _make_folder(root, empty_class):
     (dict(image_size=0), r'image_size 0 must be >= 1 \(pixels per side\): set --config.image_size'),
     (dict(image_size=-4), r'image_size -4 must be >= 1'),
     (dict(cpu_devices=-1), r'cpu_devices -1 must be a whole number >= 1: set --config.cpu_devices'),
+    (dict(grad_clip_norm=float('nan')),
+     r'^grad_clip_norm nan is not a finite number: set --config.grad_clip_norm to a number$'),
+    (dict(pp=dict(central_crop_fraction=float('inf'))), r'^pp.central_crop_fraction inf is not a '
+     r'finite number: set --config.pp.central_crop_fraction to a number$'),
+    (dict(lr_grid=(0.01, float('nan'))), r'^lr_grid \(0.01, nan\) is not a finite number: set '
+     r'--config.lr_grid to numbers$'),
+    (dict(device_memory_mb=-1.0), r'^device_memory_mb -1.0 is negative: set '
+     r'--config.device_memory_mb to the memory per device in MiB, or 0 to ask the device$'),
 ])
 def test_bad_values_fail_at_start_up(tmp_path, overrides, message):
+  # (nan passes every range check, a comparison with it being false: refused by name.)
   if overrides.get('data_dir') == 'DATA':
     overrides['data_dir'] = str(tmp_path / 'DATA')
   if overrides.get('dataset') == 'FOLDER':

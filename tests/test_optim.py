@@ -204,6 +204,7 @@ def test_validate_accepts_good_config():
     (dict(adam_b2=-0.1), 'adam_b2'),
     (dict(momentum=1.5), 'momentum'),
     (dict(lr_grid=(0.01, -0.03)), 'lr_grid'),
+    (dict(lr_grid=('0.01,x',)), 'lr_grid'),
 ])
 def test_validate_rejects(overrides, field):
   with pytest.raises(ValueError) as e:

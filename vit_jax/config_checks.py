@@ -6,6 +6,7 @@ starts, so a mistyped value is refused in about 2 s, not after TensorFlow's impo
 vit-sweep and vit-tpu check their points the same way without taking a device.
 """
 import copy
+import math
 
 from vit_jax import device_peaks
 from vit_jax import masked_patches
@@ -39,10 +40,25 @@ def _validate_pp(config):
                        f'--config.pp.{name} to a value in (0, 1]')
 
 
+def _refuse_non_finite(config, prefix=''):
+  """No field holds nan or an infinity (typed as `--config.X=nan`, or a sweep's bad
+  arithmetic): a comparison with nan is false, so range checks alone let it through, and
+  e.g. `grad_clip_norm > 0` would then turn clipping off without a word."""
+  for name, value in config.items():
+    if hasattr(value, 'items'):
+      _refuse_non_finite(value, f'{prefix}{name}.')
+      continue
+    many = isinstance(value, (tuple, list))
+    if any(isinstance(v, float) and not math.isfinite(v) for v in (value if many else (value,))):
+      raise ValueError(f'{prefix}{name} {value!r} is not a finite number: set '
+                       f'--config.{prefix}{name} to {"numbers" if many else "a number"}')
+
+
 def validate_config(config, num_train_examples=None, dataset_classes=None, *, devices=None,
                     hosts=None):
   """Start-up checks; each failure is one line naming the field and the fix. `devices` and
   `hosts`: those of the machine the run is for (default: this process's)."""
+  _refuse_non_finite(config)
   # First: a bad mesh is not blamed on the batch size.
   n_dev = sharding.mesh_size(config, devices, hosts)
   sharding.cpu_devices(config)  # a count no host has
@@ -83,6 +99,10 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
     per_micro = '' if accum == 1 else f' / accum_steps {accum}'
     raise ValueError(f'batch_size {config.batch_size}{per_micro} must be a multiple of the '
                      f'{n_dev} devices: set --config.batch_size{or_split}')
+  if config.get('device_memory_mb', 0) < 0:
+    raise ValueError(f'device_memory_mb {config.device_memory_mb} is negative: set '
+                     '--config.device_memory_mb to the memory per device in MiB, or 0 to ask '
+                     'the device')
   if config.prefetch < 0:
     raise ValueError(f'prefetch {config.prefetch} is negative: set --config.prefetch to the '
                      'batches to keep in flight to the devices (0 or more)')

@@ -159,9 +159,10 @@ def validate(config, num_train_examples: Optional[int] = None) -> None:
   if config.lr_decay == 'cosine' and config.end_lr != 0:
     fail(f'end_lr {config.end_lr} is only used by linear decay (cosine decays '
          'to 0): set --config.end_lr=0 or --config.lr_decay=linear')
-  if any(not lr > 0 for lr in config.lr_grid):
+  if any(not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0
+         for lr in config.lr_grid):
     fail(f'lr_grid {tuple(config.lr_grid)} must hold learning rates > 0: set '
-         '--config.lr_grid')
+         '--config.lr_grid, e.g. to 0.003,0.01')
   if config.warmup_steps < 0:
     fail(f'warmup_steps {config.warmup_steps} must be >= 0: set --config.warmup_steps')
   if config.total_steps <= 0 and config.num_epochs <= 0:
