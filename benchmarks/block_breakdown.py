@@ -29,14 +29,15 @@ from vit_jax import models
 from vit_jax.models import vit
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-parser.add_argument('--batch', type=int, default=8)
-parser.add_argument('--tokens', type=int, default=197)
-parser.add_argument('--hidden', type=int, default=768)
-parser.add_argument('--mlp', type=int, default=3072)
-parser.add_argument('--heads', type=int, default=12)
+parser.add_argument('--batch', type=harness.positive_int, default=8)
+parser.add_argument('--tokens', type=harness.positive_int, default=197)
+parser.add_argument('--hidden', type=harness.positive_int, default=768)
+parser.add_argument('--mlp', type=harness.positive_int, default=3072)
+parser.add_argument('--heads', type=harness.positive_int, default=12)
 parser.add_argument('--dtypes', default='float32,bfloat16')
-parser.add_argument('--reps', type=int, default=3, help='timed calls per variant per round')
-parser.add_argument('--rounds', type=int, default=3)
+parser.add_argument('--reps', type=harness.positive_int, default=3,
+                    help='timed calls per variant per round')
+parser.add_argument('--rounds', type=harness.positive_int, default=3)
 parser.add_argument('--step_hlo', default='ViT-B_16',
                     help='model whose train step HLO is counted ("" skips)')
 parser.add_argument('--out', default='')

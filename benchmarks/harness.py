@@ -4,6 +4,7 @@ JSON, load and memory of the process, the model/batch flags, and PyTorch's side 
 
 (The PyTorch workers import only this; the JAX side is bare_step.py.)
 """
+import argparse
 import json
 import os
 import resource
@@ -73,14 +74,32 @@ def write_json(path, payload):
   print(f'\nwrote {path}')
 
 
+def positive_int(text):
+  """argparse's type for a count or size: a whole number, 1 or more."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'{text!r} is not a whole number') from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f'{value} must be 1 or more')
+  return value
+
+
+def positive_ints(text):
+  """argparse's type for comma-separated counts or sizes."""
+  return [positive_int(part) for part in text.split(',')]
+
+
 def add_model_args(parser, dtypes='float32', steps=2):
   """The flags every model benchmark takes: models and batches, dtypes, size, timing, overrides."""
   parser.add_argument('--models', default='ViT-Ti_16,ViT-B_16,R50+ViT-B_16')
-  parser.add_argument('--batch', default='32,8,8', help='one per model, or one for all')
+  parser.add_argument('--batch', type=positive_ints, default='32,8,8',
+                      help='one per model, or one for all')
   parser.add_argument('--dtypes', default=dtypes)
-  parser.add_argument('--image_size', type=int, default=224)
-  parser.add_argument('--steps', type=int, default=steps, help='timed steps per side per round')
-  parser.add_argument('--rounds', type=int, default=2)
+  parser.add_argument('--image_size', type=positive_int, default=224)
+  parser.add_argument('--steps', type=positive_int, default=steps,
+                      help='timed steps per side per round')
+  parser.add_argument('--rounds', type=positive_int, default=2)
   parser.add_argument('--override', action='append', default=[],
                       help='variant field, e.g. --override num_layers=2 (repeatable)')
 
@@ -131,7 +150,7 @@ def train_step_process(args, model, batch, dtype, env, workdir, extra=()):
 def model_batches(args):
   """[(model, batch), ...] from --models and --batch (one batch for all, or one per model)."""
   models = args.models.split(',')
-  batches = [int(b) for b in args.batch.split(',')]
+  batches = args.batch
   if len(batches) == 1:
     batches = batches * len(models)
   if len(batches) != len(models):

@@ -22,12 +22,13 @@ from tests import data_fixtures
 from vit_jax import input_pipeline
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-parser.add_argument('--images', type=int, default=512)
+parser.add_argument('--images', type=harness.positive_int, default=512)
 parser.add_argument('--jpeg_size', default='375,500', help='height,width of the JPEGs')
-parser.add_argument('--batch', type=int, default=64)
-parser.add_argument('--batches', type=int, default=6, help='timed batches per round')
-parser.add_argument('--rounds', type=int, default=3)
-parser.add_argument('--image_size', type=int, default=224)
+parser.add_argument('--batch', type=harness.positive_int, default=64)
+parser.add_argument('--batches', type=harness.positive_int, default=6,
+                    help='timed batches per round')
+parser.add_argument('--rounds', type=harness.positive_int, default=3)
+parser.add_argument('--image_size', type=harness.positive_int, default=224)
 parser.add_argument('--eval_crop', default='resize', choices=('resize', 'central'))
 parser.add_argument('--out', default='')
 args = parser.parse_args()

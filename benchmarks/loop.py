@@ -35,14 +35,16 @@ from vit_jax import train
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
 parser.add_argument('--model', default='ViT-Ti_16')
-parser.add_argument('--batch', type=int, default=32)
+parser.add_argument('--batch', type=harness.positive_int, default=32)
 parser.add_argument('--dtype', default='float32')
-parser.add_argument('--image_size', type=int, default=224)
-parser.add_argument('--steps', type=int, default=13, help='loop steps per run (first: compile)')
-parser.add_argument('--rounds', type=int, default=2)
-parser.add_argument('--images', type=int, default=256, help='JPEGs written (375x500)')
+parser.add_argument('--image_size', type=harness.positive_int, default=224)
+parser.add_argument('--steps', type=harness.positive_int, default=13,
+                    help='loop steps per run (first: compile)')
+parser.add_argument('--rounds', type=harness.positive_int, default=2)
+parser.add_argument('--images', type=harness.positive_int, default=256,
+                    help='JPEGs written (375x500)')
 parser.add_argument('--jpeg_size', default='375,500', help='height,width of the JPEGs')
-parser.add_argument('--log_every', type=int, default=4)
+parser.add_argument('--log_every', type=harness.positive_int, default=4)
 parser.add_argument('--checkpoint_every', type=int, default=4)
 parser.add_argument('--prefetch', type=int, default=2, help='config.prefetch')
 parser.add_argument('--override', action='append', default=[],

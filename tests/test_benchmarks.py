@@ -199,6 +199,23 @@ def _refusal(script, *flags):
   return proc.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize('script,flags,line', [
+    ('train_step', ['--batch', '0'], 'train_step.py: error: argument --batch: 0 must be 1 or more'),
+    ('vs_pytorch', ['--batch', '8,x'
+                   ], "vs_pytorch.py: error: argument --batch: 'x' is not a whole number"),
+    ('before_after', ['--steps', '0'
+                     ], 'before_after.py: error: argument --steps: 0 must be 1 or more'),
+    ('loop', ['--steps', '0'], 'loop.py: error: argument --steps: 0 must be 1 or more'),
+    ('input_speed', ['--rounds', '-1'
+                    ], 'input_speed.py: error: argument --rounds: -1 must be 1 or more'),
+    ('block_breakdown', ['--heads', '0'
+                        ], 'block_breakdown.py: error: argument --heads: 0 must be 1 or more'),
+])
+def test_a_count_below_one_is_refused_in_one_line(script, flags, line):
+  """As a user types it: before, --batch 0 ran into a NaN loss and --steps 0 an IndexError."""
+  assert _refusal(script, *flags) == line
+
+
 @pytest.mark.parametrize('change', ['fused_attention', 'tokens_padded_once'])
 def test_before_after_fused_attention(tmp_path, change):
   # Where it fuses: cuDNN's attention calls after (a forward and a backward per block), none
