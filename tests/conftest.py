@@ -30,8 +30,6 @@ NOT_SOURCE = shutil.ignore_patterns('.venv', '.git', 'workdirs', 'build', '*.egg
 
 def _build_wheel_venv(tmp):
   """Builds the wheel of this checkout into tmp/dist and a venv holding it into tmp/venv."""
-  for part in ('src', 'dist', 'venv'):
-    shutil.rmtree(tmp / part, ignore_errors=True)  # a build that failed half-way before
   src = tmp / 'src'
   shutil.copytree(ROOT, src, ignore=NOT_SOURCE)  # build from a copy: no build/ in the checkout
   subprocess.run(
@@ -48,7 +46,6 @@ def _build_wheel_venv(tmp):
       os.path.join(ROOT, 'constraints.txt'), f'{wheel}[test]'
   ], capture_output=True, text=True)
   assert out.returncode == 0, out.stderr[-3000:]
-  return venv
 
 
 # One JAX compilation cache for the whole run, given by environment variables so that the
@@ -119,22 +116,32 @@ def own_compilation_cache(env, directory=None):
   return {**env, _CACHE_DIR: str(directory)} if directory else env
 
 
+def built_once(tmp_path_factory, name, build):
+  """The folder `name` after build(folder), made once per test run: pytest-xdist's workers
+  share it (the first to ask builds it in the run's temporary root, under a lock the others
+  wait on; a build that failed is started again from an empty folder). Tests only read it."""
+  if not os.environ.get('PYTEST_XDIST_WORKER'):
+    folder = tmp_path_factory.mktemp(name)
+    build(folder)
+    return folder
+  root = tmp_path_factory.getbasetemp().parent  # the run's, not one worker's
+  folder = root / name
+  with open(root / f'{name}.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (root / f'{name}.built').exists():
+      shutil.rmtree(folder, ignore_errors=True)
+      folder.mkdir()
+      build(folder)
+      (root / f'{name}.built').touch()
+  return folder
+
+
 @pytest.fixture(scope='session')
 def wheel_venv(tmp_path_factory):
   """A fresh venv holding only the wheel built from this checkout (with its `test` extra),
-  installed with the tested constraints: what a user gets from `pip install`. pytest-xdist's
-  workers share one (a build takes ~50 s of a 2-core machine): the first to ask builds it in
-  the run's temporary root, under a lock the others wait on. The tests only read it."""
-  if not os.environ.get('PYTEST_XDIST_WORKER'):
-    return _build_wheel_venv(tmp_path_factory.mktemp('wheel'))
-  shared = tmp_path_factory.getbasetemp().parent / 'wheel'  # the run's, not one worker's
-  shared.mkdir(exist_ok=True)
-  with open(shared / 'lock', 'w') as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    if not (shared / 'built').exists():
-      _build_wheel_venv(shared)
-      (shared / 'built').touch()
-  return shared / 'venv'
+  installed with the tested constraints: what a user gets from `pip install`. Built once
+  for all of pytest-xdist's workers (~50 s of a 2-core machine)."""
+  return built_once(tmp_path_factory, 'wheel', _build_wheel_venv) / 'venv'
 
 
 @pytest.fixture(scope='module')

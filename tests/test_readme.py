@@ -12,6 +12,7 @@ is made by the Makefile's own quickstart command, with small overrides appended.
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ from PIL import Image
 import pytest
 
 from tests import data_fixtures
+from tests.conftest import built_once
 from tests.conftest import ROOT
 
 README = os.path.join(ROOT, 'README.md')
@@ -109,10 +111,8 @@ def rule(argv):
   return None, []
 
 
-@pytest.fixture(scope='module')
-def user_dir(tmp_path_factory):
+def _make_user_dir(home):
   """A user's directory after `make quickstart` (small) with the files the README names."""
-  home = tmp_path_factory.mktemp('user')
   data = data_fixtures.write_idx(str(home / USER_DATA), num_train=256, num_test=64)
   with open(os.path.join(ROOT, 'Makefile')) as f:
     recipe = re.search(r'^quickstart:.*\n\t(.+)$', f.read(), re.MULTILINE).group(1)
@@ -132,6 +132,15 @@ def user_dir(tmp_path_factory):
   data_fixtures.write_published(home / 'ViT-B_16.npz', 'ViT-B_16')
   with open(home / 'names.txt', 'w') as f:
     f.write(''.join(f'class {i}\n' for i in range(1000)))
+
+
+@pytest.fixture(scope='module')
+def user_dir(tmp_path_factory):
+  """The user's directory, made once for all workers and copied for this one: the README's
+  commands write into it."""
+  made = built_once(tmp_path_factory, 'user_made', _make_user_dir)
+  home = tmp_path_factory.mktemp('user')
+  shutil.copytree(made, home, dirs_exist_ok=True)
   return home
 
 
