@@ -2,6 +2,7 @@
 extraction, the evaluator) and its CLI, vit_jax.evaluate_cli, on a tiny ViT and IDX files
 made here."""
 import logging
+import math
 import os
 import re
 import subprocess
@@ -307,7 +308,9 @@ def test_cli_default_shots_skip_what_a_small_pool_cannot_draw(tiny):
   for bad, message in ((dict(shots=['1', 'five']), '--shots=1,five: expected whole numbers >= 1'),
                        (dict(shots=['0']), '--shots=0: expected whole numbers >= 1'),
                        (dict(seeds=['-1']), '--seeds=-1: expected whole numbers >= 0'),
-                       (dict(l2_reg=0.0), '--l2_reg=0.0 is not positive: use e.g. --l2_reg=1024')):
+                       (dict(l2_reg=0.0), '--l2_reg=0.0 is not a positive number: use e.g. '
+                        '--l2_reg=1024'), (dict(l2_reg=math.inf), '--l2_reg=inf is not a positive'),
+                       (dict(image_size=0), '--image_size=0: pass the resolution in pixels')):
     with pytest.raises(ValueError, match='^' + re.escape(message)):
       evaluate_cli.run(types.SimpleNamespace(**{**args, **bad}))
 

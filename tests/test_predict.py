@@ -185,6 +185,20 @@ def test_a_published_file_needs_its_model_named(home):
   ]
 
 
+def test_model_flags_beside_a_workdir_are_refused_not_ignored(home):
+  # The run's config.json names its model and resolution: these flags had been dropped silently.
+  out = shell([
+      'vit-predict', '--workdir', 'wd', '--image_size', '64', '--model_overrides', 'num_layers=2',
+      'img/mixed/good.png'
+  ], home)
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert ours(out.stderr) == [
+      'vit-predict: --model_overrides and --image_size only with --checkpoint: --workdir wd '
+      "brings the run's own model, overrides and resolution (its config.json); drop "
+      '--model_overrides and --image_size'
+  ]
+
+
 def test_a_folder_run_keeps_its_class_names_for_predict_and_evaluate(tmp_path):
   """vit-train records the head's class names (class_names.txt). vit-predict names classes
   after the training folder moved; vit-evaluate refuses a folder that names them otherwise."""

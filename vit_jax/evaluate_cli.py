@@ -9,6 +9,7 @@ r"""vit-evaluate: top-1 (also ImageNet ReaL) and few-shot linear accuracy of a c
 the run's (--workdir), else those of configs/common.py. The evaluation itself is
 vit_jax/evaluate.py.
 """
+import math
 import re
 import sys
 
@@ -92,8 +93,8 @@ def _setting(flags_, name, run_config, run_value, default):
 def run(flags_):
   """Evaluates per the flags; returns the table as text."""
   shots, seeds = _whole_numbers(flags_, 'shots', 1), _whole_numbers(flags_, 'seeds', 0)
-  if not flags_.l2_reg > 0:
-    raise ValueError(f'--l2_reg={flags_.l2_reg} is not positive: use e.g. '
+  if not 0 < flags_.l2_reg < math.inf:  # inf: every prediction would be the same class
+    raise ValueError(f'--l2_reg={flags_.l2_reg} is not a positive number: use e.g. '
                      f'--l2_reg={_DEFAULTS.fewshot_l2_reg:g} (the default)')
   run_config, model, params, image_size = model_flags.load(flags_)
   # pylint: disable=g-import-not-at-top,unused-import  (TensorFlow: see the imports above)

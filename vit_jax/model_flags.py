@@ -49,6 +49,18 @@ def load(flags_):
   if bool(workdir) == bool(flags_.checkpoint):
     raise ValueError('Name one model: --workdir DIR (a finished vit-train run) or '
                      '--checkpoint FILE.npz with --model NAME')
+  ignored = [
+      f'--{name}' for name in ('model', 'model_overrides', 'image_size')
+      if getattr(flags_, name, None) not in (None, '')
+  ]
+  if workdir and ignored:  # would be ignored: the run's config.json names all three
+    raise ValueError(f'{" and ".join(ignored)} only with --checkpoint: --workdir {workdir} '
+                     'brings the run\'s own model, overrides and resolution (its config.json); '
+                     f'drop {" and ".join(ignored)}')
+  image_size = getattr(flags_, 'image_size', None)
+  if image_size is not None and image_size < 1:
+    raise ValueError(f'--image_size={image_size}: pass the resolution in pixels (1 or '
+                     'more), or leave it out for 224')
   if workdir:
     config, model, params = checkpoint.load_run(workdir)
     image_size = config.image_size
@@ -56,7 +68,7 @@ def load(flags_):
     if not flags_.model:  # a file's shapes alone do not name its patch size or variant
       raise ValueError(f'--checkpoint {flags_.checkpoint} needs --model NAME: the model the '
                        'file was trained as, e.g. ViT-B_16 (names: vit_jax.models.VARIANTS)')
-    config, image_size = None, flags_.image_size or 224
+    config, image_size = None, image_size or 224
     model, params = checkpoint.load_model(flags_.checkpoint, flags_.model, image_size,
                                           **parse_overrides(flags_.model_overrides))
   bad = [
