@@ -199,21 +199,18 @@ def _refusal(script, *flags):
   return proc.stderr.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize('script,flags,line', [
-    ('train_step', ['--batch', '0'], 'train_step.py: error: argument --batch: 0 must be 1 or more'),
-    ('vs_pytorch', ['--batch', '8,x'
-                   ], "vs_pytorch.py: error: argument --batch: 'x' is not a whole number"),
-    ('before_after', ['--steps', '0'
-                     ], 'before_after.py: error: argument --steps: 0 must be 1 or more'),
-    ('loop', ['--steps', '0'], 'loop.py: error: argument --steps: 0 must be 1 or more'),
-    ('input_speed', ['--rounds', '-1'
-                    ], 'input_speed.py: error: argument --rounds: -1 must be 1 or more'),
-    ('block_breakdown', ['--heads', '0'
-                        ], 'block_breakdown.py: error: argument --heads: 0 must be 1 or more'),
+@pytest.mark.parametrize('script,flag,value,why', [
+    ('train_step', 'batch', '0', '0 must be 1 or more'),
+    ('vs_pytorch', 'batch', '8,x', "'x' is not a whole number"),
+    ('before_after', 'steps', '0', '0 must be 1 or more'),
+    ('loop', 'steps', '0', '0 must be 1 or more'),
+    ('input_speed', 'rounds', '-1', '-1 must be 1 or more'),
+    ('block_breakdown', 'heads', '0', '0 must be 1 or more'),
 ])
-def test_a_count_below_one_is_refused_in_one_line(script, flags, line):
+def test_a_count_below_one_is_refused_in_one_line(script, flag, value, why):
   """As a user types it: before, --batch 0 ran into a NaN loss and --steps 0 an IndexError."""
-  assert _refusal(script, *flags) == line
+  line = _refusal(script, f'--{flag}', value)
+  assert line == f'{script}.py: error: argument --{flag}: {why}'
 
 
 @pytest.mark.parametrize('change', ['fused_attention', 'tokens_padded_once'])

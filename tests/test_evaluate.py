@@ -305,12 +305,15 @@ def test_cli_default_shots_skip_what_a_small_pool_cannot_draw(tiny):
               dataset='fashion_mnist_local', data_dir=tiny['idx_dir'], image_size=28,
               eval_crop='resize', mode='fewshot', train_split='train', eval_split='test',
               shots=['1'], seeds=['0'], l2_reg=1.0, batch_size=8)
-  for bad, message in ((dict(shots=['1', 'five']), '--shots=1,five: expected whole numbers >= 1'),
-                       (dict(shots=['0']), '--shots=0: expected whole numbers >= 1'),
-                       (dict(seeds=['-1']), '--seeds=-1: expected whole numbers >= 0'),
-                       (dict(l2_reg=0.0), '--l2_reg=0.0 is not a positive number: use e.g. '
-                        '--l2_reg=1024'), (dict(l2_reg=math.inf), '--l2_reg=inf is not a positive'),
-                       (dict(image_size=0), '--image_size=0: pass the resolution in pixels')):
+  refusals = [
+      (dict(shots=['1', 'five']), '--shots=1,five: expected whole numbers >= 1'),
+      (dict(shots=['0']), '--shots=0: expected whole numbers >= 1'),
+      (dict(seeds=['-1']), '--seeds=-1: expected whole numbers >= 0'),
+      (dict(l2_reg=0.0), '--l2_reg=0.0 is not a positive number: use e.g. --l2_reg=1024'),
+      (dict(l2_reg=math.inf), '--l2_reg=inf is not a positive number'),
+      (dict(image_size=0), '--image_size=0: pass the resolution in pixels'),
+  ]
+  for bad, message in refusals:
     with pytest.raises(ValueError, match='^' + re.escape(message)):
       evaluate_cli.run(types.SimpleNamespace(**{**args, **bad}))
 

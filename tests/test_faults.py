@@ -627,7 +627,7 @@ def _make_folder(root, empty_class):
      r'--config.device_memory_mb to the memory per device in MiB, or 0 to ask the device$'),
 ])
 def test_bad_values_fail_at_start_up(tmp_path, overrides, message):
-  # (nan passes every range check, a comparison with it being false: refused by name.)
+  # (The nan and inf cases: a comparison with nan is false, so range checks let it through.)
   if overrides.get('data_dir') == 'DATA':
     overrides['data_dir'] = str(tmp_path / 'DATA')
   if overrides.get('dataset') == 'FOLDER':
