@@ -599,6 +599,9 @@ def _make_folder(root, empty_class):
      r"\('float32', 'bfloat16'\)"),
     (dict(num_classes=5), r'num_classes 5 is smaller than the dataset\'s 10 classes .* '
      r'--config.num_classes=10'),
+    (dict(num_classes=0), r'^num_classes 0 is no head size: set --config.num_classes to the '
+     r'number of classes, or -1 \(from the dataset\)$'),
+    (dict(num_classes=-10), r'^num_classes -10 is no head size'),
     (dict(dataset='mnist', data_dir='DATA'),
      r'dataset mnist is not prepared in data_dir .*DATA: run `tfds build mnist '
      r'--data_dir=.*DATA` or set --config.data_dir'),

@@ -76,6 +76,9 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
   if config.accum_steps < 0:
     raise ValueError(f'accum_steps {config.accum_steps} is negative: set --config.accum_steps '
                      'to 1 or more, or 0 for the fewest micro-batches that fit in memory')
+  if config.num_classes == 0 or config.num_classes < -1:
+    raise ValueError(f'num_classes {config.num_classes} is no head size: set '
+                     '--config.num_classes to the number of classes, or -1 (from the dataset)')
   if dataset_classes and 0 < config.num_classes < dataset_classes:
     raise ValueError(f'num_classes {config.num_classes} is smaller than the dataset\'s '
                      f'{dataset_classes} classes (labels up to {dataset_classes - 1}): set '
