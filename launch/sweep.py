@@ -418,6 +418,10 @@ def main(argv=None, runner=run_local, out=None):
                          f"point with --set '{key[2:]}={value if sep else 'VALUE'}' (and sweeps "
                          f"it with --sweep '{key[2:]}=[v1,v2,...]')")
       raise SweepError(f'unrecognized arguments: {" ".join(rest)}')
+    given = [f for f, v in (('--zone', args.zone), ('--project', args.project)) if v]
+    if given and not args.tpu:  # else the sweep would run on this machine instead
+      raise SweepError(f'{" and ".join(given)} only with --tpu: add --tpu NAME to run on that TPU '
+                       f'VM, or drop {"them" if len(given) > 1 else "it"} to run here')
     config = load_config(args.config)
     points = grid_points(build_grid(config, args.sweep))
     sets = [parse_set(s) for s in args.sets]

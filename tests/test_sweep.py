@@ -183,6 +183,13 @@ def test_tpu_sweep_chains_the_points(capsys):
         ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.total_steps'], "--set"),
         ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.base_lr=0.1'], 'both --set and'),
         ([f'--config={FINETUNE}', '--workdir=w', '--tpu', 'vit'], '--tpu needs --zone'),
+        # Without --tpu the points would train on this machine.
+        ([f'--config={FINETUNE}', '--workdir=w', '--zone', 'z'
+         ], 'vit-sweep: error: --zone only with --tpu: add --tpu NAME to run on that TPU VM, or '
+         'drop it to run here'),
+        ([f'--config={FINETUNE}', '--workdir=w', '--zone', 'z', '--project', 'p'
+         ], '--zone and --project only with --tpu: add --tpu NAME to run on that TPU VM, or drop '
+         'them to run here'),
         # Values are checked before any point trains (vit-train refused them only at its point).
         ([f'--config={FINETUNE}', '--workdir=w', '--sweep', 'config.base_lr=[0.001,abc]'
          ], 'config.base_lr=abc: expected a number'),
