@@ -6,6 +6,7 @@ one thing, and checks the exit status, the last line of the output (one line nam
 fix) and what is on disk before and after. One good run (8 simulated devices) is shared:
 tests copy its workdir. Faults found at start-up are also checked in-process (faster).
 """
+import gzip
 import json
 import os
 import re
@@ -546,6 +547,35 @@ def test_bad_value_is_one_line_from_the_cli(tmp_path):
   assert rc == 1 and 'Traceback' not in err
   assert last == ("vit_jax: lr_grid ('0.01,inf',) must hold learning rates > 0: set "
                   '--config.lr_grid, e.g. to 0.003,0.01'), last
+  assert not (tmp_path / 'run').exists()
+
+
+def test_a_damaged_fashion_mnist_file_is_one_line_that_names_it(tmp_path):
+  # Had been an EOFError's traceback (a truncated download) and, for a short file, a
+  # reshape error blamed on --config.train_split.
+  source = '/usr/share/datasets/fashion-mnist'
+  images = 'train-images-idx3-ubyte.gz'
+  with gzip.open(os.path.join(source, images)) as f:
+    raw = f.read()
+  damages = {
+      'cut': lambda path: path.write_bytes(_read(os.path.join(source, images))[:50_000]),
+      'short': lambda path: path.write_bytes(gzip.compress(raw[:-100])),
+      'plain': lambda path: path.write_bytes(raw),
+  }
+  fix = (': replace it with the original Fashion-MNIST file (`apt-get install --reinstall '
+         'dataset-fashion-mnist`)')
+  for name, damage in damages.items():
+    shutil.copytree(source, tmp_path / name)
+    damage(tmp_path / name / images)
+    if name == 'cut':  # from the shell once; the others in this process (~20 s a run)
+      rc, err, last = _cli(tmp_path, 'run', f'--config.data_dir={name}')
+      assert rc == 1 and 'Traceback' not in err, err
+    else:
+      with pytest.raises(train.ConfigError) as e:
+        train.train_and_evaluate(_config(data_dir=str(tmp_path / name)), str(tmp_path / 'run'))
+      last = f'vit_jax: {e.value}'
+    assert last.startswith(f'vit_jax: {tmp_path / name / images} '), last
+    assert last.endswith(fix) and 'train_split' not in last, last
   assert not (tmp_path / 'run').exists()
 
 

@@ -36,6 +36,7 @@ import hashlib
 import os
 import tempfile
 import types
+import zlib
 from typing import Any, Callable
 
 import numpy as np
@@ -147,19 +148,31 @@ class _LocalSource(Source):
     return None
 
 
+class DamagedFile(ValueError):
+  """A data file that exists but cannot be read whole: the fix is the file, not a split."""
+
+
 def _read_idx(path: str, magic: int) -> np.ndarray:
   if not os.path.exists(path):
     raise FileNotFoundError(f'Fashion-MNIST file {path} is missing: run `apt-get install '
                             'dataset-fashion-mnist` or point --config.data_dir at the IDX files.')
-  with gzip.open(path, 'rb') as f:
-    data = f.read()
+  replace = ('replace it with the original Fashion-MNIST file (`apt-get install --reinstall '
+             'dataset-fashion-mnist`)')
+  try:
+    with gzip.open(path, 'rb') as f:
+      data = f.read()
+  except (OSError, EOFError, zlib.error) as e:  # truncated or not gzip at all
+    raise DamagedFile(f'{path} is damaged ({e}): {replace}') from None
   ndim = magic & 0xFF
-  header = np.frombuffer(data, '>i4', count=1 + ndim)
+  head = 4 * (1 + ndim)
+  header = np.frombuffer(data[:head], '>i4') if len(data) >= head else np.zeros(1, '>i4')
   if header[0] != magic:
-    raise ValueError(f'{path} is not an IDX file with magic {magic}: '
-                     'replace it with the original Fashion-MNIST file.')
+    raise DamagedFile(f'{path} is not an IDX file with magic {magic}: {replace}')
   shape = tuple(int(d) for d in header[1:])
-  return np.frombuffer(data, np.uint8, offset=4 * (1 + ndim)).reshape(shape)
+  if len(data) - head != np.prod(shape):
+    raise DamagedFile(f'{path} holds {len(data) - head} bytes where its header says '
+                      f'{"x".join(map(str, shape))}: {replace}')
+  return np.frombuffer(data, np.uint8, offset=head).reshape(shape)
 
 
 class _IdxSource(_LocalSource):

@@ -98,6 +98,8 @@ def _count(src, config, field):
   spec = config[field]
   try:
     return src.count(spec)
+  except data_sources.DamagedFile:
+    raise
   except ValueError as e:
     reason = ' '.join(str(e).removeprefix(f'Split {spec!r}: ').split()).rstrip('.')  # TFDS: 2 lines
     raise ValueError(f'{field} {spec!r}: {reason}: set --config.{field}') from None
