@@ -422,6 +422,10 @@ def main(argv=None, runner=run_local, out=None):
     if given and not args.tpu:  # else the sweep would run on this machine instead
       raise SweepError(f'{" and ".join(given)} only with --tpu: add --tpu NAME to run on that TPU '
                        f'VM, or drop {"them" if len(given) > 1 else "it"} to run here')
+    try:
+      paths.resolve_folder_flag(args.workdir, example='workdirs/sweep')
+    except ValueError as e:
+      raise SweepError(str(e)) from None
     config = load_config(args.config)
     points = grid_points(build_grid(config, args.sweep))
     sets = [parse_set(s) for s in args.sets]

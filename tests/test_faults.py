@@ -596,6 +596,20 @@ def test_a_bad_value_is_refused_before_tensorflow_and_the_backend_start(tmp_path
   assert not (tmp_path / 'run').exists()
 
 
+@pytest.mark.parametrize('workdir', ['', ' '])
+def test_an_empty_workdir_is_refused_not_taken_as_the_current_folder(tmp_path, workdir,
+                                                                     monkeypatch):
+  # `--workdir=$WORKDIR` with the variable unset had trained into the current folder.
+  message = ('--workdir is empty (an unset shell variable?): pass a folder, e.g. '
+             '--workdir=workdirs/NAME')
+  rc, err, last = _cli(tmp_path, workdir)
+  assert (rc, last) == (1, f'vit_jax: {message}') and 'Traceback' not in err, err[-2000:]
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(train.ConfigError, match=re.escape(message)):
+    train.train_and_evaluate(_config(), workdir)
+  assert not os.listdir(tmp_path)
+
+
 def _config(**overrides):
   c = quickstart.get_config()
   c.model.num_layers = 1

@@ -206,7 +206,12 @@ def test_outdir_that_cannot_be_a_folder(tiny):
   ]
   for outdir, message in (('afile', '--outdir afile is a file: pass a folder (new or existing)'),
                           ('afile/sub', '--outdir afile/sub: part of that path is a file: pass a '
-                           'folder path')):
+                           'folder path'),
+                          ('', '--outdir is empty (an unset shell variable?): pass a folder, e.g. '
+                           '--outdir=figures'),
+                          ('gs://bucket/figs', '--outdir gs://bucket/figs: vit-inspect writes '
+                           'local files: pass a local folder (and copy it to the bucket after, '
+                           'e.g. with `gcloud storage cp -r`)')):
     out = shell(model + ['--outdir', outdir], home)
     assert out.returncode == 1 and 'Traceback' not in out.stderr, out.stderr[-2000:]
     assert out.stderr.splitlines()[-1] == f'vit-inspect: {message}'
@@ -217,6 +222,7 @@ def test_outdir_that_cannot_be_a_folder(tiny):
       'vit-inspect: Cannot read image bad.jpg (not a JPEG, PNG, GIF, BMP or WebP image): pass '
       'JPEG, PNG, GIF, BMP or WebP files')
   assert not (home / 'inspect').exists()  # the default --outdir: not left behind empty
+  assert not (home / 'gs:').exists()
   out = shell(model + ['--num_components', '0'], home)
   assert out.returncode == 1 and out.stderr.splitlines()[-1] == (
       'vit-inspect: flag --num_components=0: 0 is not a positive integer (see --help)')

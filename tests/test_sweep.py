@@ -212,6 +212,9 @@ def test_tpu_sweep_chains_the_points(capsys):
             '--set', 'config.fewshot_shots=(0,5)'
         ], 'fewshot_shots (0, 5) is not a tuple of whole numbers'),
         (['--workdir=w'], 'required: --config'),
+        ([f'--config={FINETUNE}', '--workdir=', '--sweep', 'config.base_lr=[0.1,0.2]'
+         ], '--workdir is empty (an unset shell variable?): pass a folder, e.g. '
+         '--workdir=workdirs/sweep'),
         (['--config=configs/finetune.py:ViT-B_16', '--workdir=w'], 'Bad finetune argument'),
     ])
 def test_bad_arguments_give_one_line(argv, message):

@@ -35,6 +35,7 @@ import numpy as np
 from vit_jax import cli_help
 from vit_jax import image_files
 from vit_jax import model_flags
+from vit_jax import paths
 from vit_jax.models import variants
 
 _BLOCK = re.compile(r'encoderblock_(\d+)$')
@@ -314,11 +315,11 @@ def image_paths(items):
   return files
 
 
-def load_images(paths, image_size, run_config=None):
+def load_images(files, image_size, run_config=None):
   """Image files -> float32 [n, S, S, 3] in [-1, 1]: decoded and preprocessed as vit-predict
   does (the run's evaluation crop; 16-bit and gray images too)."""
   try:
-    return image_files.load_images(paths, image_files.eval_config(run_config, image_size))
+    return image_files.load_images(files, image_files.eval_config(run_config, image_size))
   except image_files.UnreadableImage as e:
     raise ValueError(f'Cannot read image {e.path} ({e.reason}): pass {image_files.FORMATS} '
                      'files') from None
@@ -376,7 +377,10 @@ def _define_flags():
 def _check_outdir(outdir):
   """A ValueError naming the fix when --outdir cannot hold the figures. Creates nothing:
   a run that stops later (a bad image, a missing model) leaves no empty folder behind."""
-  path = os.path.abspath(outdir)
+  path = paths.resolve_folder_flag(outdir, '--outdir', 'figures')
+  if paths.is_remote(path):  # had become a local folder named 'gs:'
+    raise ValueError(f'--outdir {outdir}: vit-inspect writes local files: pass a local folder '
+                     '(and copy it to the bucket after, e.g. with `gcloud storage cp -r`)')
   if os.path.exists(path) and not os.path.isdir(path):
     raise ValueError(f'--outdir {outdir} is a file: pass a folder (new or existing)')
   existing = path
@@ -391,24 +395,24 @@ def _check_outdir(outdir):
 
 def main(argv):
   flags_ = flags.FLAGS
-  paths = list(flags_.images) + list(argv[1:])
+  files = list(flags_.images) + list(argv[1:])
   try:
     _check_outdir(flags_.outdir)  # before the model loads
     run_config, model, params, image_size = model_flags.load(flags_)
     if 'embedding' not in params:
       raise ValueError('inspect draws Vision Transformer figures: this model has no patch '
                        'embedding (a BiT ResNet?)')
-    paths = image_paths(paths) if paths else []
-    images = load_images(paths, image_size, run_config) if paths else None
+    files = image_paths(files) if files else []
+    images = load_images(files, image_size, run_config) if files else None
     try:
-      written = inspect_model(model, params, image_size, images, paths, flags_.outdir,
+      written = inspect_model(model, params, image_size, images, files, flags_.outdir,
                               flags_.num_components)
     except OSError as e:
       raise ValueError(f'Cannot write the figures to --outdir {flags_.outdir} '
                        f'({e.strerror or e}): pass a folder you can write to') from None
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f'vit-inspect: {e}')
-  if not paths:
+  if not files:
     print('No --images: rollout and attention distance need images.')
   print('\n'.join(written))
 

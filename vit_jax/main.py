@@ -187,6 +187,7 @@ def main(argv):
   from vit_jax import config_checks  # pylint: disable=g-import-not-at-top
   try:
     # Before TensorFlow and the backend start: a mistyped value is one line in ~2 s, not ~9.
+    workdir = paths.resolve_folder_flag(FLAGS.workdir)  # once: orbax refuses relative paths
     config_checks.validate_before_devices(FLAGS.config)
   except ValueError as e:
     sys.exit(f'vit_jax: {e}')
@@ -194,7 +195,6 @@ def main(argv):
   from vit_jax import tensorflow_quietly  # noqa: F401  (before rundir imports TensorFlow)
   from vit_jax import rundir
   # pylint: enable=g-import-not-at-top,unused-import
-  workdir = paths.resolve(FLAGS.workdir)  # once: orbax refuses relative paths
   recorded = rundir.recorded_cpu_flags(workdir)  # a resumed run keeps its CPU kernels
   from vit_jax import sharding  # pylint: disable=g-import-not-at-top
   try:

@@ -21,6 +21,15 @@ def resolve(path):
   return os.path.abspath(os.path.expanduser(path))
 
 
+def resolve_folder_flag(path, flag='--workdir', example='workdirs/NAME'):
+  """resolve() for a folder given on the command line. An empty one (`--workdir=$DIR` with
+  DIR unset) is refused: taken as the current directory, it would fill that with the run."""
+  if not str(path).strip():
+    raise ValueError(f'{flag} is empty (an unset shell variable?): pass a folder, e.g. '
+                     f'{flag}={example}')
+  return resolve(path)
+
+
 def open_file(path, mode):
   """open() for local files, tf.io.gfile.GFile for remote ones."""
   if is_remote(path):

@@ -157,9 +157,9 @@ def _sigterm_outside_the_loop():
 
 
 def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
-  workdir = paths.resolve(workdir)  # orbax refuses relative checkpoint paths
-  config = _with_absolute_paths(config)
   try:
+    workdir = paths.resolve_folder_flag(workdir)  # orbax refuses relative checkpoint paths
+    config = _with_absolute_paths(config)
     # What needs no dataset first: a mistyped model is not reported as data that is missing.
     config_checks.validate_config(config)
     # Local files only: a gs:// one is read later (its errors are one line too), as asking
