@@ -300,6 +300,19 @@ def test_cli_default_shots_skip_what_a_small_pool_cannot_draw(tiny):
   assert typed.stderr.strip().splitlines()[-1] == (
       "vit-evaluate: fashion_mnist_local: class 0 (T-shirt/top) has 6 train images, fewer "
       'than 10 shots: use --shots=1 or a larger --train_split')
+  # A held-out split the dataset lacks had been blamed on --train_split; k-shot flags beside
+  # --mode top1 had been ignored.
+  split = ("vit-evaluate: eval_split 'tset': Unknown split 'tset'. Should be one of ['train', "
+           "'test']: set --eval_split")
+  top1 = ('vit-evaluate: --shots, --seeds, --l2_reg only with --mode fewshot or all: --mode top1 '
+          'draws no k-shot sets; drop them')
+  typed = {
+      split: ['--eval_split', 'tset'],
+      top1: ['--mode', 'top1', '--shots', '5', '--l2_reg', '2']
+  }
+  for last, extra in typed.items():
+    out = subprocess.run(cmd + extra, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stderr.strip().splitlines()[-1]) == (1, last), out.stderr[-2000:]
   args = dict(checkpoint=tiny['path'], model='ViT-Ti_16',
               model_overrides=','.join(f'{k}={v}' for k, v in TINY.items()),
               dataset='fashion_mnist_local', data_dir=tiny['idx_dir'], image_size=28,
@@ -312,6 +325,10 @@ def test_cli_default_shots_skip_what_a_small_pool_cannot_draw(tiny):
       (dict(l2_reg=0.0), '--l2_reg=0.0 is not a positive number: use e.g. --l2_reg=1024'),
       (dict(l2_reg=math.inf), '--l2_reg=inf is not a positive number'),
       (dict(image_size=0), '--image_size=0: pass the resolution in pixels'),
+      (dict(train_split='val'), "train_split 'val': Unknown split 'val'. Should be one of "
+       "['train', 'test']: set --config.train_split"),  # the CLI names --train_split
+      (dict(fewshot_datasets=['fashion_mnist_local', '']), '--fewshot_datasets=fashion_mnist_local'
+       ',: a dataset name is empty: e.g. --fewshot_datasets=cifar100,oxford_iiit_pet'),
   ]
   for bad, message in refusals:
     with pytest.raises(ValueError, match='^' + re.escape(message)):

@@ -124,6 +124,17 @@ def run(flags_):
   if real and mode != 'top1':
     raise ValueError(f'{evaluate.REAL_DATASET} holds only the ReaL labels of ImageNet\'s '
                      'validation images, for top-1: use --mode top1')
+  fewshot = mode in ('fewshot', 'all')
+  typed = _fewshot_flags_typed(flags_)
+  if typed and not fewshot:
+    raise ValueError(f'{", ".join(typed)} only with --mode fewshot or all: --mode {mode} draws no '
+                     f'k-shot sets; drop {"them" if len(typed) > 1 else "it"}')
+  datasets = _fewshot_datasets(flags_) or [config.dataset]
+  # Each split read, before any features: one that a dataset lacks names its own flag.
+  splits = {'eval_split': eval_split, **({'train_split': train_split} if fewshot else {})}
+  for dataset in sorted({config.dataset, *(datasets if fewshot else ())}):
+    for field, split in splits.items():
+      input_pipeline.count_split(evaluate.data_config(config, dataset=dataset, split=split), field)
   num_classes = input_pipeline.get_info(evaluate.data_config(config, split=eval_split)).num_classes
   rows = []
   if mode in ('top1', 'all'):
@@ -137,8 +148,9 @@ def run(flags_):
     acc, n = evaluate.top1_accuracy(model, params, config, eval_split, flags_.batch_size)
     rows.append(('top1', f'{eval_split} ReaL' if real else eval_split,
                  f'{acc:.4f}  ({n} images{" with a ReaL label" if real else ""})'))
-  if mode in ('fewshot', 'all'):
-    rows += _fewshot_rows(flags_, model, params, config, train_split, eval_split, shots, seeds)
+  if fewshot:
+    rows += _fewshot_rows(flags_, model, params, config, datasets, train_split, eval_split, shots,
+                          seeds)
   return format_table(rows)
 
 
@@ -164,7 +176,7 @@ def _check_class_names(flags_, config, eval_split):
       "head's; evaluate on the run's classes, or use --mode fewshot")
 
 
-def _fewshot_rows(flags_, model, params, config, train_split, eval_split, shots, seeds):
+def _fewshot_rows(flags_, model, params, config, datasets, train_split, eval_split, shots, seeds):
   """Table rows: each dataset's k-shot accuracy, then the mean over datasets if several."""
   # pylint: disable=g-import-not-at-top  (loaded by run)
   from vit_jax import evaluate
@@ -172,7 +184,7 @@ def _fewshot_rows(flags_, model, params, config, train_split, eval_split, shots,
   # pylint: enable=g-import-not-at-top
   standardise = getattr(flags_, 'standardise', _DEFAULTS.fewshot_standardise)
   results, rows = {}, []
-  for dataset in getattr(flags_, 'fewshot_datasets', None) or [config.dataset]:
+  for dataset in datasets:
     cfg = evaluate.data_config(config, dataset=dataset, split=eval_split)
     num_classes = input_pipeline.get_info(cfg).num_classes
     label = config_checks.dataset_label(dataset)
@@ -233,6 +245,27 @@ def _shots_that_fit(flags_, shots, train_y, cfg, train_split, label):
     raise ValueError(f'{label}: {why}, fewer than {max(shots)} shots: use '
                      f'--shots={",".join(map(str, fit or [n]))} or a larger --train_split')
   return fit, [(k, f'{why}, fewer than {k}') for k in shots if k > n]
+
+
+def _fewshot_datasets(flags_):
+  """--fewshot_datasets as a list (None: not given); an empty name is refused."""
+  names = getattr(flags_, 'fewshot_datasets', None)
+  if names is not None and (not names or not all(n.strip() for n in names)):
+    raise ValueError(f'--fewshot_datasets={",".join(names)}: a dataset name is empty: e.g. '
+                     '--fewshot_datasets=cifar100,oxford_iiit_pet')
+  return names
+
+
+# The flags only the k-shot evaluation reads.
+_FEWSHOT_FLAGS = ('train_split', 'fewshot_datasets', 'shots', 'seeds', 'standardise', 'l2_reg')
+
+
+def _fewshot_flags_typed(flags_):
+  """The k-shot flags given on the command line (none for a plain namespace: unknown)."""
+  try:
+    return [f'--{name}' for name in _FEWSHOT_FLAGS if flags_[name].present]
+  except (TypeError, KeyError):
+    return []
 
 
 def _typed(flags_, name):

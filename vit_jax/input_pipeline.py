@@ -93,6 +93,11 @@ def get_info(config) -> DatasetInfo:
                      num_eval_examples=n_eval, multi_label=src.multi_label)
 
 
+def count_split(config, field):
+  """Examples in the split config[field]; a split the dataset lacks names the field."""
+  return _count(data_sources.source(config), config, field)
+
+
 def _count(src, config, field):
   """Examples in the split config[field]; a split the dataset lacks names the field to set."""
   spec = config[field]
