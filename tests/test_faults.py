@@ -513,6 +513,17 @@ def test_a_pretrained_path_that_cannot_be_read_is_one_line(tmp_path):
   assert rc == 1 and 'Traceback' not in err, err[-3000:]
   assert last.startswith('vit_jax: pretrained_path ') and last.endswith(
       'damaged.npz is not a readable .npz (zip) file: check the path and download'), last
+  # Readable, of another model: had been a traceback (in-process: the CLI prints the same
+  # ConfigError as above).
+  other = tmp_path / 'other.npz'
+  np.savez(other, **{'Transformer/encoder_norm/scale': np.ones(8, np.float32)})
+  with pytest.raises(train.ConfigError) as e:
+    train.train_and_evaluate(_config(pretrained_path=str(other)), str(tmp_path / 'run2'))
+  assert str(e.value) == (
+      f'pretrained_path {other} does not fit model ViT-Ti_16: Model parameter '
+      'Transformer/encoder_norm/bias (and 20 more) '
+      'is not in the checkpoint: the checkpoint is of another architecture (e.g. classifier '
+      'token vs gap, representation_size); pick the model matching the file')
 
 
 def test_bad_value_is_one_line_from_the_cli(tmp_path):

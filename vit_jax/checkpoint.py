@@ -35,6 +35,10 @@ _BIT_NORM_PARAMS = {'gamma': 'scale', 'beta': 'bias'}
 _GN_NAME = re.compile(r'(^|/)gn(_root|_proj|\d)/(scale|bias)$')
 
 
+class IncompatibleCheckpointError(ValueError):
+  """A readable checkpoint that does not fit the model: what differs, and the likely cause."""
+
+
 class UnreadableFileError(ValueError):
   """An .npz that cannot be read (missing, not a zip, damaged); `reason` says how."""
 
@@ -220,8 +224,8 @@ def load_pretrained(path_or_params, model, num_classes, image_size, *, reset_hea
   - the head is replaced by zeros for `num_classes` (bias `head_bias_init`) when
     `reset_head` or when its size differs;
   - position embeddings are interpolated to the grid of `image_size`, class token kept.
-  Logs one line saying what changed. Any other mismatch raises naming the key, both
-  shapes and the likely cause.
+  Logs one line saying what changed. Any other mismatch raises IncompatibleCheckpointError
+  naming the key, both shapes and the likely cause.
   """
   params = load_npz(path_or_params) if isinstance(path_or_params,
                                                   (str, os.PathLike)) else path_or_params
@@ -239,7 +243,7 @@ def load_pretrained(path_or_params, model, num_classes, image_size, *, reset_hea
   droppable = ('pre_logits', 'head', 'masked_patch_head', 'mask_embedding')
   unexpected = [k for k in dropped if k.split('/')[0] not in droppable]
   if unexpected:
-    raise ValueError(
+    raise IncompatibleCheckpointError(
         f'Checkpoint key {unexpected[0]} (and {len(unexpected) - 1} more) has no place in the '
         'model: the checkpoint is of another architecture; pick the model name matching the file')
   changes += [
@@ -247,7 +251,7 @@ def load_pretrained(path_or_params, model, num_classes, image_size, *, reset_hea
   ]
   missing = [k for k in target if k not in flat and not k.startswith('head/')]
   if missing:
-    raise ValueError(
+    raise IncompatibleCheckpointError(
         f'Model parameter {missing[0]} (and {len(missing) - 1} more) is not in the checkpoint: '
         'the checkpoint is of another architecture (e.g. classifier token vs gap, '
         'representation_size); pick the model matching the file')
@@ -264,18 +268,23 @@ def load_pretrained(path_or_params, model, num_classes, image_size, *, reset_hea
     value = flat[key]
     if key.endswith('pos_embedding') and value.shape != spec.shape:
       if value.shape[-1] != spec.shape[-1]:
-        raise ValueError(f'{key}: checkpoint {value.shape} vs model {spec.shape}: hidden sizes '
-                         'differ; pick the model variant matching the file')
+        raise IncompatibleCheckpointError(
+            f'{key}: checkpoint {value.shape} vs model {spec.shape}: hidden sizes '
+            'differ; pick the model variant matching the file')
       has_cls = 'cls' in target
-      value = interpolate_posemb(value, spec.shape[1], has_cls)
+      try:
+        value = interpolate_posemb(value, spec.shape[1], has_cls)
+      except ValueError as e:
+        raise IncompatibleCheckpointError(str(e)) from None
       g0 = int(np.sqrt(flat[key].shape[1] - has_cls))
       g1 = int(np.sqrt(spec.shape[1] - has_cls))
       changes.append(f'pos_embedding {g0}x{g0} -> {g1}x{g1} grid')
     elif value.shape != spec.shape:
       cause = ('patch size or hidden size differs'
                if key.startswith('embedding') else 'a different model variant')
-      raise ValueError(f'{key}: checkpoint {value.shape} vs model {spec.shape}: {cause}; '
-                       'pick the model matching the file')
+      raise IncompatibleCheckpointError(
+          f'{key}: checkpoint {value.shape} vs model {spec.shape}: {cause}; '
+          'pick the model matching the file')
     out[key] = value.astype(spec.dtype)
 
   old_head = flat.get('head/kernel')

@@ -312,6 +312,9 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
         f'or fine-tune from that run with --config.pretrained_path={workdir}/final.npz') from None
   except checkpoint.UnreadableFileError as e:  # the pretrained file, damaged
     raise ConfigError(f'pretrained_path {e}') from None
+  except checkpoint.IncompatibleCheckpointError as e:  # the pretrained file, another model
+    raise ConfigError(f'pretrained_path {config.pretrained_path} does not fit model '
+                      f'{config.model_name}: {e}') from None
   param_sh = state_sh['params']
   start = int(_local(state['step']))
   if start > total_steps:
