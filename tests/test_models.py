@@ -228,6 +228,9 @@ def test_remat_gives_same_values_and_gradients(family):
 
 
 def test_unknown_name_lists_known_names():
+  with pytest.raises(ValueError,
+                     match=r"^Unknown model 'vit-b16' \(did you mean ViT-B_16\?\); known: "):
+    models.get_model('vit-b16', num_classes=3)
   with pytest.raises(ValueError, match=r"Unknown model 'ViT-X_16'.*ViT-B_16"):
     models.get_model('ViT-X_16', num_classes=10)
 

@@ -5,6 +5,7 @@ BiT-M-R50x1.npz) and the paper's ResNet baselines (R50x1 ... R200x3, Table 6).
 Training settings (dropout rates, head bias) are not architecture: they default to 0
 here and come from the configs.
 """
+import difflib
 import numbers
 
 # ViT sizes (Table 1, plus Ti and S): hidden_size, mlp_dim, num_heads, num_layers.
@@ -93,7 +94,10 @@ OPTIONAL_FIELD_TYPES = {'representation_size': int, 'resnet_layers': tuple}
 def get_variant(name, **overrides):
   """The fields of variant `name` with `overrides` applied; one-line errors otherwise."""
   if name not in VARIANTS:
-    raise ValueError(f'Unknown model {name!r}; known: {", ".join(sorted(VARIANTS))}')
+    lower = {k.lower(): k for k in VARIANTS}
+    close = difflib.get_close_matches(str(name).lower(), lower, n=1, cutoff=0.8)
+    guess = f' (did you mean {lower[close[0]]}?)' if close else ''
+    raise ValueError(f'Unknown model {name!r}{guess}; known: {", ".join(sorted(VARIANTS))}')
   fields = dict(VARIANTS[name])
   unknown = sorted(set(overrides) - set(fields) - {'family'})
   if unknown:
