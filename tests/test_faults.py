@@ -657,6 +657,7 @@ def _make_folder(root, empty_class):
     (dict(num_classes=0), r'^num_classes 0 is no head size: set --config.num_classes to the '
      r'number of classes, or -1 \(from the dataset\)$'),
     (dict(num_classes=-10), r'^num_classes -10 is no head size'),
+    (dict(shuffle_buffer=0), r'^shuffle_buffer 0 must be >= 1: set --config.shuffle_buffer to '),
     (dict(dataset='mnist', data_dir='DATA'),
      r'dataset mnist is not prepared in data_dir .*DATA: run `tfds build mnist '
      r'--data_dir=.*DATA` or set --config.data_dir'),

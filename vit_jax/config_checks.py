@@ -106,6 +106,10 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
     raise ValueError(f'device_memory_mb {config.device_memory_mb} is negative: set '
                      '--config.device_memory_mb to the memory per device in MiB, or 0 to ask '
                      'the device')
+  if config.shuffle_buffer < 1:  # a TFDS source would otherwise read in its stored order
+    raise ValueError(f'shuffle_buffer {config.shuffle_buffer} must be >= 1: set '
+                     '--config.shuffle_buffer to the examples per host to shuffle among (1: '
+                     'no shuffling; local datasets shuffle all of theirs)')
   if config.prefetch < 0:
     raise ValueError(f'prefetch {config.prefetch} is negative: set --config.prefetch to the '
                      'batches to keep in flight to the devices (0 or more)')
