@@ -336,6 +336,25 @@ class FewShotEvaluator:
     return metrics
 
 
+def _task_configs(config, dataset, train_split, eval_split):
+  """The data configs of a few-shot task's k-shot pool and held-out split."""
+  data_dir = config.fewshot_data_dir or config.data_dir
+  return tuple(
+      data_config(config, dataset=dataset, data_dir=data_dir, split=split)
+      for split in (train_split, eval_split))
+
+
+def check_fewshot_data(config):
+  """Start-up check that every few-shot dataset and split can be read: one line naming
+  the entry of config.fewshot_datasets, before the workdir is made (else a traceback at
+  the first few-shot evaluation's set-up)."""
+  for label, dataset, train_split, eval_split in config_checks.fewshot_tasks(config):
+    cfgs = _task_configs(config, dataset, train_split, eval_split)
+    for cfg, field, what in zip(cfgs, ('train_split', 'eval_split'),
+                                ('k-shot pool split', 'held-out split')):
+      input_pipeline.count_split(cfg, field, f'fewshot_datasets {label} {what}', 'fewshot_datasets')
+
+
 class _FewShotTask:
   """The few-shot evaluation of one dataset.
 
@@ -354,9 +373,7 @@ class _FewShotTask:
     self.batch_size = int(config.fewshot_batch_size or config.eval_batch_size)
     self.mesh = sharding.make_mesh(config)
     _check_batch(self.batch_size, self.mesh)
-    data_dir = config.fewshot_data_dir or config.data_dir
-    self._train_cfg = data_config(config, dataset=dataset, data_dir=data_dir, split=train_split)
-    self._eval_cfg = data_config(config, dataset=dataset, data_dir=data_dir, split=eval_split)
+    self._train_cfg, self._eval_cfg = _task_configs(config, dataset, train_split, eval_split)
     info = input_pipeline.get_info(self._eval_cfg)
     if info.multi_label:
       raise ValueError(f'few-shot dataset {dataset} has label sets: use a single-label dataset '

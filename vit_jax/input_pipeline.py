@@ -93,12 +93,13 @@ def get_info(config) -> DatasetInfo:
                      num_eval_examples=n_eval, multi_label=src.multi_label)
 
 
-def count_split(config, field):
-  """Examples in the split config[field]; a split the dataset lacks names the field."""
-  return _count(data_sources.source(config), config, field)
+def count_split(config, field, what=None, flag=None):
+  """Examples in the split config[field]; a split the dataset lacks is one line: `what`
+  (default: the field) names the split, `flag` (default: the field) the config field to set."""
+  return _count(data_sources.source(config), config, field, what, flag)
 
 
-def _count(src, config, field):
+def _count(src, config, field, what=None, flag=None):
   """Examples in the split config[field]; a split the dataset lacks names the field to set."""
   spec = config[field]
   try:
@@ -107,7 +108,7 @@ def _count(src, config, field):
     raise
   except ValueError as e:
     reason = ' '.join(str(e).removeprefix(f'Split {spec!r}: ').split()).rstrip('.')  # TFDS: 2 lines
-    raise ValueError(f'{field} {spec!r}: {reason}: set --config.{field}') from None
+    raise ValueError(f'{what or field} {spec!r}: {reason}: set --config.{flag or field}') from None
 
 
 def validate_splits(config) -> str | None:

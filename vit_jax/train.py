@@ -178,6 +178,10 @@ def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
     tx = optim.make_optimizer(config, total_steps)
     # The masked-patch objective predicts patches, not classes: no classification head.
     model = build_model(config, 0 if masked_patches.is_masked(config) else num_classes)
+    # The evaluations' other data too: a dataset not prepared is refused before the workdir.
+    real = _real_config(config, num_classes)
+    if config.fewshot_every_steps:
+      evaluate_lib.check_fewshot_data(config)
   except (ValueError, FileNotFoundError) as e:
     raise ConfigError(str(e)) from None
   try:
@@ -192,7 +196,7 @@ def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
       on_start()
     if data_summary:
       logging.info('%s', data_summary)
-    return _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
+    return _train(config, workdir, info, num_classes, total_steps, schedule, tx, model, real,
                   stop_after_steps, writer)
   finally:
     lock.release()
@@ -292,8 +296,8 @@ def _quiet_library_noise():
     sys.excepthook, sys.unraisablehook = _quiet_closed_loop(sys.excepthook, sys.unraisablehook)
 
 
-def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model, stop_after_steps,
-           writer):
+def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model, real,
+           stop_after_steps, writer):
   _quiet_library_noise()
   mesh = sharding.make_mesh(config)
   batch_sharding = sharding.data_sharding(mesh)
@@ -394,8 +398,11 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                                             start_step=start)
   batches = input_pipeline.prefetch_to_mesh(
       _checked_labels(train_data, num_classes, config.train_split), batch_sharding, config.prefetch)
-  fewshot = evaluate_lib.FewShotEvaluator(config, model) if config.fewshot_every_steps else None
-  real = _real_config(config, num_classes)
+  try:
+    fewshot = evaluate_lib.FewShotEvaluator(config, model) if config.fewshot_every_steps else None
+  except ValueError as e:  # e.g. a class with fewer k-shot pool images than the shots
+    raise ConfigError(f'few-shot evaluation: {e} (--config.fewshot_datasets, '
+                      '--config.fewshot_shots)') from None
   rng = jax.device_put(jax.random.PRNGKey(config.seed), replicated)
   chrono = chrono_lib.Chrono(total_steps=total_steps, global_batch=config.batch_size,
                              num_train_examples=info.num_train_examples,
