@@ -885,6 +885,11 @@ def parse_args(argv):
   args.worker = args.worker or ('0' if args.action == 'logs' else 'all')
   if args.worker != 'all' and not args.worker.isdigit():
     raise LaunchError(f'--worker {args.worker!r}: use a worker index (0, 1, ...) or all')
+  hosts = num_hosts(args.accelerator_type)
+  if args.worker != 'all' and hosts and int(args.worker) >= hosts:
+    which = 'worker 0' if hosts == 1 else f'workers 0-{hosts - 1}'
+    raise LaunchError(f'--worker {args.worker}: {args.accelerator_type} has {hosts} '
+                      f'host{"s" * (hosts > 1)}, {which}: use one of them, or all')
   if args.lines < 0:
     raise LaunchError('--lines must be >= 0')
   if not args.poll > 0 or args.max_recoveries < 0:

@@ -435,6 +435,8 @@ def test_execute_stops_at_the_first_failure(capsys):
     (['run', '--name', 'vit', '--zone', 'z', '--config=quickstart:x', '--workdir=gs://b'
      ], "--config 'quickstart:x'"),
     (['logs', '--name', 'vit', '--zone', 'z', '--worker', 'first'], 'worker index'),
+    (['logs', '--name', 'vit', '--zone', 'z', '--worker', '4', '--accelerator_type', 'v4-32'
+     ], '--worker 4: v4-32 has 4 hosts, workers 0-3: use one of them, or all'),
     (['logs', '--name', 'vit', '--zone', 'z', '--lines', 'many'], 'invalid int'),
     (['watch', '--name', 'vit', '--zone', 'z', '--poll', '0'], '--poll must be > 0'),
     (['watch', '--name', 'vit', '--zone', 'z', '--config=c', '--workdir=gs://b'
