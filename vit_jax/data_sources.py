@@ -59,6 +59,8 @@ def _shard_ranges(spec: str, sizes: dict[str, int], index: int,
     absolute = part.to_absolute(infos)
   except ValueError as e:
     raise ValueError(f'Split {spec!r}: {e}') from None
+  except AssertionError as e:  # TFDS asserts what a reversed slice ('train[90%:80%]') breaks
+    raise ValueError(f'Split {spec!r}: its slice ends before it starts ({e})') from None
   return [
       (a.splitname, a.from_ or 0, sizes[a.splitname] if a.to is None else a.to) for a in absolute
   ]
