@@ -138,6 +138,12 @@ def test_changed_config_is_refused(good, tmp_path):
   assert '--config.resume_changes=model.hidden_size,seed' in last
   assert _read(run / 'config.json') == config  # written only after the check passes
   assert _steps(run) == ['10', '20', '30']
+  # A mistyped name had let nothing through, and the refusal above named it again.
+  rc, err, last = _cli(tmp_path, 'run', '--config.seed=1', '--config.resume_changes=sead')
+  assert (rc, last) == (1, "vit_jax: resume_changes names 'sead', which is no config field: set "
+                        '--config.resume_changes to fields of the config (e.g. '
+                        "base_lr,total_steps), or '*' for any"), err[-3000:]
+  assert _read(run / 'config.json') == config and _steps(run) == ['10', '20', '30']
 
 
 def test_a_damaged_config_json_stops_a_resume_with_another_config(good, tmp_path):
@@ -661,6 +667,7 @@ def _make_folder(root, empty_class):
     (dict(train_split='train[90%:80%]'), r"^train_split 'train\[90%:80%\]': its slice ends "
      r'before it starts \(start=54000, end=48000\): set --config.train_split$'),
     (dict(eval_real=True), r'^dataset imagenet2012_real is not prepared in data_dir '),
+    (dict(fewshot_every_steps=2, fewshot_cache_mb=-5), r'^fewshot_cache_mb -5 is negative: set '),
     (dict(fewshot_every_steps=2, fewshot_datasets=(('fashion_mnist_local', 'train', 'tst'),)),
      r"^fewshot_datasets fashion_mnist_local held-out split 'tst': Unknown split 'tst'. Should be "
      r"one of \['train', 'test'\]: set --config.fewshot_datasets$"),

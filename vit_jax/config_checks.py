@@ -206,3 +206,7 @@ def validate_fewshot(config):
     if not float(config.fewshot_l2_reg) > 0:
       raise ValueError(f'fewshot_l2_reg {config.fewshot_l2_reg} is not positive: set '
                        '--config.fewshot_l2_reg (the paper\'s few-shot ridge: 1024)')
+    if config.fewshot_cache_mb < 0:
+      raise ValueError(f'fewshot_cache_mb {config.fewshot_cache_mb} is negative: set '
+                       '--config.fewshot_cache_mb to the MiB of held-out images to keep in '
+                       'memory (0: read them again at each evaluation)')

@@ -146,6 +146,12 @@ def check_resume_config(config, workdir):
         'against the run\'s: restore the file, or pass --config.resume_changes=\'*\' to resume '
         'with this config') from None
   new = _flatten(json.loads(config.to_json_best_effort()))
+  # A mistyped name would let nothing through and then be named in the refusal's own fix.
+  unknown = [a for a in allowed if not any(k == a or k.startswith(a + '.') for k in {*old, *new})]
+  if unknown:
+    raise errors.ConfigError(f'resume_changes names {unknown[0]!r}, which is no config field: '
+                             'set --config.resume_changes to fields of the config (e.g. '
+                             "base_lr,total_steps), or '*' for any")
 
   def free(key):
     return (key in _FREE_FIELDS or key.startswith(_FREE_PREFIXES)
