@@ -233,6 +233,13 @@ def test_a_folder_run_keeps_its_class_names_for_predict_and_evaluate(tmp_path):
       "(class_names.txt of wd): its labels are not the head's; evaluate on the run's classes, or "
       'use --mode fewshot'
   ]
+  # Few-shot on another dataset does not read the run's own (moved away): it had been refused.
+  out = shell([
+      'vit-evaluate', '--workdir', 'wd', '--mode', 'fewshot', '--fewshot_datasets', 'folder:zoo',
+      '--train_split', 'test', '--eval_split', 'test', '--shots', '1', '--seeds', '0'
+  ], tmp_path)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.splitlines()[1].split()[:3] == ['fewshot', 'zoo', '1-shot'], out.stdout
 
 
 @pytest.mark.parametrize('program', ['vit-predict', 'vit-evaluate', 'vit-inspect'])

@@ -129,18 +129,23 @@ def run(flags_):
   if typed and not fewshot:
     raise ValueError(f'{", ".join(typed)} only with --mode fewshot or all: --mode {mode} draws no '
                      f'k-shot sets; drop {"them" if len(typed) > 1 else "it"}')
+  top1 = mode in ('top1', 'all')
   datasets = _fewshot_datasets(flags_) or [config.dataset]
-  # Each split read, before any features: one that a dataset lacks names its own flag.
-  splits = {'eval_split': eval_split, **({'train_split': train_split} if fewshot else {})}
-  for dataset in sorted({config.dataset, *(datasets if fewshot else ())}):
-    for field, split in splits.items():
-      input_pipeline.count_split(evaluate.data_config(config, dataset=dataset, split=split), field)
-  num_classes = input_pipeline.get_info(evaluate.data_config(config, split=eval_split)).num_classes
+  # Each split read, before any features: one that a dataset lacks names its own flag. (The
+  # run's dataset only for top-1: few-shot on other datasets does not need it.)
+  reads = [(config.dataset, 'eval_split', eval_split)] if top1 else []
+  if fewshot:
+    reads += [(d, 'train_split', train_split) for d in datasets]
+    reads += [(d, 'eval_split', eval_split) for d in datasets]
+  for dataset, field, split in dict.fromkeys(reads):
+    input_pipeline.count_split(evaluate.data_config(config, dataset=dataset, split=split), field)
   rows = []
-  if mode in ('top1', 'all'):
+  if top1:
     if run_config is not None and not classifier:
       raise ValueError(f'{flags_.workdir} is a {rc["objective"]} run: its head predicts '
                        'no class, so there is no top-1: use --mode fewshot (its default)')
+    held_out = evaluate.data_config(config, split=eval_split)
+    num_classes = input_pipeline.get_info(held_out).num_classes
     if model.num_classes != num_classes:
       raise ValueError(f'The checkpoint head has {model.num_classes} classes but '
                        f'{config.dataset} has {num_classes}: use --mode fewshot')
