@@ -125,7 +125,8 @@ def run(flags_):
     raise ValueError(f'{evaluate.REAL_DATASET} holds only the ReaL labels of ImageNet\'s '
                      'validation images, for top-1: use --mode top1')
   fewshot = mode in ('fewshot', 'all')
-  typed = _fewshot_flags_typed(flags_)
+  # A plain namespace (tests, notebooks) cannot tell: taken as not given here.
+  typed = [f'--{name}' for name in _FEWSHOT_FLAGS if _typed(flags_, name, unknown=False)]
   if typed and not fewshot:
     raise ValueError(f'{", ".join(typed)} only with --mode fewshot or all: --mode {mode} draws no '
                      f'k-shot sets; drop {"them" if len(typed) > 1 else "it"}')
@@ -265,20 +266,12 @@ def _fewshot_datasets(flags_):
 _FEWSHOT_FLAGS = ('train_split', 'fewshot_datasets', 'shots', 'seeds', 'standardise', 'l2_reg')
 
 
-def _fewshot_flags_typed(flags_):
-  """The k-shot flags given on the command line (none for a plain namespace: unknown)."""
-  try:
-    return [f'--{name}' for name in _FEWSHOT_FLAGS if flags_[name].present]
-  except (TypeError, KeyError):
-    return []
-
-
-def _typed(flags_, name):
-  """Whether flag `name` was given on the command line (a plain namespace: taken as given)."""
+def _typed(flags_, name, unknown=True):
+  """Whether flag `name` was given on the command line (a plain namespace: `unknown`)."""
   try:
     return flags_[name].present
   except (TypeError, KeyError):
-    return True
+    return unknown
 
 
 def main(argv):
