@@ -446,8 +446,12 @@ def test_unread_orbax_coroutines_are_not_printed():
   assert [u.object.cr_code.co_filename for u in printed] == ['/site-packages/x/y.py']
 
 
-# 6. Ctrl-C.
-def test_ctrl_c_saves_then_exits_non_zero(tmp_path):
+# 6. Ctrl-C, a closed terminal.
+@pytest.mark.parametrize('sig, says', [(signal.SIGINT, 'interrupted (Ctrl-C) at step '),
+                                       (signal.SIGHUP, 'the terminal closed (SIGHUP) at step ')],
+                         ids=['ctrl_c', 'sighup'])
+def test_ctrl_c_or_a_closed_terminal_saves_then_exits_non_zero(tmp_path, sig, says):
+  # A closed terminal (SIGHUP) had ended the run at once: no save, no line, status 129.
   proc = subprocess.Popen([
       sys.executable, '-m', 'vit_jax.main', *ARGS, '--workdir=run', '--config.total_steps=5000',
       '--config.log_every_steps=5', '--config.checkpoint_every_steps=0'
@@ -457,11 +461,13 @@ def test_ctrl_c_saves_then_exits_non_zero(tmp_path):
   while not (log.exists() and 'step 5/' in log.read_text()):
     assert proc.poll() is None and time.time() < deadline, 'the run did not start'
     time.sleep(0.1)
-  proc.send_signal(signal.SIGINT)
+  proc.send_signal(sig)
   _, err = proc.communicate(timeout=200)
   last = err.strip().splitlines()[-1]
   assert proc.returncode == 1, err[-3000:]
-  assert last.startswith('vit_jax: interrupted (Ctrl-C) at step '), last
+  assert last.startswith('vit_jax: ' + says), last
+  # train.INFO ends with it too: where the user of a closed terminal looks.
+  assert log.read_text().strip().splitlines()[-1].endswith(last)
   step = int(last.split('at step ')[1].split(':')[0])
   assert _steps(tmp_path / 'run') == [str(step)]
   assert 'run the same command to resume' in last
@@ -781,6 +787,26 @@ def test_resume_on_fewer_devices_continues_the_same_run(good, tmp_path):
   with np.load(good / 'final.npz') as a, np.load(run / 'final.npz') as b:
     for k in a.files:
       np.testing.assert_allclose(a[k], b[k], atol=2e-5, rtol=0, err_msg=k)
+
+
+def test_a_run_started_under_nohup_ignores_sighup(tmp_path):
+  script = ('import os, signal\n'
+            'from vit_jax import train\n'
+            'signal.signal(signal.SIGHUP, signal.SIG_IGN)\n'
+            'p = train._Preemption()\n'
+            'os.kill(os.getpid(), signal.SIGHUP)\n'
+            'assert p.requested is None and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN\n'
+            'p.close()\n'
+            'signal.signal(signal.SIGHUP, signal.SIG_DFL)\n'
+            'p = train._Preemption()\n'
+            'os.kill(os.getpid(), signal.SIGHUP)\n'
+            'assert p.requested == "SIGHUP"\n'
+            'p.close()\n'
+            'assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL\n'
+            'print("ok")\n')
+  proc = subprocess.run([sys.executable, '-c', script], cwd=tmp_path, env=_env(2),
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0 and proc.stdout.strip() == 'ok', proc.stderr[-3000:]
 
 
 def test_second_ctrl_c_aborts_at_once(tmp_path):

@@ -114,7 +114,7 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None, o
   config checked), before anything is written there (vit-train opens its log file).
   Faults end the run with a one-line ConfigError (TrainingError while training):
   a non-finite loss or gradient (nothing non-finite is ever saved), a failed
-  checkpoint write, Ctrl-C (after saving), a config that differs from the workdir's
+  checkpoint write, Ctrl-C or a closed terminal (after saving), a config that differs from the workdir's
   run, a workdir in use by another run, checkpoints of another model. SIGTERM outside
   the training steps (set-up, restore, compile) raises PreemptedOutsideTheLoop.
   """
@@ -544,6 +544,11 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
           check_save(block=True)
           raise TrainingError(f'interrupted (Ctrl-C) at step {step}: checkpoint saved in '
                               f'{ckpt_dir}; run the same command to resume')
+        if preemption.requested == 'SIGHUP':
+          check_save(block=True)
+          raise TrainingError(f'the terminal closed (SIGHUP) at step {step}: checkpoint saved '
+                              f'in {ckpt_dir}; run the same command to resume (under nohup, '
+                              'tmux or screen a run outlives its terminal)')
         logging.warning('Preempted at step %d: checkpoint saved; the next start resumes there',
                         step)
         result['preempted'] = True
@@ -678,22 +683,26 @@ def _due(step, every):
 
 
 class _Preemption:
-  """SIGTERM (what a preempted TPU VM receives) or Ctrl-C -> stop at a step every host
-  agrees on, after saving a checkpoint.
+  """SIGTERM (what a preempted TPU VM receives), Ctrl-C or a closed terminal -> stop at a
+  step every host agrees on, after saving a checkpoint.
 
   One process: a Python handler sets a flag checked after each step. SIGTERM then ends
   the run normally (exit 0: a preempted TPU run resumes when started again); SIGINT
-  (Ctrl-C) ends it with TrainingError (exit 1) once the checkpoint is written, and a
-  second Ctrl-C exits at once (status 130) without saving. Several processes: JAX's
-  preemption sync manager (set up by jax.distributed.initialize, notified of SIGTERM)
-  picks the step, so all hosts save the same one; Ctrl-C keeps Python's default there.
+  (Ctrl-C) and SIGHUP (the terminal closed; it had ended the run at once, unsaved) end it
+  with TrainingError (exit 1) once the checkpoint is written, and a second Ctrl-C exits at
+  once (status 130) without saving. A SIGHUP the run was started to ignore (nohup) stays
+  ignored. Several processes: JAX's preemption sync manager (set up by
+  jax.distributed.initialize, notified of SIGTERM) picks the step, so all hosts save the
+  same one; Ctrl-C and SIGHUP keep Python's default there.
   """
 
   def __init__(self):
-    self.requested = None  # None, 'SIGTERM' or 'SIGINT'
+    self.requested = None  # None, 'SIGTERM', 'SIGINT' or 'SIGHUP'
     self._previous = {}
     if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-      for sig in (signal.SIGTERM, signal.SIGINT):
+      for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+          continue  # started under nohup
         self._previous[sig] = signal.signal(sig, self._on_signal)
 
   def _on_signal(self, signum, frame):
@@ -707,6 +716,9 @@ class _Preemption:
       if signum == signal.SIGINT:
         logging.warning('Ctrl-C: saving a checkpoint after this step, then exiting (Ctrl-C '
                         'again stops at once, without saving)')
+      elif signum == signal.SIGHUP:
+        logging.warning('SIGHUP (the terminal closed): saving a checkpoint after this step, '
+                        'then exiting')
       else:
         logging.warning('SIGTERM: saving a checkpoint after this step, then exiting')
       self.requested = signal.Signals(signum).name
