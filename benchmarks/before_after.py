@@ -7,6 +7,8 @@ it: the evidence for that choice on this host. `--change`:
                     order. The JSON counts each side's (g^T x)^T weight gradients.
   lean_activations  vit_jax/models/activations.py's GELU and softmax vs jax.nn's, whose
                     autodiff keeps more arrays for the backward pass.
+  gelu_in_float32   (bfloat16) activations.py's GELU computed in float32 and rounded once
+                    vs jax.nn.gelu on bf16 operands, which rounds each operation.
   lean_attention    vit_jax/models/attention.py's core, which keeps q, k and v and
                     recomputes the attention weights in the backward pass, vs autodiff of
                     the same forward, which keeps the weights.
@@ -73,9 +75,9 @@ parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
 harness.add_model_args(parser, dtypes='float32', steps=3)
 parser.add_argument(
     '--change', default='ordered_dots',
-    choices=('ordered_dots', 'lean_activations', 'lean_attention', 'prompt_weight_gradients',
-             'parameter_gradients_first', 'conv_as_dot', 'bf16_patches', 'fused_attention',
-             'tokens_padded_once', 'mixed_dots', 'no_command_buffers'))
+    choices=('ordered_dots', 'lean_activations', 'gelu_in_float32', 'lean_attention',
+             'prompt_weight_gradients', 'parameter_gradients_first', 'conv_as_dot', 'bf16_patches',
+             'fused_attention', 'tokens_padded_once', 'mixed_dots', 'no_command_buffers'))
 parser.add_argument('--remat', default='', help="one remat policy for both sides ('' off)")
 parser.add_argument('--out', default='')
 args = parser.parse_args()
@@ -102,6 +104,8 @@ def _before(change, dtype):
             'gelu': lambda x: jax.nn.gelu(x, approximate=True),
             'softmax': lambda x: jax.nn.softmax(x, axis=-1)
         })
+  if change == 'gelu_in_float32':
+    return _patched(activations, {'gelu_value': lambda x: jax.nn.gelu(x, approximate=True)})
   if change == 'lean_attention':
     return _patched(attention, {
         'attend': lambda q, k, v, dtype: attention.values(attention.weights(q, k, dtype), v, dtype)
