@@ -7,6 +7,8 @@ it: the evidence for that choice on this host. `--change`:
                     order. The JSON counts each side's (g^T x)^T weight gradients.
   lean_activations  vit_jax/models/activations.py's GELU and softmax vs jax.nn's, whose
                     autodiff keeps more arrays for the backward pass.
+  max_pool_slices   pooling.py's max pooling of the ResNet stems (strided slices, a
+                    backward of pads) vs nn.max_pool (reduce-window, select-and-scatter).
   gelu_in_float32   (bfloat16) activations.py's GELU computed in float32 and rounded once
                     vs jax.nn.gelu on bf16 operands, which rounds each operation.
   lean_attention    vit_jax/models/attention.py's core, which keeps q, k and v and
@@ -67,6 +69,7 @@ from vit_jax.models import accelerator
 from vit_jax.models import activations
 from vit_jax.models import attention
 from vit_jax.models import conv_as_dot
+from vit_jax.models import pooling
 from vit_jax.models import precision
 from vit_jax.models import remat
 from vit_jax.models import vit
@@ -75,9 +78,10 @@ parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
 harness.add_model_args(parser, dtypes='float32', steps=3)
 parser.add_argument(
     '--change', default='ordered_dots',
-    choices=('ordered_dots', 'lean_activations', 'gelu_in_float32', 'lean_attention',
-             'prompt_weight_gradients', 'parameter_gradients_first', 'conv_as_dot', 'bf16_patches',
-             'fused_attention', 'tokens_padded_once', 'mixed_dots', 'no_command_buffers'))
+    choices=('ordered_dots', 'lean_activations', 'gelu_in_float32', 'max_pool_slices',
+             'lean_attention', 'prompt_weight_gradients', 'parameter_gradients_first',
+             'conv_as_dot', 'bf16_patches', 'fused_attention', 'tokens_padded_once', 'mixed_dots',
+             'no_command_buffers'))
 parser.add_argument('--remat', default='', help="one remat policy for both sides ('' off)")
 parser.add_argument('--out', default='')
 args = parser.parse_args()
@@ -106,6 +110,12 @@ def _before(change, dtype):
         })
   if change == 'gelu_in_float32':
     return _patched(activations, {'gelu_value': lambda x: jax.nn.gelu(x, approximate=True)})
+  if change == 'max_pool_slices':
+    return _patched(
+        pooling, {
+            'max_pool': lambda x, window, stride, padding: nn.max_pool(
+                x, (window, window), strides=(stride, stride), padding=padding)
+        })
   if change == 'lean_attention':
     return _patched(attention, {
         'attend': lambda q, k, v, dtype: attention.values(attention.weights(q, k, dtype), v, dtype)
@@ -225,6 +235,11 @@ def main():
           # The XLA convolutions left in each step (conv_as_dot makes dots of some).
           'convolutions': {
               side: step.lowered.as_text().count('stablehlo.convolution')
+              for side, step in (('before', before), ('after', after))
+          },
+          # The reduce-windows (max_pool_slices: nn.max_pool's, before only on the CPU).
+          'reduce_windows': {
+              side: step.lowered.as_text().count('stablehlo.reduce_window')
               for side, step in (('before', before), ('after', after))
           },
           # cuDNN's fused attention calls (fused_attention: one per block, after only).

@@ -129,6 +129,14 @@ def test_before_after_ordered_dots(tmp_path, dtype):
   assert len(r['ratio_per_round']) == 2 and min(r['ratio_per_round']) > 0
 
 
+def test_before_after_gelu_in_float32(tmp_path):
+  p = _run('before_after', '--change', 'gelu_in_float32', '--models', 'ViT-Ti_16', '--batch', '2',
+           '--dtypes', 'bfloat16', '--steps', '1', '--rounds', '1', *TINY, tmp_path=tmp_path)
+  r = p['results'][0]
+  assert p['change'] == 'gelu_in_float32' and len(r['ratio_per_round']) == 1
+  assert min(r['ratio_per_round']) > 0
+
+
 def test_before_after_lean_activations(tmp_path):
   # 257 tokens a block (TINY's 5 are too few for the saved values to make the peak).
   p = _run('before_after', '--change', 'lean_activations', '--models', 'ViT-Ti_16', '--batch', '4',
@@ -152,7 +160,7 @@ def test_before_after_memory_changes(tmp_path, change):
   assert r['xla_memory_gib']['after'] < r['xla_memory_gib']['before'], r['xla_memory_gib']
 
 
-@pytest.mark.parametrize('change', ['parameter_gradients_first', 'bf16_patches'])
+@pytest.mark.parametrize('change', ['parameter_gradients_first', 'bf16_patches', 'max_pool_slices'])
 def test_before_after_resnet_changes(tmp_path, change):
   # A hybrid with one ResNet stage (bf16: its 3x3 convolutions are dots of patches).
   p = _run('before_after', '--change', change, '--models', 'R50+ViT-B_16', '--batch', '2',
@@ -164,6 +172,8 @@ def test_before_after_resnet_changes(tmp_path, change):
     # Its GroupNorms' gradients keep their cotangents alive until the end of the backward
     # pass without the dependence.
     assert r['xla_memory_gib']['after'] < r['xla_memory_gib']['before'], r['xla_memory_gib']
+  if change == 'max_pool_slices':  # the stem's pool: nn.max_pool before, slices after
+    assert r['reduce_windows'] == {'before': 1, 'after': 0}, r['reduce_windows']
 
 
 def test_before_after_conv_as_dot(tmp_path):

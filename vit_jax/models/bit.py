@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from vit_jax.models import pooling
 from vit_jax.models import precision
 from vit_jax.models.resnet import Stage
 from vit_jax.models.resnet import StdConv
@@ -62,7 +63,7 @@ class BiTResNet(nn.Module):
     x = StdConv(width, (7, 7), (2, 2), [(3, 3), (3, 3)], eps=_WS_EPS, eps_in_sqrt=True,
                 dtype=self.dtype, name='conv_root')(x)
     x = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))  # zeros, not -inf: as published
-    x = nn.max_pool(x, (3, 3), strides=(2, 2), padding='VALID')
+    x = pooling.max_pool(x, 3, 2, 'VALID')
     for i, num_units in enumerate(self.resnet_layers):
       x = Stage(PreActUnit, num_units, width * 2**i, (2, 2) if i else (1, 1), 'unit{:02d}',
                 self.dtype, self.remat, name=f'block{i + 1}')(x)

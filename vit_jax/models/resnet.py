@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from vit_jax.models import conv_as_dot
+from vit_jax.models import pooling
 from vit_jax.models import precision
 from vit_jax.models import remat as remat_lib
 
@@ -96,7 +97,7 @@ def resnet_stem(x, layers, width_factor, dtype=jnp.float32, remat=''):
   width = int(64 * width_factor)
   x = StdConv(width, (7, 7), (2, 2), dtype=dtype, name='conv_root')(x)
   x = nn.relu(nn.GroupNorm(dtype=dtype, name='gn_root')(x))
-  x = nn.max_pool(x, (3, 3), strides=(2, 2), padding='SAME')
+  x = pooling.max_pool(x, 3, 2, 'SAME')
   for i, num_units in enumerate(layers):
     x = Stage(ResidualUnit, num_units, width * 2**i, (2, 2) if i else (1, 1), dtype=dtype,
               remat=remat, name=f'block{i + 1}')(x)
