@@ -1,14 +1,16 @@
 """The ResNet stems' max pooling (3x3 windows, stride 2): flax's nn.max_pool, and on the
-CPU backend the same values with a backward XLA:CPU runs 5-7x faster.
+CPU backend the same values with a backward XLA:CPU runs 5-8x faster.
 
 nn.max_pool is a reduce-window, whose gradient XLA runs as a select-and-scatter: on a
 2-core CPU host its forward and backward at the R50 stem's shape (8x112x112x64) took
 86-92 ms, in float32 and in bf16 (benchmarks/README.md, fifty-second session). Here the
 forward is the maximum of the window's strided slices and the backward sends each output's
 gradient to the first maximum of its window in scan order (row by row), as the
-select-and-scatter does, summed in float32 where windows overlap: 11-17 ms. The pooled
-values are the same; the gradients are the same up to the order of that sum (in bf16 XLA's
-sums in bf16, this sums in float32 and rounds once). TPU and GPU keep nn.max_pool.
+select-and-scatter does, summed in float32 where windows overlap: 11-17 ms, and the
+R50+ViT-B/16 b8 train step 1.01-1.02x faster at the median of its rounds (`before_after.py
+--change max_pool_slices`). The pooled values are the same; the gradients are the same
+up to the order of that sum (in bf16 XLA's sums in bf16, this sums in float32 and rounds
+once). TPU and GPU keep nn.max_pool.
 """
 import functools
 
