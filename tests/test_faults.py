@@ -789,36 +789,29 @@ def test_resume_on_fewer_devices_continues_the_same_run(good, tmp_path):
       np.testing.assert_allclose(a[k], b[k], atol=2e-5, rtol=0, err_msg=k)
 
 
-def test_a_run_started_under_nohup_ignores_sighup(tmp_path):
-  script = ('import os, signal\n'
-            'from vit_jax import train\n'
-            'signal.signal(signal.SIGHUP, signal.SIG_IGN)\n'
-            'p = train._Preemption()\n'
-            'os.kill(os.getpid(), signal.SIGHUP)\n'
-            'assert p.requested is None and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN\n'
-            'p.close()\n'
-            'signal.signal(signal.SIGHUP, signal.SIG_DFL)\n'
-            'p = train._Preemption()\n'
-            'os.kill(os.getpid(), signal.SIGHUP)\n'
-            'assert p.requested == "SIGHUP"\n'
-            'p.close()\n'
-            'assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL\n'
-            'print("ok")\n')
-  proc = subprocess.run([sys.executable, '-c', script], cwd=tmp_path, env=_env(2),
+def _python(tmp_path, *lines):
+  """Runs the lines as a Python program of two CPU devices."""
+  return subprocess.run([sys.executable, '-c', '\n'.join(lines)], cwd=tmp_path, env=_env(2),
                         capture_output=True, text=True, timeout=120)
+
+
+def test_a_run_started_under_nohup_ignores_sighup(tmp_path):
+  proc = _python(
+      tmp_path, 'import os, signal', 'from vit_jax import train',
+      'signal.signal(signal.SIGHUP, signal.SIG_IGN)', 'p = train._Preemption()',
+      'os.kill(os.getpid(), signal.SIGHUP)',
+      'assert p.requested is None and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN',
+      'p.close()', 'signal.signal(signal.SIGHUP, signal.SIG_DFL)', 'p = train._Preemption()',
+      'os.kill(os.getpid(), signal.SIGHUP)', 'assert p.requested == "SIGHUP"', 'p.close()',
+      'assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL', 'print("ok")')
   assert proc.returncode == 0 and proc.stdout.strip() == 'ok', proc.stderr[-3000:]
 
 
 def test_second_ctrl_c_aborts_at_once(tmp_path):
-  script = ('import os, signal, time\n'
-            'from vit_jax import train\n'
-            'p = train._Preemption()\n'
-            'os.kill(os.getpid(), signal.SIGINT)\n'
-            'assert p.requested == "SIGINT"\n'
-            'os.kill(os.getpid(), signal.SIGINT)\n'
-            'time.sleep(30)\n')
-  proc = subprocess.run([sys.executable, '-c', script], cwd=tmp_path, env=_env(2),
-                        capture_output=True, text=True, timeout=120)
+  proc = _python(tmp_path, 'import os, signal, time', 'from vit_jax import train',
+                 'p = train._Preemption()', 'os.kill(os.getpid(), signal.SIGINT)',
+                 'assert p.requested == "SIGINT"', 'os.kill(os.getpid(), signal.SIGINT)',
+                 'time.sleep(30)')
   assert proc.returncode == 130, proc.stderr[-3000:]
   assert proc.stderr.strip().splitlines()[-1].startswith(
       'vit_jax: second Ctrl-C: stopped at once, without saving')
