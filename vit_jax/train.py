@@ -114,9 +114,10 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None, o
   config checked), before anything is written there (vit-train opens its log file).
   Faults end the run with a one-line ConfigError (TrainingError while training):
   a non-finite loss or gradient (nothing non-finite is ever saved), a failed
-  checkpoint write, Ctrl-C or a closed terminal (after saving), a config that differs from the workdir's
-  run, a workdir in use by another run, checkpoints of another model. SIGTERM outside
-  the training steps (set-up, restore, compile) raises PreemptedOutsideTheLoop.
+  checkpoint write, Ctrl-C or a closed terminal (after saving), a config that differs
+  from the workdir's run, a workdir in use by another run, checkpoints of another
+  model. SIGTERM outside the training steps (set-up, restore, compile) raises
+  PreemptedOutsideTheLoop.
   """
   with _sigterm_outside_the_loop():
     return _set_up_and_train(config, workdir, stop_after_steps, writer, on_start)
