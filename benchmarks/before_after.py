@@ -11,6 +11,9 @@ it: the evidence for that choice on this host. `--change`:
                     backward of pads) vs nn.max_pool (reduce-window, select-and-scatter).
   gelu_in_float32   (bfloat16) activations.py's GELU computed in float32 and rounded once
                     vs jax.nn.gelu on bf16 operands, which rounds each operation.
+  lean_group_norm   vit_jax/models/normalization.py's GroupNorm and activations.py's
+                    ReLU (the ResNets') vs flax's and jax.nn's, whose autodiff keeps
+                    float32 arrays of the norm's input size and the ReLU's input.
   lean_attention    vit_jax/models/attention.py's core, which keeps q, k and v and
                     recomputes the attention weights in the backward pass, vs autodiff of
                     the same forward, which keeps the weights.
@@ -69,6 +72,7 @@ from vit_jax.models import accelerator
 from vit_jax.models import activations
 from vit_jax.models import attention
 from vit_jax.models import conv_as_dot
+from vit_jax.models import normalization
 from vit_jax.models import pooling
 from vit_jax.models import precision
 from vit_jax.models import remat
@@ -79,9 +83,9 @@ harness.add_model_args(parser, dtypes='float32', steps=3)
 parser.add_argument(
     '--change', default='ordered_dots',
     choices=('ordered_dots', 'lean_activations', 'gelu_in_float32', 'max_pool_slices',
-             'lean_attention', 'prompt_weight_gradients', 'parameter_gradients_first',
-             'conv_as_dot', 'bf16_patches', 'fused_attention', 'tokens_padded_once', 'mixed_dots',
-             'no_command_buffers'))
+             'lean_group_norm', 'lean_attention', 'prompt_weight_gradients',
+             'parameter_gradients_first', 'conv_as_dot', 'bf16_patches', 'fused_attention',
+             'tokens_padded_once', 'mixed_dots', 'no_command_buffers'))
 parser.add_argument('--remat', default='', help="one remat policy for both sides ('' off)")
 parser.add_argument('--out', default='')
 args = parser.parse_args()
@@ -100,6 +104,15 @@ def _patched(module, replacements):
       setattr(module, name, value)
 
 
+@contextlib.contextmanager
+def _together(*contexts):
+  """All of `contexts` at once."""
+  with contextlib.ExitStack() as stack:
+    for context in contexts:
+      stack.enter_context(context)
+    yield
+
+
 def _before(change, dtype):
   """A context in which the models trace as they did before `change`, for `dtype`."""
   if change == 'lean_activations':
@@ -116,6 +129,9 @@ def _before(change, dtype):
             'max_pool': lambda x, window, stride, padding: nn.max_pool(
                 x, (window, window), strides=(stride, stride), padding=padding)
         })
+  if change == 'lean_group_norm':
+    return _together(_patched(normalization, {'GroupNorm': nn.GroupNorm}),
+                     _patched(activations, {'relu': jax.nn.relu}))
   if change == 'lean_attention':
     return _patched(attention, {
         'attend': lambda q, k, v, dtype: attention.values(attention.weights(q, k, dtype), v, dtype)

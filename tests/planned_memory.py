@@ -1,9 +1,11 @@
-"""XLA's planned temporaries of a small ViT's gradient step, for tests of the models'
+"""XLA's planned temporaries of small models' gradient steps, for tests of the models'
 memory choices."""
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from vit_jax import models
+from vit_jax.models import resnet
 
 
 def vit_step_temporaries_mb(dtype):
@@ -13,5 +15,23 @@ def vit_step_temporaries_mb(dtype):
   x = jnp.ones((4, 64, 64, 3))
   params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), x[:1], train=False))
   loss = lambda p, x: jnp.sum(model.apply(p, x, train=False).astype(jnp.float32)**2)
+  compiled = jax.jit(jax.grad(loss)).lower(params, x).compile()
+  return compiled.memory_analysis().temp_size_in_bytes / 1e6
+
+
+def resnet_step_temporaries_mb(dtype):
+  """The hybrids' ResNet root and one stage of two units (64 features) on 64x64 images,
+  batch 4: where the GroupNorms and ReLUs keep what the backward needs."""
+
+  class Stem(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return resnet.resnet_stem(x, (2,), 1, dtype=dtype)
+
+  model = Stem()
+  x = jnp.ones((4, 64, 64, 3))
+  params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), x[:1]))
+  loss = lambda p, x: jnp.sum(model.apply(p, x).astype(jnp.float32)**2)
   compiled = jax.jit(jax.grad(loss)).lower(params, x).compile()
   return compiled.memory_analysis().temp_size_in_bytes / 1e6

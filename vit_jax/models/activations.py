@@ -1,5 +1,5 @@
-"""The Transformer's GELU and softmax: jax.nn's forward values (GELU's computed in
-float32), and a backward that keeps one array: GELU its input, softmax its output.
+"""The models' GELU, softmax and ReLU: jax.nn's forward values (GELU's computed in
+float32), and a backward that keeps one array: GELU its input, softmax and ReLU their output.
 
 GELU is computed in float32 whatever its input's dtype and rounded once to that dtype, as
 PyTorch's bf16 GELU is: jax.nn.gelu on bf16 operands rounds each of its operations to
@@ -15,6 +15,11 @@ derivatives are computed from what is kept, GELU's in float32 whatever the input
 On XLA:CPU the train step plans up to a quarter less memory (most in bfloat16) and the
 bf16 ViT steps run a few percent faster (benchmarks/README.md, thirteenth session;
 `benchmarks/before_after.py --change lean_activations`).
+
+jax.nn.relu's backward keeps its input, the GroupNorm's output in the ResNets; its output is
+the next convolution's input, kept anyway. In bf16 the R50+ViT-B/16 b8 train step plans 7%
+less memory with the output kept (benchmarks/README.md, fifty-third session;
+`benchmarks/before_after.py --change lean_group_norm`, with normalization.py).
 """
 import jax
 import jax.numpy as jnp
@@ -70,3 +75,22 @@ def _softmax_bwd(p, g):
 
 
 softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+@jax.custom_vjp
+def relu(x):
+  """jax.nn.relu, whose backward keeps its output (the next layer's input, kept anyway)
+  rather than its input."""
+  return jax.nn.relu(x)
+
+
+def _relu_fwd(x):
+  y = relu(x)
+  return y, y
+
+
+def _relu_bwd(y, g):
+  return (jnp.where(y > 0, g, jnp.zeros_like(g)),)
+
+
+relu.defvjp(_relu_fwd, _relu_bwd)

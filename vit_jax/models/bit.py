@@ -12,6 +12,8 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from vit_jax.models import activations
+from vit_jax.models import normalization
 from vit_jax.models import pooling
 from vit_jax.models import precision
 from vit_jax.models.resnet import Stage
@@ -35,7 +37,10 @@ class PreActUnit(nn.Module):
       pad = [(k // 2, k // 2)] * 2  # symmetric, as the published BiT models
       return StdConv(f, (k, k), s, pad, eps=_WS_EPS, eps_in_sqrt=True, dtype=self.dtype, name=name)
 
-    gn_relu = lambda y, name: nn.relu(nn.GroupNorm(epsilon=_GN_EPS, dtype=self.dtype, name=name)(y))
+    def gn_relu(y, name):
+      return activations.relu(
+          normalization.GroupNorm(epsilon=_GN_EPS, dtype=self.dtype, name=name)(y))
+
     out = gn_relu(x, 'gn1')
     residual = x
     if x.shape[-1] != self.features * 4 or tuple(self.strides) != (1, 1):
@@ -67,7 +72,7 @@ class BiTResNet(nn.Module):
     for i, num_units in enumerate(self.resnet_layers):
       x = Stage(PreActUnit, num_units, width * 2**i, (2, 2) if i else (1, 1), 'unit{:02d}',
                 self.dtype, self.remat, name=f'block{i + 1}')(x)
-    x = nn.relu(nn.GroupNorm(epsilon=_GN_EPS, dtype=self.dtype, name='norm')(x))
+    x = activations.relu(normalization.GroupNorm(epsilon=_GN_EPS, dtype=self.dtype, name='norm')(x))
     x = jnp.mean(x, axis=(1, 2))
     self.sow('intermediates', 'pre_logits', x)
     if not self.num_classes:

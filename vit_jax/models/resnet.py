@@ -11,7 +11,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from vit_jax.models import activations
 from vit_jax.models import conv_as_dot
+from vit_jax.models import normalization
 from vit_jax.models import pooling
 from vit_jax.models import precision
 from vit_jax.models import remat as remat_lib
@@ -53,17 +55,17 @@ class ResidualUnit(nn.Module):
   @nn.compact
   def __call__(self, x):
     conv = lambda f, k, s, name: StdConv(f, k, s, dtype=self.dtype, name=name)
-    gn = lambda name, **kw: nn.GroupNorm(dtype=self.dtype, name=name, **kw)
+    gn = lambda name, **kw: normalization.GroupNorm(dtype=self.dtype, name=name, **kw)
     residual = x
     if x.shape[-1] != self.features * 4 or tuple(self.strides) != (1, 1):
       residual = conv(self.features * 4, (1, 1), self.strides, 'conv_proj')(x)
       residual = gn('gn_proj')(residual)
-    y = nn.relu(gn('gn1')(conv(self.features, (1, 1), (1, 1), 'conv1')(x)))
-    y = nn.relu(gn('gn2')(conv(self.features, (3, 3), self.strides, 'conv2')(y)))
+    y = activations.relu(gn('gn1')(conv(self.features, (1, 1), (1, 1), 'conv1')(x)))
+    y = activations.relu(gn('gn2')(conv(self.features, (3, 3), self.strides, 'conv2')(y)))
     y = conv(self.features * 4, (1, 1), (1, 1), 'conv3')(y)
     # Zero-initialised last GN scale: every unit starts as the identity on its residual.
     y = gn('gn3', scale_init=nn.initializers.zeros)(y)
-    return nn.relu(residual + y)
+    return activations.relu(residual + y)
 
 
 class Stage(nn.Module):
@@ -96,7 +98,7 @@ def resnet_stem(x, layers, width_factor, dtype=jnp.float32, remat=''):
   """
   width = int(64 * width_factor)
   x = StdConv(width, (7, 7), (2, 2), dtype=dtype, name='conv_root')(x)
-  x = nn.relu(nn.GroupNorm(dtype=dtype, name='gn_root')(x))
+  x = activations.relu(normalization.GroupNorm(dtype=dtype, name='gn_root')(x))
   x = pooling.max_pool(x, 3, 2, 'SAME')
   for i, num_units in enumerate(layers):
     x = Stage(ResidualUnit, num_units, width * 2**i, (2, 2) if i else (1, 1), dtype=dtype,
