@@ -101,9 +101,9 @@ def test_a_bf16_backward_keeps_the_input_and_per_group_statistics():
 def test_a_float32_group_norm_is_flaxs_own():
   # Its backward too: for a float32 input autodiff keeps nothing wider than the input.
   shape = (2, 6, 6, 64)
-  x, params, g = _inputs(shape,
-                         'float32'), _parameters(shape, 32,
-                                                 'float32'), _inputs(shape, 'float32', seed=2)
+  x = _inputs(shape, 'float32')
+  params = _parameters(shape, 32, 'float32')
+  g = _inputs(shape, 'float32', seed=2)
   ours = jax.vjp(normalization.GroupNorm().apply, params, x)[1](g)
   expected = jax.vjp(nn.GroupNorm().apply, params, x)[1](g)
   jax.tree.map(np.testing.assert_array_equal, ours, expected)
