@@ -14,6 +14,11 @@ it: the evidence for that choice on this host. `--change`:
   lean_group_norm   vit_jax/models/normalization.py's GroupNorm and activations.py's
                     ReLU (the ResNets') vs flax's and jax.nn's, whose autodiff keeps
                     float32 arrays of the norm's input size and the ReLU's input.
+  group_norm_channel_sums
+                    normalization.py's GroupNorm statistics as each channel's sums over
+                    the positions, then over the group's channels, vs one reduction over
+                    both (flax's, as shipped before: flax's GroupNorm for float32, the
+                    statistics so in normalization.py's bf16 path).
   lean_attention    vit_jax/models/attention.py's core, which keeps q, k and v and
                     recomputes the attention weights in the backward pass, vs autodiff of
                     the same forward, which keeps the weights.
@@ -83,9 +88,9 @@ harness.add_model_args(parser, dtypes='float32', steps=3)
 parser.add_argument(
     '--change', default='ordered_dots',
     choices=('ordered_dots', 'lean_activations', 'gelu_in_float32', 'max_pool_slices',
-             'lean_group_norm', 'lean_attention', 'prompt_weight_gradients',
-             'parameter_gradients_first', 'conv_as_dot', 'bf16_patches', 'fused_attention',
-             'tokens_padded_once', 'mixed_dots', 'no_command_buffers'))
+             'lean_group_norm', 'group_norm_channel_sums', 'lean_attention',
+             'prompt_weight_gradients', 'parameter_gradients_first', 'conv_as_dot', 'bf16_patches',
+             'fused_attention', 'tokens_padded_once', 'mixed_dots', 'no_command_buffers'))
 parser.add_argument('--remat', default='', help="one remat policy for both sides ('' off)")
 parser.add_argument('--out', default='')
 args = parser.parse_args()
@@ -132,6 +137,10 @@ def _before(change, dtype):
   if change == 'lean_group_norm':
     return _together(_patched(normalization, {'GroupNorm': nn.GroupNorm}),
                      _patched(activations, {'relu': jax.nn.relu}))
+  if change == 'group_norm_channel_sums':
+    if jnp.dtype(dtype) == jnp.float32:
+      return _patched(normalization, {'GroupNorm': nn.GroupNorm})
+    return _patched(normalization, {'_statistics': _grouped_statistics})
   if change == 'lean_attention':
     return _patched(attention, {
         'attend': lambda q, k, v, dtype: attention.values(attention.weights(q, k, dtype), v, dtype)
@@ -162,6 +171,15 @@ def _before(change, dtype):
         precision,
         {'dot_general_for': lambda d: None if jnp.dtype(d) == jnp.float32 else shipped(d)})
   return _patched(precision, {'_cotangent_transposed_is_cheaper': lambda *unused: False})
+
+
+def _grouped_statistics(x, groups):
+  """normalization._statistics as flax takes them: one reduction over the positions and
+  the group's channels."""
+  n, positions, channels = x.shape
+  x = x.astype(jnp.float32).reshape(n, positions, groups, channels // groups)
+  mean = jnp.mean(x, (1, 3))
+  return mean, jnp.maximum(0.0, jnp.mean(jnp.square(x), (1, 3)) - jnp.square(mean))
 
 
 def _after(change, dtype):

@@ -1,5 +1,8 @@
 """Tests for vit_jax.models.normalization and activations.relu: flax's and jax.nn's values and
 gradients, less kept for the backward pass."""
+import math
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -29,7 +32,7 @@ def _parameters(shape, groups, dtype):
 
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 @pytest.mark.parametrize('shape,groups', _CASES)
-def test_values_are_flax_group_norms_bit_for_bit(dtype, shape, groups):
+def test_values_are_flax_group_norms_up_to_the_order_of_the_sums(dtype, shape, groups):
   x, params = _inputs(shape, dtype), _parameters(shape, groups, dtype)
   ours = normalization.GroupNorm(num_groups=groups, dtype=dtype)
   flax_norm = nn.GroupNorm(num_groups=groups, dtype=dtype)
@@ -37,8 +40,58 @@ def test_values_are_flax_group_norms_bit_for_bit(dtype, shape, groups):
                                            x)) == jax.tree.map(jnp.shape, params)
   y = jax.jit(ours.apply)(params, x)
   assert y.dtype == jnp.dtype(dtype)
-  np.testing.assert_array_equal(np.asarray(y, np.float32),
-                                np.asarray(jax.jit(flax_norm.apply)(params, x), np.float32))
+  expected = np.asarray(jax.jit(flax_norm.apply)(params, x), np.float32)
+  # float32: the statistics' sums in another order; bf16: then one rounding to bf16 apart.
+  tol = 1e-5 if dtype == 'float32' else 2.0**-8
+  np.testing.assert_allclose(np.asarray(y, np.float32), expected, rtol=tol,
+                             atol=tol * np.max(np.abs(expected)))
+
+
+@pytest.mark.parametrize('shape,groups', _CASES)
+def test_statistics_are_each_groups_mean_and_variance(shape, groups):
+  x = _inputs(shape, 'float32')
+  view = x.reshape(shape[0], -1, shape[-1])
+  mean, var = jax.jit(normalization._statistics, static_argnums=1)(view, groups)
+  grouped = np.asarray(view, np.float64).reshape(shape[0], view.shape[1], groups, -1)
+  np.testing.assert_allclose(mean, grouped.mean((1, 3)), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(var, grouped.var((1, 3)), rtol=1e-5)
+
+
+def _reductions(lowered_text):
+  """(input shape, reduced axes) of each reduction in a lowered (StableHLO) program."""
+  found = re.findall(
+      r'stablehlo\.reduce\(.*? across dimensions = \[([\d, ]*)\] : '
+      r'\(tensor<((?:\d+x)*)\w+>', lowered_text)
+  return [(tuple(int(d) for d in shape.split('x') if d), tuple(int(a) for a in axes.split(',')))
+          for axes, shape in found]
+
+
+def _channel_axes(shape, channels):
+  """The trailing axes of `shape` that hold the channels (one, or a group and its channels)."""
+  axes, size = [], 1
+  while size < channels:
+    axes.append(len(shape) - 1 - len(axes))
+    size *= shape[axes[-1]]
+  return set(axes)
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_sums_over_input_sized_arrays_keep_every_channel(dtype):
+  # XLA:CPU runs a reduction over the positions and the group's channels together (the
+  # group axis kept between reduced ones) 5-10x slower than per-channel sums (module doc).
+  shape = (2, 6, 6, 64)  # the R50 root's 32 groups of 2 channels
+  x, params = _inputs(shape, dtype), _parameters(shape, 32, dtype)
+  reduces_a_channel = lambda reduction: (math.prod(reduction[0]) == x.size and bool(
+      _channel_axes(reduction[0], shape[-1]) & set(reduction[1])))
+  norm = normalization.GroupNorm(dtype=dtype)
+  gradient = lambda p, x: jax.vjp(norm.apply, p, x)[1](jnp.ones(shape, dtype))
+  reductions = _reductions(jax.jit(gradient).lower(params, x).as_text())
+  assert sum(math.prod(a) == x.size for a, _ in reductions) >= 3, reductions
+  assert not any(map(reduces_a_channel, reductions)), reductions
+  # flax's own does reduce so, which is what this test tells apart.
+  flax_norm = nn.GroupNorm(num_groups=32, dtype=dtype)
+  assert any(
+      map(reduces_a_channel, _reductions(jax.jit(flax_norm.apply).lower(params, x).as_text())))
 
 
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
@@ -98,15 +151,14 @@ def test_a_bf16_backward_keeps_the_input_and_per_group_statistics():
   assert any(a.dtype == jnp.float32 and a.size == x.size for a in flax_kept), flax_kept
 
 
-def test_a_float32_group_norm_is_flaxs_own():
-  # Its backward too: for a float32 input autodiff keeps nothing wider than the input.
+def test_a_float32_backward_keeps_no_more_than_flaxs():
+  # Autodiff's backward for a float32 input, which keeps nothing wider than the input.
   shape = (2, 6, 6, 64)
-  x = _inputs(shape, 'float32')
-  params = _parameters(shape, 32, 'float32')
-  g = _inputs(shape, 'float32', seed=2)
-  ours = jax.vjp(normalization.GroupNorm().apply, params, x)[1](g)
-  expected = jax.vjp(nn.GroupNorm().apply, params, x)[1](g)
-  jax.tree.map(np.testing.assert_array_equal, ours, expected)
+  x, params = _inputs(shape, 'float32'), _parameters(shape, 32, 'float32')
+  nbytes = lambda kept: sum(a.size * a.dtype.itemsize for a in kept)
+  ours = _kept(normalization.GroupNorm().apply, params, x)
+  assert all(a.dtype == jnp.float32 for a in ours), ours
+  assert nbytes(ours) <= nbytes(_kept(nn.GroupNorm().apply, params, x))
 
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
