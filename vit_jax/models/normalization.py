@@ -38,8 +38,8 @@ _F32 = jnp.float32
 
 
 def _statistics(x, groups):
-  """Each group's mean and variance in float32 (flax's: E[x^2] - E[x]^2, clipped at 0) of x
-  viewed as (example, position, channel), (example, group): each channel's sums over the
+  """Each group's mean and variance, (example, group) in float32 (flax's: E[x^2] - E[x]^2,
+  clipped at 0), of x viewed as (example, position, channel): each channel's sums over the
   positions, then over the group's channels."""
   n, positions, channels = x.shape
   x = x.astype(_F32)
