@@ -22,6 +22,9 @@ it: the evidence for that choice on this host. `--change`:
   lean_attention    vit_jax/models/attention.py's core, which keeps q, k and v and
                     recomputes the attention weights in the backward pass, vs autodiff of
                     the same forward, which keeps the weights.
+  kernels_recast    (bfloat16) precision.py's bf16 copy of each float32 kernel made again
+                    for the backward pass (XLA:CPU) vs the forward pass's copy, which XLA
+                    keeps alive until the backward pass reads it.
   prompt_weight_gradients
                     precision.py's dependence of each input gradient on its layer's weight
                     gradient (XLA:CPU) vs none, where XLA:CPU's memory-optimised scheduler
@@ -88,7 +91,7 @@ harness.add_model_args(parser, dtypes='float32', steps=3)
 parser.add_argument(
     '--change', default='ordered_dots',
     choices=('ordered_dots', 'lean_activations', 'gelu_in_float32', 'max_pool_slices',
-             'lean_group_norm', 'group_norm_channel_sums', 'lean_attention',
+             'lean_group_norm', 'group_norm_channel_sums', 'lean_attention', 'kernels_recast',
              'prompt_weight_gradients', 'parameter_gradients_first', 'conv_as_dot', 'bf16_patches',
              'fused_attention', 'tokens_padded_once', 'mixed_dots', 'no_command_buffers'))
 parser.add_argument('--remat', default='', help="one remat policy for both sides ('' off)")
@@ -145,6 +148,9 @@ def _before(change, dtype):
     return _patched(attention, {
         'attend': lambda q, k, v, dtype: attention.values(attention.weights(q, k, dtype), v, dtype)
     })
+  if change == 'kernels_recast':
+    return _patched(precision,
+                    {'kernel_for_backward': lambda kernel, g, input_size, compute_dtype: kernel})
   if change == 'prompt_weight_gradients':
     return _patched(precision, {'after_weight_gradient': lambda d_lhs, d_rhs: d_lhs})
   if change == 'parameter_gradients_first':

@@ -147,7 +147,7 @@ def test_before_after_lean_activations(tmp_path):
   assert r['xla_memory_gib']['after'] < r['xla_memory_gib']['before'], r['xla_memory_gib']
 
 
-@pytest.mark.parametrize('change', ['lean_attention', 'prompt_weight_gradients'])
+@pytest.mark.parametrize('change', ['lean_attention', 'prompt_weight_gradients', 'kernels_recast'])
 def test_before_after_memory_changes(tmp_path, change):
   # As lean_activations: 257 tokens a block, so that the saved values make the peak.
   p = _run('before_after', '--change', change, '--models', 'ViT-Ti_16', '--batch', '4', '--dtypes',

@@ -71,7 +71,10 @@ def dot_gradients(g, lhs, rhs, dimension_numbers, compute_dtype, lhs_grad_dtype=
   g_batch = tuple(range(nb))
   g_lhs_kept = tuple(range(nb, nb + nl))
   g_rhs_kept = tuple(range(nb + nl, g.ndim))
-  g, lhs16, rhs16 = (a.astype(compute_dtype) for a in (g, lhs, rhs))
+  g = g.astype(compute_dtype)
+  if not b_lhs:
+    rhs = kernel_for_backward(rhs, g, lhs.size, compute_dtype)
+  lhs16, rhs16 = lhs.astype(compute_dtype), rhs.astype(compute_dtype)
   f32 = jnp.float32
   # d lhs = g . rhs over rhs's kept axes: batch, lhs kept, rhs contracting (sorted).
   d_lhs = lax.dot_general(g, rhs16, ((g_rhs_kept, tuple(kept_rhs)), (g_batch, tuple(b_rhs))),
@@ -95,6 +98,22 @@ def dot_gradients(g, lhs, rhs, dimension_numbers, compute_dtype, lhs_grad_dtype=
   if not b_lhs and jax.default_backend() == 'cpu':
     d_lhs = after_weight_gradient(d_lhs, d_rhs)
   return d_lhs.astype(lhs_grad_dtype or lhs.dtype), d_rhs.astype(rhs.dtype)
+
+
+def kernel_for_backward(kernel, g, input_size, compute_dtype):
+  """A wider `kernel` as the backward pass of its `compute_dtype` dot reads it. XLA merges
+  the bf16 copy made there for the input gradient with the forward pass's (the same
+  expression) and keeps it alive from one to the other. On XLA:CPU, where a kernel has at
+  least a quarter as many elements as the dot's other operand (`input_size`), the copy is
+  made again from a kernel that depends on the cotangent `g`: the bf16 ViT-B/16 b8 step
+  planned 1.23 GiB instead of 1.38 and ran at 0.94-0.98x the speed, R50+ViT-B/16 b8 1.73
+  instead of 1.89 at 0.99-1.07x. Smaller kernels keep their copy: at ViT-Ti/16 b32 the
+  copies were 1% of the planned memory and making them again cost 2-3% of the speed
+  (benchmarks/README.md). Not measured on TPU or GPU, which keep the merged copies."""
+  if (kernel.dtype == compute_dtype or 4 * kernel.size < input_size
+      or jax.default_backend() != 'cpu'):
+    return kernel
+  return depending_on(kernel, g.ravel()[:1])
 
 
 def after_weight_gradient(d_lhs, d_rhs):
