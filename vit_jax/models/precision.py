@@ -106,10 +106,11 @@ def kernel_for_backward(kernel, g, input_size, compute_dtype):
   expression) and keeps it alive from one to the other. On XLA:CPU, where a kernel has at
   least a quarter as many elements as the dot's other operand (`input_size`), the copy is
   made again from a kernel that depends on the cotangent `g`: the bf16 ViT-B/16 b8 step
-  planned 1.23 GiB instead of 1.38 and ran at 0.94-0.98x the speed, R50+ViT-B/16 b8 1.73
-  instead of 1.89 at 0.99-1.07x. Smaller kernels keep their copy: at ViT-Ti/16 b32 the
-  copies were 1% of the planned memory and making them again cost 2-3% of the speed
-  (benchmarks/README.md). Not measured on TPU or GPU, which keep the merged copies."""
+  planned 1.23 GiB instead of 1.38 and R50+ViT-B/16 b8 1.73 instead of 1.89, at medians of
+  0.97x and 0.98x the speed. Smaller kernels keep their copy: at ViT-Ti/16 b32 the copies
+  were 1% of the planned memory and making them again cost 2-3% of the speed
+  (benchmarks/README.md, fifty-fifth session). Not measured on TPU or GPU, which keep the
+  merged copies."""
   if (kernel.dtype == compute_dtype or 4 * kernel.size < input_size
       or jax.default_backend() != 'cpu'):
     return kernel
