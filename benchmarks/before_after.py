@@ -22,9 +22,10 @@ it: the evidence for that choice on this host. `--change`:
   lean_attention    vit_jax/models/attention.py's core, which keeps q, k and v and
                     recomputes the attention weights in the backward pass, vs autodiff of
                     the same forward, which keeps the weights.
-  kernels_recast    (bfloat16) precision.py's bf16 copy of each float32 kernel made again
-                    for the backward pass (XLA:CPU) vs the forward pass's copy, which XLA
-                    keeps alive until the backward pass reads it.
+  kernels_recast    (bfloat16) precision.py's bf16 copy of each large float32 kernel
+                    (a quarter or more of its dot's input) made again for the backward
+                    pass (XLA:CPU) vs the forward pass's copy, which XLA keeps alive until
+                    the backward pass reads it.
   prompt_weight_gradients
                     precision.py's dependence of each input gradient on its layer's weight
                     gradient (XLA:CPU) vs none, where XLA:CPU's memory-optimised scheduler
