@@ -473,33 +473,66 @@ def test_ctrl_c_or_a_closed_terminal_saves_then_exits_non_zero(tmp_path, sig, sa
   assert 'run the same command to resume' in last
 
 
+_OUTSIDE_THE_LOOP_SAYS = {
+    'SIGTERM': (0, 'vit_jax: preempted (SIGTERM) outside the training steps (set-up, compile or '
+                'wrap-up): the saved checkpoints are kept; run the same command to resume'),
+    'SIGHUP': (1, 'vit_jax: the terminal closed (SIGHUP) outside the training steps (set-up, '
+               'compile or wrap-up): the saved checkpoints are kept; run the same command to '
+               'resume (under nohup, tmux or screen a run outlives its terminal)')
+}
+
+
+@pytest.mark.parametrize('sig', list(_OUTSIDE_THE_LOOP_SAYS))
 @pytest.mark.parametrize('lands_in', ['set-up', 'a __del__'])
-def test_sigterm_before_the_loop_releases_the_lock_and_exits_0(tmp_path, lands_in):
-  """A TPU VM preempted while the run restores or compiles (minutes on a large model) got
-  a plain signal death (143), no message, and a lock left behind. Where the signal lands
-  in a garbage-collection callback or a __del__, Python drops the handler's exception
-  ("Exception ignored"): the run trained on to the end."""
-  kill = 'os.kill(os.getpid(), signal.SIGTERM)'
+def test_a_signal_before_the_loop_releases_the_lock_and_says_so(tmp_path, lands_in, sig):
+  """A TPU VM preempted (SIGTERM) or a terminal closed (SIGHUP) while the run restores or
+  compiles (minutes on a large model) got a plain signal death (143, 129), no message, and
+  a lock left behind. Where the signal lands in a garbage-collection callback or a
+  __del__, Python drops the handler's exception ("Exception ignored"): the run trained on
+  to the end. SIGTERM exits 0 as a preemption in the loop does (a TPU resume loop carries
+  on), SIGHUP 1 as in the loop."""
+  kill = f'os.kill(os.getpid(), signal.{sig})'
   code = ('import os, signal, sys\n'
-          'from vit_jax import main, rundir\n'
-          'check = rundir.check_resume_config\n'
+          'from vit_jax import main, step\n'
+          'create = step.create_train_state\n'
           'class Freed:\n'
           f'  def __del__(self): {kill}\n'
-          'def preempted(*args):  # once the workdir is locked\n'
+          'def restored(*args):  # the state made, the step to compile next\n'
+          '  made = create(*args)\n'
           f'  {kill if lands_in == "set-up" else "Freed()"}\n'
-          '  return check(*args)\n'
-          'rundir.check_resume_config = preempted\n'
+          '  return made\n'
+          'step.create_train_state = restored\n'
           'main.run()\n')
   proc = subprocess.run([sys.executable, '-c', code, *ARGS, '--workdir=run'], cwd=tmp_path,
                         env=dict(_env(), VIT_JAX_HOST_ALLOCATOR='system'), capture_output=True,
                         text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert proc.stderr.strip().splitlines()[-1] == (
-      'vit_jax: preempted (SIGTERM) outside the training steps (set-up, compile or wrap-up): the '
-      'saved checkpoints are kept; run the same command to resume')
+  status, says = _OUTSIDE_THE_LOOP_SAYS[sig]
+  assert proc.returncode == status, proc.stderr[-3000:]
+  assert proc.stderr.strip().splitlines()[-1] == says
+  if sig == 'SIGHUP':  # where the user of a closed terminal looks
+    log = (tmp_path / 'run' / 'train.INFO').read_text()
+    assert log.strip().splitlines()[-1].endswith(says), log[-2000:]
   assert not (tmp_path / 'run' / 'lock').exists()
   assert ('Exception ignored' in proc.stderr) == (lands_in == 'a __del__')
   assert 'step 1/' not in proc.stderr and not (tmp_path / 'run' / 'final.npz').exists()
+
+
+def test_a_run_under_nohup_ignores_sighup_before_the_loop(tmp_path):
+  code = ('import os, signal\n'
+          'from vit_jax import main, rundir\n'
+          'check = rundir.check_resume_config\n'
+          'def hung_up(*args):\n'
+          '  os.kill(os.getpid(), signal.SIGHUP)\n'
+          '  return check(*args)\n'
+          'rundir.check_resume_config = hung_up\n'
+          'signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does\n'
+          'main.run()\n')
+  proc = subprocess.run(
+      [sys.executable, '-c', code, *ARGS, '--workdir=run', '--config.total_steps=4'], cwd=tmp_path,
+      env=dict(_env(),
+               VIT_JAX_HOST_ALLOCATOR='system'), capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert (tmp_path / 'run' / 'final.npz').exists()
 
 
 # 7. Bad values: one line at start-up.
@@ -717,14 +750,18 @@ def test_bad_values_fail_at_start_up(tmp_path, overrides, message):
   assert not (tmp_path / 'run').exists()
 
 
-def test_a_kshot_pool_smaller_than_the_shots_is_one_line(tmp_path):
-  config = _config(fewshot_every_steps=2, fewshot_shots=(1, 10),
-                   fewshot_datasets=(('fashion_mnist_local', 'train[:16]', 'test[:16]'),))
-  with pytest.raises(
-      train.ConfigError, match=r'^few-shot evaluation: Class \d+ \(.*\) has \d '
-      r'examples, fewer than 10 shots: .* \(--config.fewshot_datasets, '
-      r'--config.fewshot_shots\)$'):
-    train.train_and_evaluate(config, str(tmp_path / 'run'))
+def test_a_kshot_pool_smaller_than_the_shots_is_one_line_before_the_workdir(tmp_path):
+  """It had been found once the step had compiled (minutes on a large model), after the
+  workdir and its config.json were written."""
+  rc, err, last = _cli(
+      tmp_path, 'run', '--config.fewshot_every_steps=2', '--config.fewshot_shots=(1, 10)',
+      '--config.fewshot_datasets='
+      "(('fashion_mnist_local', 'train[:16]', 'test[:16]'),)")
+  assert rc == 1 and 'Traceback' not in err, err[-3000:]
+  assert re.fullmatch(
+      r'vit_jax: few-shot evaluation: Class \d+ \(.*\) has \d examples, fewer than 10 shots: '
+      r'.* \(--config.fewshot_datasets, --config.fewshot_shots\)', last), last
+  assert not (tmp_path / 'run').exists()
 
 
 def test_a_relative_folder_dataset_is_recorded_as_an_absolute_path(tmp_path, monkeypatch):

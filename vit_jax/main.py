@@ -216,11 +216,7 @@ def main(argv):
     # config) leaves the log of the run that owns it as train.INFO.
     train.train_and_evaluate(FLAGS.config, workdir, on_start=open_log)
   except train.ConfigError as e:
-    if log_open:  # train.INFO ends with why the run stopped (diverged, a failed save, ...)
-      FLAGS.alsologtostderr = False  # stderr gets it once, as the last line, below
-      logging.error('vit_jax: %s', e)
-      logging.flush()
-    sys.exit(f'vit_jax: {e}')
+    _exit_with(f'vit_jax: {e}', log_open)
   except Exception as e:  # pylint: disable=broad-except
     _exit_if_a_peer_failed(e)
     raise
@@ -229,10 +225,25 @@ def main(argv):
                      'compile or wrap-up): the saved checkpoints are kept; run the same command '
                      'to resume\n')
     sys.exit(0)  # as a preemption inside the loop: a TPU resume loop carries on
+  except train.TerminalClosedOutsideTheLoop:  # as SIGHUP inside the loop: status 1
+    _exit_with(
+        'vit_jax: the terminal closed (SIGHUP) outside the training steps (set-up, compile or '
+        'wrap-up): the saved checkpoints are kept; run the same command to resume (under '
+        'nohup, tmux or screen a run outlives its terminal)', log_open)
   except KeyboardInterrupt:  # before the loop's own handler (restore, compile, data set-up)
     sys.stderr.write('vit_jax: interrupted (Ctrl-C) before training started: nothing new '
                      'was saved; run the same command to start again\n')
     sys.exit(130)
+
+
+def _exit_with(message, log_open):
+  """Exit status 1 with `message` as stderr's last line, and train.INFO's once it is open
+  (where the user of a closed terminal looks)."""
+  if log_open:
+    FLAGS.alsologtostderr = False  # stderr gets it once, by sys.exit
+    logging.error('%s', message)
+    logging.flush()
+  sys.exit(message)
 
 
 def _exit_if_a_peer_failed(error):

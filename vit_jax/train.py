@@ -116,10 +116,10 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None, o
   a non-finite loss or gradient (nothing non-finite is ever saved), a failed
   checkpoint write, Ctrl-C or a closed terminal (after saving), a config that differs
   from the workdir's run, a workdir in use by another run, checkpoints of another
-  model. SIGTERM outside the training steps (set-up, restore, compile) raises
-  PreemptedOutsideTheLoop.
+  model. SIGTERM outside the training steps (set-up, restore, compile, wrap-up) raises
+  PreemptedOutsideTheLoop, SIGHUP there TerminalClosedOutsideTheLoop.
   """
-  with _sigterm_outside_the_loop():
+  with _signals_outside_the_loop():
     return _set_up_and_train(config, workdir, stop_after_steps, writer, on_start)
 
 
@@ -130,31 +130,47 @@ class PreemptedOutsideTheLoop(BaseException):
   it passes."""
 
 
-# Set by SIGTERM outside the loop. The handler's exception is lost where the signal lands in
-# a garbage-collection callback or a __del__ (Python prints "Exception ignored" and goes on):
-# the loop checks this before its first step.
-_SIGTERM_OUTSIDE_THE_LOOP = threading.Event()
+class TerminalClosedOutsideTheLoop(BaseException):
+  """SIGHUP (the terminal closed) where PreemptedOutsideTheLoop would be raised. It had
+  killed the run there (status 129, no line in train.INFO, the lock left behind); a run
+  started under nohup ignores it."""
+
+
+_OUTSIDE_THE_LOOP = {
+    signal.SIGTERM: PreemptedOutsideTheLoop,
+    signal.SIGHUP: TerminalClosedOutsideTheLoop
+}
+# The signals received outside the loop. The handler's exception is lost where the signal
+# lands in a garbage-collection callback or a __del__ (Python prints "Exception ignored"
+# and goes on): the loop checks this before its first step.
+_RECEIVED_OUTSIDE_THE_LOOP = []
 
 
 @contextlib.contextmanager
-def _sigterm_outside_the_loop():
-  """One process: SIGTERM raises PreemptedOutsideTheLoop until _Preemption takes it over
-  (and again once it gives it back). Several: JAX's preemption sync manager has it."""
+def _signals_outside_the_loop():
+  """One process: SIGTERM and SIGHUP raise their _OUTSIDE_THE_LOOP exception until
+  _Preemption takes them over (and again once it gives them back). Several: JAX's
+  preemption sync manager has SIGTERM, and SIGHUP keeps Python's default."""
   if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
     yield
     return
 
-  def raise_preempted(signum, frame):
-    del signum, frame
-    _SIGTERM_OUTSIDE_THE_LOOP.set()
-    raise PreemptedOutsideTheLoop()
+  def raise_outside_the_loop(signum, frame):
+    del frame
+    _RECEIVED_OUTSIDE_THE_LOOP.append(signum)
+    raise _OUTSIDE_THE_LOOP[signum]()
 
-  _SIGTERM_OUTSIDE_THE_LOOP.clear()
-  previous = signal.signal(signal.SIGTERM, raise_preempted)
+  _RECEIVED_OUTSIDE_THE_LOOP.clear()
+  previous = {}
+  for sig in _OUTSIDE_THE_LOOP:
+    if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+      continue  # started under nohup
+    previous[sig] = signal.signal(sig, raise_outside_the_loop)
   try:
     yield
   finally:
-    signal.signal(signal.SIGTERM, previous)
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
 
 
 def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
@@ -181,8 +197,7 @@ def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
     model = build_model(config, 0 if masked_patches.is_masked(config) else num_classes)
     # The evaluations' other data too: a dataset not prepared is refused before the workdir.
     real = _real_config(config, num_classes)
-    if config.fewshot_every_steps:
-      evaluate_lib.check_fewshot_data(config)
+    fewshot = _fewshot_evaluator(config, model)
   except (ValueError, FileNotFoundError) as e:
     raise ConfigError(str(e)) from None
   try:
@@ -198,9 +213,23 @@ def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
     if data_summary:
       logging.info('%s', data_summary)
     return _train(config, workdir, info, num_classes, total_steps, schedule, tx, model, real,
-                  stop_after_steps, writer)
+                  fewshot, stop_after_steps, writer)
   finally:
     lock.release()
+
+
+def _fewshot_evaluator(config, model):
+  """The loop's FewShotEvaluator, or None. Made before the workdir, as it reads the k-shot
+  pools: a class with fewer images than the shots is refused at start-up, not once the
+  step has compiled (minutes on a large model)."""
+  if not config.fewshot_every_steps:
+    return None
+  evaluate_lib.check_fewshot_data(config)
+  try:
+    return evaluate_lib.FewShotEvaluator(config, model)
+  except ValueError as e:
+    raise ValueError(f'few-shot evaluation: {e} (--config.fewshot_datasets, '
+                     '--config.fewshot_shots)') from None
 
 
 def _with_absolute_paths(config):
@@ -297,7 +326,7 @@ def _quiet_library_noise():
     sys.excepthook, sys.unraisablehook = _quiet_closed_loop(sys.excepthook, sys.unraisablehook)
 
 
-def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model, real,
+def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model, real, fewshot,
            stop_after_steps, writer):
   _quiet_library_noise()
   mesh = sharding.make_mesh(config)
@@ -399,11 +428,6 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                                             start_step=start)
   batches = input_pipeline.prefetch_to_mesh(
       _checked_labels(train_data, num_classes, config.train_split), batch_sharding, config.prefetch)
-  try:
-    fewshot = evaluate_lib.FewShotEvaluator(config, model) if config.fewshot_every_steps else None
-  except ValueError as e:  # e.g. a class with fewer k-shot pool images than the shots
-    raise ConfigError(f'few-shot evaluation: {e} (--config.fewshot_datasets, '
-                      '--config.fewshot_shots)') from None
   rng = jax.device_put(jax.random.PRNGKey(config.seed), replicated)
   chrono = chrono_lib.Chrono(total_steps=total_steps, global_batch=config.batch_size,
                              num_train_examples=info.num_train_examples,
@@ -457,9 +481,9 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                           'the same command to resume') from None
 
   preemption = _Preemption()
-  if _SIGTERM_OUTSIDE_THE_LOOP.is_set():  # received, but its exception was lost
+  if _RECEIVED_OUTSIDE_THE_LOOP:  # received, but its exception was lost
     preemption.close()
-    raise PreemptedOutsideTheLoop()
+    raise _OUTSIDE_THE_LOOP[_RECEIVED_OUTSIDE_THE_LOOP[0]]()
   try:
     for step in range(start + 1, last + 1):
       profile.before(step)
