@@ -328,9 +328,16 @@ def test_fine_tuning_starts_from_the_checkpoint(idx_dir, tmp_path):
 
 
 def test_fewshot_evaluation_runs_inside_training(idx_dir, tmp_path, caplog):
+  started = []  # the log lines before on_start: vit-train opens train.INFO there
   with caplog.at_level(logging.INFO):
-    out = _run(idx_dir, tmp_path, 'fewshot', total_steps=2, fewshot_every_steps=1,
-               fewshot_shots=(1, 3), fewshot_seeds=(0, 1))
+    out = train.train_and_evaluate(
+        _config(idx_dir, total_steps=2,
+                fewshot_every_steps=1, fewshot_shots=(1, 3), fewshot_seeds=(0, 1)),
+        str(tmp_path / 'fewshot'), on_start=lambda: started.append(caplog.text))
+  # The evaluator is made before the workdir, and described once the log is open.
+  described = ('few-shot: fashion_mnist_local train -> test, 10-way, shots (1, 3), '
+               'seeds (0, 1), l2_reg 1024, standardised')
+  assert described not in started[0] and caplog.text.count(described) == 1, caplog.text[-3000:]
   keys = ('fewshot/fashion_mnist_local/1shot', 'fewshot/fashion_mnist_local/3shot',
           'fewshot/mean/1shot', 'fewshot/mean/3shot')
   assert set(k for k in out if k.startswith('fewshot/')) == set(keys)

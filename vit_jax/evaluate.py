@@ -322,6 +322,10 @@ class FewShotEvaluator:
         for label, dataset, train_split, eval_split in config_checks.fewshot_tasks(config)
     }
 
+  def descriptions(self):
+    """A line per dataset: its splits, classes, shots, seeds and regulariser (for the log)."""
+    return [task.description for task in self.tasks.values()]
+
   def results(self, params):
     """{label: fewshot_accuracy(...) of that dataset}."""
     return {label: task(params) for label, task in self.tasks.items()}
@@ -384,9 +388,9 @@ class _FewShotTask:
     self._eval_batches = None
     if nbytes <= float(config.fewshot_cache_mb) * 2**20:
       self._eval_batches = list(self._read(self._eval_cfg))
-    logging.info('FewShotEvaluator: %s %s -> %s, %d-way, shots %s, seeds %s, l2_reg %g%s', dataset,
-                 train_split, eval_split, self.num_classes, self.shots, self.seeds, self.l2_reg,
-                 ', standardised' if self.standardise else '')
+    self.description = (f'few-shot: {dataset} {train_split} -> {eval_split}, '
+                        f'{self.num_classes}-way, shots {self.shots}, seeds {self.seeds}, '
+                        f'l2_reg {self.l2_reg:g}' + (', standardised' if self.standardise else ''))
 
   def _read(self, cfg):
     return input_pipeline.eval_batches(cfg, global_batch=self.batch_size)

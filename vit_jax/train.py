@@ -210,8 +210,9 @@ def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
     rundir.check_resume_config(config, workdir)
     if on_start:
       on_start()
-    if data_summary:
-      logging.info('%s', data_summary)
+    for line in [data_summary] + (fewshot.descriptions() if fewshot else []):
+      if line:
+        logging.info('%s', line)
     return _train(config, workdir, info, num_classes, total_steps, schedule, tx, model, real,
                   fewshot, stop_after_steps, writer)
   finally:
