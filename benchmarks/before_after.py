@@ -32,9 +32,10 @@ it: the evidence for that choice on this host. `--change`:
                     runs every weight-gradient dot at the end of the backward pass.
   parameter_gradients_first
                     remat.py's dependence of each encoder block's and ResNet unit's input
-                    gradient on all its parameter gradients (XLA:CPU) vs none, where the
-                    scheduler runs the bias, LayerNorm and GroupNorm gradients (sums over
-                    the batch) at the end of the backward pass.
+                    gradient on its parameter gradients (XLA:CPU; bf16: all, float32 where
+                    YNNPACK fusions run: the 1-D ones) vs none, where the scheduler runs
+                    the bias, LayerNorm and GroupNorm gradients (sums over the batch) at
+                    the end of the backward pass.
   conv_as_dot       vit_jax/models/conv_as_dot.py's convolutions as dots (the patch
                     embedding always; bf16 3x3 convolutions on CPU) vs XLA convolutions
                     (flax's nn.Conv for the embedding, lax's for the ResNets' kxk).
@@ -155,7 +156,8 @@ def _before(change, dtype):
   if change == 'prompt_weight_gradients':
     return _patched(precision, {'after_weight_gradient': lambda d_lhs, d_rhs: d_lhs})
   if change == 'parameter_gradients_first':
-    return _patched(remat, {'inputs_after': lambda inputs_t, params_t: inputs_t})
+    return _patched(remat,
+                    {'inputs_after': lambda inputs_t, params_t, vectors_only=False: inputs_t})
   if change == 'conv_as_dot':
     return _conv_before()
   if change == 'bf16_patches':

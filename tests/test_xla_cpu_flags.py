@@ -48,6 +48,21 @@ def test_flags_are_chosen_per_dtype():
   assert xla_cpu_flags.apply(env, dtype='bfloat16') == [memory] and env['XLA_FLAGS'] == memory
 
 
+def test_ynnpack_fusions_on_reads_the_last_flag():
+  # The models' float32 backward order follows it (models/remat.py).
+  off = xla_cpu_flags.YNNPACK_OFF
+  on = lambda flags: xla_cpu_flags.ynnpack_fusions_on({'XLA_FLAGS': flags})
+  assert on('') and on('--xla_force_host_platform_device_count=8')
+  assert not on(off) and not on(f'--a=1 {off}')
+  assert on(f'{off} {off}dot') and not on(f'{off}dot {off}')
+  env = {}
+  xla_cpu_flags.apply(env, dtype='float32')  # the suite pins the fixed table: off
+  assert not xla_cpu_flags.ynnpack_fusions_on(env)
+  env = {}
+  xla_cpu_flags.apply(env, dtype='bfloat16')
+  assert xla_cpu_flags.ynnpack_fusions_on(env)
+
+
 def test_installed_jaxlib_is_one_the_flags_are_known_for():
   from jaxlib import version  # pylint: disable=import-outside-toplevel
   assert '.'.join(version.__version__.split('.')[:2]) in xla_cpu_flags.KNOWN_JAXLIB

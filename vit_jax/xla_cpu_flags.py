@@ -90,6 +90,17 @@ def _known(jaxlib_version):
   return '.'.join(jaxlib_version.split('.')[:2]) in KNOWN_JAXLIB
 
 
+def ynnpack_fusions_on(environ=None):
+  """Whether XLA:CPU runs YNNPACK fusions under `environ`'s (os.environ's) XLA_FLAGS: the
+  last YNNPACK_OFF flag there decides, else the jaxlib default (on in KNOWN_JAXLIB)."""
+  environ = os.environ if environ is None else environ
+  name = YNNPACK_OFF.split('=')[0]
+  values = [
+      f.partition('=')[2] for f in environ.get('XLA_FLAGS', '').split() if f.split('=')[0] == name
+  ]
+  return bool(values[-1]) if values else _known(_jaxlib_version())
+
+
 def _mode(environ):
   mode = environ.get(OPT_OUT, 'auto') or 'auto'
   if mode not in MODES:

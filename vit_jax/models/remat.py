@@ -25,16 +25,19 @@ alive, so a remat'd step compiles with XLA's default scheduler (`step_compiler_o
 Without remat, that scheduler also runs the gradients that only the optimizer reads (the
 biases', LayerNorms' and GroupNorms' sums over the batch) at the end of the backward pass,
 each keeping its block's cotangents alive until then: at the planned peak of the bf16
-R50+ViT-B/16 b8 step, ~0.6 of its 2.28 GiB waited for them. So in a bf16 model on the CPU
-backend (`parameter_gradients_first`) each block's backward makes its input's gradient
-depend on one element of each of its parameters' gradients (`inputs_after`), which then
-run within the block's backward: planned 2.04 GiB, and the bf16 steps ran 1.01-1.09x
-faster (benchmarks/README.md). The gradients are unchanged.
+R50+ViT-B/16 b8 step, ~0.6 of its 2.28 GiB waited for them. So on the CPU backend
+(`parameter_gradients_first`: bf16 models, and float32 ones where YNNPACK fusions run)
+each block's backward makes its input's gradient depend on one element of each of its
+parameters' gradients (`inputs_after`; float32: the 1-D ones), which then run within the
+block's backward: planned 2.04 GiB, and the bf16 steps ran 1.01-1.09x faster; float32
+ViT-B/16 b8 1.65 instead of 1.75 GiB at 0.96-1.03x the speed (benchmarks/README.md). The
+gradients are unchanged.
 """
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from vit_jax import xla_cpu_flags
 from vit_jax.models import precision
 
 POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable')
@@ -90,8 +93,10 @@ def wrap(module_cls, remat, dtype, static_argnums=()):
   recompute_after_cotangent = bool(name) and compiler_drops_barriers()
   # A remat'd step compiles under XLA's default scheduler, which does not defer them: there
   # the dependence planned the same memory and cost 2-3% (benchmarks/README.md).
-  gradients_first = not name and parameter_gradients_first(dtype)
-  if not (recompute_after_cotangent or gradients_first):
+  # None, or whether only the vectors among the parameters' gradients are tied (inputs_after).
+  gradients_first = (not precision.is_mixed(dtype)
+                     if not name and parameter_gradients_first(dtype) else None)
+  if not recompute_after_cotangent and gradients_first is None:
     return module_cls
 
   def construct(*fields, **kwargs):
@@ -104,14 +109,17 @@ def wrap(module_cls, remat, dtype, static_argnums=()):
 
 def parameter_gradients_first(dtype):
   """Whether a block of a model computing in `dtype` computes its parameters' gradients
-  before its input's (module doc): bfloat16 on the CPU backend, where it was measured
-  faster and smaller; float32 ran 0.90-0.97x with XLA:CPU's YNNPACK fusions off."""
-  return jax.default_backend() == 'cpu' and precision.is_mixed(dtype)
+  before its input's (module doc), on the CPU backend: bfloat16, and float32 where XLA:CPU
+  runs YNNPACK fusions. float32 with the fusions off (xla_cpu_flags.py's choice on some
+  hosts) ran 0.90-0.97x."""
+  return jax.default_backend() == 'cpu' and (precision.is_mixed(dtype)
+                                             or xla_cpu_flags.ynnpack_fusions_on())
 
 
 def _call_ordered(module, static_argnums, args, recompute_after_cotangent, gradients_first):
   """`module(*args)`, whose backward recomputes only once the output's cotangent exists,
-  and/or computes the parameters' gradients before the inputs'."""
+  and/or computes the parameters' gradients before the inputs' (`gradients_first` not None:
+  inputs_after's `vectors_only`)."""
   is_static = [i + 1 in static_argnums for i in range(len(args))]
   arrays = [a for a, static in zip(args, is_static) if not static]
 
@@ -130,17 +138,25 @@ def _call_ordered(module, static_argnums, args, recompute_after_cotangent, gradi
           lambda v: precision.depending_on(v, first)
           if jnp.issubdtype(v.dtype, jnp.inexact) else v, vjp_fn)
     params_t, *inputs_t = vjp_fn(cotangent)
-    if gradients_first:
-      inputs_t = inputs_after(inputs_t, params_t)
+    if gradients_first is not None:
+      inputs_t = inputs_after(inputs_t, params_t, vectors_only=gradients_first)
     return (params_t, *inputs_t)
 
   return nn.custom_vjp(call, forward, backward)(module, *arrays)
 
 
-def inputs_after(inputs_t, params_t):
-  """The input cotangents `inputs_t`, as values that XLA computes after every leaf of the
-  parameter gradients `params_t` (one element of each ties it)."""
-  firsts = [leaf.ravel()[:1].astype(jnp.float32) for leaf in jax.tree.leaves(params_t)]
+def inputs_after(inputs_t, params_t, vectors_only=False):
+  """The input cotangents `inputs_t`, as values that XLA computes after the leaves of the
+  parameter gradients `params_t` (one element of each ties it); `vectors_only`: after its
+  1-D leaves (the biases', LayerNorms' and GroupNorms' sums over the batch). A float32 model
+  ties only those: tying its kernels' and the attention's 2-D q, k, v biases' too planned
+  more (ViT-Ti/16 b32 1.07 instead of 1.05 GiB, ViT-B/16 b8 1.67 instead of 1.65); a bf16
+  model ties all, which planned the same as the vectors alone and ran 1.00-1.02x faster
+  (ViT-Ti/16 b32; benchmarks/README.md, fifty-sixth session)."""
+  firsts = [
+      leaf.ravel()[:1].astype(jnp.float32) for leaf in jax.tree.leaves(params_t)
+      if leaf.ndim == 1 or not vectors_only
+  ]
   if not firsts:
     return inputs_t
   return [precision.depending_on(t, jnp.concatenate(firsts)) for t in inputs_t]
