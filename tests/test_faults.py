@@ -292,6 +292,21 @@ def test_damaged_checkpoints_fall_back_to_an_intact_one(good, tmp_path):
       np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+def test_a_save_cut_short_is_removed_at_the_next_start(good, tmp_path):
+  """kill -9 during a save leaves its temporary directory (orbax's name for it); the next
+  start removes it and resumes from the last finished step."""
+  run = _copy(good, tmp_path)
+  cut_short = run / 'checkpoints' / '40.orbax-checkpoint-tmp'
+  shutil.copytree(run / 'checkpoints' / '30', cut_short)
+  shutil.rmtree(cut_short / 'default')  # the arrays were still being written
+  rc, err, last = _cli(tmp_path, 'run', '--config.total_steps=50',
+                       '--config.resume_changes=total_steps')
+  assert rc == 0, err[-3000:]
+  assert 'Resuming from the checkpoint of step 30' in err
+  assert f'Removing {cut_short}: a save that did not finish' in err
+  assert _steps(run)[-2:] == ['40', '50'] and not any('tmp' in d for d in _steps(run))
+
+
 def _orbax_arrays(step_dir):
   """Checkpoint `step_dir`'s arrays as orbax alone restores them (numpy, no checksums);
   None when orbax cannot read them."""
@@ -515,6 +530,30 @@ def test_a_signal_before_the_loop_releases_the_lock_and_says_so(tmp_path, lands_
   assert not (tmp_path / 'run' / 'lock').exists()
   assert ('Exception ignored' in proc.stderr) == (lands_in == 'a __del__')
   assert 'step 1/' not in proc.stderr and not (tmp_path / 'run' / 'final.npz').exists()
+
+
+def test_a_signal_as_the_checkpoints_open_is_the_last_line(tmp_path):
+  """SIGTERM just after the checkpoint manager was made (a save cut short by kill -9 left a
+  temporary directory to remove): orbax removed it in a thread of its own, which the exit
+  cut short; its error came after the run's last line."""
+  cut_short = tmp_path / 'run' / 'checkpoints' / '10.orbax-checkpoint-tmp'
+  os.makedirs(cut_short)
+  code = ('import os, signal\n'
+          'from vit_jax import checkpoint, main\n'
+          'make = checkpoint.train_state_manager\n'
+          'def made(*args):\n'
+          '  manager = make(*args)\n'
+          '  os.kill(os.getpid(), signal.SIGTERM)\n'
+          '  return manager\n'
+          'checkpoint.train_state_manager = made\n'
+          'main.run()\n')
+  proc = subprocess.run([sys.executable, '-c', code, *ARGS, '--workdir=run'], cwd=tmp_path,
+                        env=dict(_env(), VIT_JAX_HOST_ALLOCATOR='system'), capture_output=True,
+                        text=True, timeout=300)
+  status, says = _OUTSIDE_THE_LOOP_SAYS['SIGTERM']
+  assert proc.returncode == status, proc.stderr[-3000:]
+  assert proc.stderr.strip().splitlines()[-1] == says, proc.stderr[-3000:]
+  assert not cut_short.exists() and not (tmp_path / 'run' / 'lock').exists()
 
 
 def test_a_run_under_nohup_ignores_sighup_before_the_loop(tmp_path):

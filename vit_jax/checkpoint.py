@@ -365,6 +365,22 @@ def _save_each_replicated_array_from_one_replica():
   ocp.type_handlers.get_type_handler(jax.Array)._use_replica_parallel = False  # pylint: disable=protected-access
 
 
+def _remove_unfinished_saves(directory):
+  """Removes the temporary directories of saves cut short (kill -9, a lost host) from the
+  checkpoints folder `directory`; they are never taken for a checkpoint.
+
+  Here, before the manager is made, not by orbax's cleanup_tmp_directories: that runs in a
+  background thread, and a run stopped just after the manager was made (SIGTERM during
+  set-up) exited while the thread went on, whose error then came after the run's last
+  line. Process 0 removes them, as orbax does.
+  """
+  if jax.process_index() != 0:
+    return
+  for unfinished in ocp.path.step.all_temporary_paths(directory):
+    logging.info('Removing %s: a save that did not finish', unfinished.get())
+    unfinished.get().rmtree()
+
+
 def train_state_manager(directory, keep):
   """An orbax manager for `directory` that keeps the last `keep` steps (-1: all).
 
@@ -372,10 +388,8 @@ def train_state_manager(directory, keep):
   step directory appears under its final name only once complete, so a run killed
   mid-save resumes from the previous complete step.
   """
-  # cleanup_tmp_directories: a save cut short by kill -9 leaves a temporary directory,
-  # removed at the next start (it is never taken for a checkpoint).
-  options = ocp.CheckpointManagerOptions(max_to_keep=None if keep == -1 else keep, create=True,
-                                         cleanup_tmp_directories=True)
+  _remove_unfinished_saves(directory)
+  options = ocp.CheckpointManagerOptions(max_to_keep=None if keep == -1 else keep, create=True)
   if jax.devices()[0].platform == 'cpu':
     _save_each_replicated_array_from_one_replica()
   return ocp.CheckpointManager(directory, options=options,
