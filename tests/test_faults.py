@@ -532,6 +532,53 @@ def test_a_signal_before_the_loop_releases_the_lock_and_says_so(tmp_path, lands_
   assert 'step 1/' not in proc.stderr and not (tmp_path / 'run' / 'final.npz').exists()
 
 
+_INTERRUPTED_BEFORE_TRAINING = ('vit_jax: interrupted (Ctrl-C) before training started: '
+                                'nothing new was saved; run the same command to start again')
+
+
+@pytest.mark.parametrize('sig', ['SIGTERM', 'SIGHUP', 'SIGINT'])
+@pytest.mark.parametrize('lands_in', ['start-up', 'a __del__'])
+def test_a_signal_during_start_up_is_its_one_line(tmp_path, sig, lands_in):
+  """While vit-train imports TensorFlow and checks the config (~2 s before its workdir),
+  SIGTERM and SIGHUP had killed it silently (status 143, 129) and Ctrl-C printed a
+  traceback. A signal landing in a __del__ or a garbage-collection callback (JAX has one,
+  run as TensorFlow imports), where Python drops the handler's exception, had been ignored."""
+  kill = f'os.kill(os.getpid(), signal.{sig})'
+  code = ('import os, signal\n'
+          'from vit_jax import tensorflow_quietly, main, rundir  # as main imports them\n'
+          'recorded = rundir.recorded_cpu_flags\n'
+          'class Freed:\n'
+          f'  def __del__(self): {kill}\n'
+          'def read(*args):  # TensorFlow imported, the backend not started\n'
+          f'  {kill if lands_in == "start-up" else "Freed()"}\n'
+          '  return recorded(*args)\n'
+          'rundir.recorded_cpu_flags = read\n'
+          'main.run()\n')
+  proc = subprocess.run([sys.executable, '-c', code, *ARGS, '--workdir=run'], cwd=tmp_path,
+                        env=_env(), capture_output=True, text=True, timeout=300)
+  status, says = dict(_OUTSIDE_THE_LOOP_SAYS, SIGINT=(130, _INTERRUPTED_BEFORE_TRAINING))[sig]
+  assert proc.returncode == status, proc.stderr[-3000:]
+  assert proc.stderr.strip().splitlines() == [says]
+  assert not (tmp_path / 'run').exists()
+
+
+def test_a_signal_pending_across_the_allocator_re_exec_lands_after_it(tmp_path):
+  """vit-train re-executes itself to preload jemalloc; a signal Python took during the
+  execve was lost (the run went on). It is blocked there and lands in the new process."""
+
+  def blocked():
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+    os.kill(os.getpid(), signal.SIGTERM)  # pending, as across the exec
+
+  proc = subprocess.run([sys.executable, '-m', 'vit_jax.main', *ARGS, '--workdir=run'],
+                        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300,
+                        preexec_fn=blocked)
+  status, says = _OUTSIDE_THE_LOOP_SAYS['SIGTERM']
+  assert proc.returncode == status, proc.stderr[-3000:]
+  assert proc.stderr.strip().splitlines() == [says]
+  assert not (tmp_path / 'run').exists()
+
+
 def test_a_signal_as_the_checkpoints_open_is_the_last_line(tmp_path):
   """SIGTERM just after the checkpoint manager was made (a save cut short by kill -9 left a
   temporary directory to remove): orbax removed it in a thread of its own, which the exit

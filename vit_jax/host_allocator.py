@@ -26,6 +26,7 @@ kept. Debian/Ubuntu: apt-get install libjemalloc2. The run's log names the alloc
 """
 import glob
 import os
+import signal
 import sys
 
 from vit_jax import xla_cpu_flags
@@ -105,9 +106,14 @@ def reexec_with_jemalloc():
     return
   sys.stdout.flush()
   sys.stderr.flush()
+  # A signal Python takes while execve runs is lost (its handler never runs): blocked, one
+  # stays pending across the exec, for the new process to unblock (vit_jax.main.run).
+  stopping = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+  blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stopping)
   try:
     os.execve(sys.executable, sys.orig_argv, env)
   except OSError as e:
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     print(
         f'vit_jax: cannot re-execute with {env[PRELOADED]} preloaded ({e.strerror}); '
         "going on with the C library's malloc", file=sys.stderr)

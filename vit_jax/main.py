@@ -13,6 +13,7 @@ gs://...; the readable log then stays on the local disk (--local_log_dir).
 import glob
 import os
 import re
+import signal
 import sys
 
 from absl import app
@@ -72,10 +73,12 @@ def initialize_distributed():
   if FLAGS.coordinator_address:
     if not FLAGS.num_processes or FLAGS.process_id < 0:
       raise app.UsageError('--coordinator_address needs --num_processes and --process_id')
+    _started()
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                                heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_seconds)
   elif FLAGS.distributed == 'on' or _on_cloud_tpu_vm():
     # Addresses and ids come from the TPU metadata (or the cluster's environment).
+    _started()
     jax.distributed.initialize(heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_seconds)
 
 
@@ -205,6 +208,7 @@ def main(argv):
     sys.exit(f'vit_jax: {e}')
   initialize_distributed()
   from vit_jax import train  # pylint: disable=g-import-not-at-top  (after distributed init)
+  _started()
   log_open = []
 
   def open_log():
@@ -221,19 +225,85 @@ def main(argv):
     _exit_if_a_peer_failed(e)
     raise
   except train.PreemptedOutsideTheLoop:
-    sys.stderr.write('vit_jax: preempted (SIGTERM) outside the training steps (set-up, '
-                     'compile or wrap-up): the saved checkpoints are kept; run the same command '
-                     'to resume\n')
-    sys.exit(0)  # as a preemption inside the loop: a TPU resume loop carries on
-  except train.TerminalClosedOutsideTheLoop:  # as SIGHUP inside the loop: status 1
-    _exit_with(
-        'vit_jax: the terminal closed (SIGHUP) outside the training steps (set-up, compile or '
-        'wrap-up): the saved checkpoints are kept; run the same command to resume (under '
-        'nohup, tmux or screen a run outlives its terminal)', log_open)
+    _exit_outside_the_loop(signal.SIGTERM, log_open)
+  except train.TerminalClosedOutsideTheLoop:
+    _exit_outside_the_loop(signal.SIGHUP, log_open)
   except KeyboardInterrupt:  # before the loop's own handler (restore, compile, data set-up)
-    sys.stderr.write('vit_jax: interrupted (Ctrl-C) before training started: nothing new '
-                     'was saved; run the same command to start again\n')
-    sys.exit(130)
+    _exit_outside_the_loop(signal.SIGINT, log_open)
+
+
+# A signal outside the training steps (start-up, set-up, restore, compile, wrap-up): the
+# exit status, and the one line. SIGTERM exits 0 as a preemption inside the loop does (a TPU
+# resume loop carries on), SIGHUP 1 as inside the loop; Ctrl-C 130, as the shell's own.
+_EXIT_ON_SIGNAL = {
+    signal.SIGTERM: (0, 'vit_jax: preempted (SIGTERM) outside the training steps (set-up, '
+                     'compile or wrap-up): the saved checkpoints are kept; run the same command '
+                     'to resume'),
+    signal.SIGHUP: (1, 'vit_jax: the terminal closed (SIGHUP) outside the training steps '
+                    '(set-up, compile or wrap-up): the saved checkpoints are kept; run the same '
+                    'command to resume (under nohup, tmux or screen a run outlives its terminal)'),
+    signal.SIGINT: (130, 'vit_jax: interrupted (Ctrl-C) before training started: nothing new was '
+                    'saved; run the same command to start again'),
+}
+
+
+def _exit_outside_the_loop(signum, log_open):
+  """Ends the run with the line and status _EXIT_ON_SIGNAL gives `signum`."""
+  status, says = _EXIT_ON_SIGNAL[signum]
+  if status == 1:  # SIGHUP: in train.INFO too, where the user of a closed terminal looks
+    _exit_with(says, log_open)
+  sys.stderr.write(says + '\n')
+  sys.exit(status)
+
+
+class _StoppedWhileStarting(BaseException):
+  """A signal before train_and_evaluate took the signals over (nothing written yet)."""
+
+  def __init__(self, signum):
+    super().__init__(signum)
+    self.signum = signum
+
+
+# The signals received while starting. The handler's exception is lost where one lands in a
+# garbage-collection callback (JAX's, as TensorFlow imports) or a __del__: _started raises
+# it again.
+_RECEIVED_WHILE_STARTING = []
+
+
+def _stopped_while_starting(signum, frame):
+  del frame
+  _RECEIVED_WHILE_STARTING.append(signum)
+  raise _StoppedWhileStarting(signum)
+
+
+def _stop_while_starting():
+  """SIGTERM, SIGHUP and Ctrl-C end the start-up (imports, TensorFlow's ~2 s, the config
+  checks) with their one line: SIGTERM and SIGHUP had killed it silently (status 143, 129)
+  and Ctrl-C printed a traceback. A signal ignored from the start (nohup's SIGHUP, a
+  background job's Ctrl-C) stays ignored."""
+  for sig in _EXIT_ON_SIGNAL:
+    if signal.getsignal(sig) != signal.SIG_IGN:
+      signal.signal(sig, _stopped_while_starting)
+  shown = sys.unraisablehook
+
+  def lost_ones_unshown(unraisable):  # "Exception ignored in: <gc callback>": _started has it
+    if not isinstance(unraisable.exc_value, _StoppedWhileStarting):
+      shown(unraisable)
+
+  sys.unraisablehook = lost_ones_unshown
+  # One that came while host_allocator re-executed the process waited, blocked: now it lands.
+  signal.pthread_sigmask(signal.SIG_UNBLOCK, list(_EXIT_ON_SIGNAL))
+
+
+def _started():
+  """Python's own handlers back, for train_and_evaluate's; also before a multi-host
+  start-up's jax.distributed.initialize, which a Python handler could not interrupt."""
+  defaults = {signal.SIGINT: signal.default_int_handler}
+  for sig in _EXIT_ON_SIGNAL:
+    if signal.getsignal(sig) is _stopped_while_starting:
+      signal.signal(sig, defaults.get(sig, signal.SIG_DFL))
+  if _RECEIVED_WHILE_STARTING:  # received, but its exception was lost
+    raise _StoppedWhileStarting(_RECEIVED_WHILE_STARTING[0])
 
 
 def _exit_with(message, log_open):
@@ -268,10 +338,14 @@ def _exit_if_a_peer_failed(error):
 def run():
   """The `vit-train` console script."""
   try:
-    host_allocator.reexec_with_jemalloc()  # before JAX starts: see host_allocator.py
-  except ValueError as e:  # a bad VIT_JAX_HOST_ALLOCATOR value
-    sys.exit(f'vit_jax: {e}')
-  cli_help.run(main, __name__, flags_parser=parse_flags)
+    _stop_while_starting()
+    try:
+      host_allocator.reexec_with_jemalloc()  # before JAX starts: see host_allocator.py
+    except ValueError as e:  # a bad VIT_JAX_HOST_ALLOCATOR value
+      sys.exit(f'vit_jax: {e}')
+    cli_help.run(main, __name__, flags_parser=parse_flags)
+  except _StoppedWhileStarting as stopped:
+    _exit_outside_the_loop(stopped.signum, log_open=[])
 
 
 if __name__ == '__main__':
