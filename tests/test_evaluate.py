@@ -277,6 +277,35 @@ def test_cli_end_to_end(tiny):
     evaluate_cli.run(types.SimpleNamespace(**{**args, 'checkpoint': head_free, 'batch_size': 8}))
 
 
+@pytest.mark.parametrize('lands_in', ['the evaluation', 'a __del__'])
+def test_ctrl_c_is_one_line(tiny, lands_in):
+  """Ctrl-C printed a page of traceback; landing in a garbage-collection callback (JAX has
+  one) or a __del__, it was printed as "Exception ignored" and the evaluation went on."""
+  interrupt = 'os.kill(os.getpid(), signal.SIGINT)'
+  child = ('import os, signal, sys\n'
+           'from vit_jax import tensorflow_quietly, evaluate, evaluate_cli  # as run does\n'
+           'top1 = evaluate.top1_accuracy\n'
+           'class Freed:\n'
+           f'  def __del__(self): {interrupt}\n'
+           'def interrupted(*args):\n'
+           f'  {interrupt if lands_in == "the evaluation" else "Freed()"}\n'
+           '  return top1(*args)\n'
+           'evaluate.top1_accuracy = interrupted\n'
+           'sys.argv[0] = "vit-evaluate"\n'
+           'evaluate_cli.run_cli()\n')
+  cmd = [
+      sys.executable, '-c', child, '--checkpoint', tiny['path'], '--model', 'ViT-Ti_16',
+      '--model_overrides', ','.join(f'{k}={v}' for k, v in TINY.items()), '--dataset',
+      'fashion_mnist_local', '--data_dir', tiny['idx_dir'], '--image_size', '28', '--mode', 'top1'
+  ]
+  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
+  assert (out.returncode,
+          out.stderr.strip().splitlines()) == (130, ['vit-evaluate: interrupted (Ctrl-C)'
+                                                    ]), out.stderr[-2000:]
+  assert not out.stdout
+
+
 def test_cli_default_shots_skip_what_a_small_pool_cannot_draw(tiny):
   """6 train images a class: the default shots 10 and 25 get a row saying why, the rest
   are evaluated; shots typed on the command line that do not fit, or bad values, stop with

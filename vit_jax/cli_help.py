@@ -1,5 +1,6 @@
 """How the absl programs run as console scripts (vit-train, vit-evaluate, ...) start:
-`--help`, one-line flag errors, and JAX's start-up notice that a TPU runtime is missing.
+`--help`, one-line flag errors, JAX's start-up notice that a TPU runtime is missing, and
+Ctrl-C as one line (status 130), not a traceback.
 
 absl's `--help` prints `__main__`'s docstring and the flags its module declared. Run as a
 console script, `__main__` is pip's wrapper, with no docstring and no flags, so
@@ -17,7 +18,9 @@ tf.data.Dataset ..." lines stood above the one line that refuses a dataset not p
 import importlib.util
 import logging
 import os
+import signal
 import sys
+import threading
 
 from absl import app
 from absl import flags
@@ -93,6 +96,7 @@ def run(main, module_name, *flag_modules, program=None, flags_parser=None):
   as_the_program(module_name, *flag_modules)
   quiet_the_libraries()
   program = program or os.path.basename(sys.argv[0])
+  sys.unraisablehook = _ctrl_c_delivered_again(sys.unraisablehook)
   try:
     app.run(main, flags_parser=flags_parser or one_line_flag_errors(program))
   except SystemExit as e:
@@ -100,3 +104,24 @@ def run(main, module_name, *flag_modules, program=None, flags_parser=None):
     if e.code == 1 and HELP_FLAGS & set(sys.argv[1:]):
       sys.exit(0)
     raise
+  except KeyboardInterrupt:
+    sys.stderr.write(f'{program}: interrupted (Ctrl-C)\n')
+    sys.exit(130)  # the shell's status for it
+
+
+def _ctrl_c_delivered_again(shown):
+  """An unraisable-exception hook that, for a KeyboardInterrupt, sends SIGINT again instead
+  of printing it. Ctrl-C landing in a garbage-collection callback (JAX has one) or a
+  __del__ raised it there, where Python prints "Exception ignored" and goes on: the
+  command ran to its end."""
+
+  def hook(unraisable):
+    if (isinstance(unraisable.exc_value, KeyboardInterrupt)
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+      # From another thread, a moment later: sent from here, the handler would raise it
+      # inside this hook again.
+      threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT)).start()
+    else:
+      shown(unraisable)
+
+  return hook
