@@ -41,6 +41,10 @@ class SweepError(Exception):
   """A bad argument; main prints it as one line."""
 
 
+class SweepInterrupted(Exception):
+  """Ctrl-C during a point's run; main prints it as one line."""
+
+
 def _key(text, flag):
   """'config.model.dropout_rate' -> 'model.dropout_rate' (the prefix is optional)."""
   key = text.strip()
@@ -153,7 +157,10 @@ def check_data(configs_of_points):
   """The datasets of points that run here, as vit-train checks them at its start (prepared,
   splits that exist and hold examples), once per dataset and splits: a dataset not built
   stops the sweep before its first point, not every point in turn."""
-  from vit_jax import input_pipeline  # pylint: disable=g-import-not-at-top  (loads TF)
+  # pylint: disable=g-import-not-at-top,unused-import
+  from vit_jax import tensorflow_quietly  # noqa: F401  (TF without its start-up notices)
+  from vit_jax import input_pipeline  # (loads TF)
+  # pylint: enable=g-import-not-at-top,unused-import
   checked = set()
   for name, c in configs_of_points:
     key = (c.dataset, c.data_dir, c.train_split, c.eval_split, c.num_train_examples)
@@ -251,13 +258,25 @@ def check_workdir(workdir, create):
 
 
 def run_local(argv, log_path, env=None):
-  """Runs one point, streaming its output to stdout and to log_path; returns the exit code."""
+  """Runs one point, streaming its output to stdout and to log_path; returns the exit code.
+  On Ctrl-C, which the terminal sends the point's vit-train too (one process group), the
+  point saves a checkpoint and exits: its last lines are streamed before the
+  KeyboardInterrupt goes on (a second Ctrl-C stops both at once)."""
   with paths.open_file(log_path, 'w') as log:
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
-    for line in proc.stdout:
-      sys.stdout.write(line)
-      log.write(line)
+
+    def stream():
+      for line in proc.stdout:
+        sys.stdout.write(line)
+        log.write(line)
+
+    try:
+      stream()
+    except KeyboardInterrupt:
+      stream()
+      proc.wait()
+      raise
     return proc.wait()
 
 
@@ -273,6 +292,10 @@ def run_sweep(config, workdir, sets, points, runner=run_local, out=None):
       rc = runner(argv, join(join(workdir, name), 'sweep.log'))
     except OSError as e:
       rc = f'{type(e).__name__}: {e}'
+    except KeyboardInterrupt:
+      raise SweepInterrupted(f'interrupted (Ctrl-C) at point {i + 1}/{len(points)}, {name} (its '
+                             "run's last line above says what it saved): run the same command to "
+                             'resume the sweep, each point from its last checkpoint') from None
     statuses[name] = 'ok' if rc == 0 else f'failed (exit {rc})'
     with paths.open_file(join(join(workdir, name), 'sweep_status'), 'w') as f:
       f.write(statuses[name] + '\n')
@@ -289,7 +312,10 @@ def _written_order(path):
 
 def read_accuracy(directory, tag='accuracy'):
   """[(step, value)] of a scalar in the TensorBoard event files of a directory."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (slow; only for the summary)
+  # pylint: disable=g-import-not-at-top,unused-import  (slow; only for the summary)
+  from vit_jax import tensorflow_quietly  # noqa: F401  (TF without its start-up notices)
+  import tensorflow as tf
+  # pylint: enable=g-import-not-at-top,unused-import
   values = {}
   for path in sorted(tf.io.gfile.glob(join(directory, 'events.out.tfevents.*')),
                      key=_written_order):
@@ -480,6 +506,12 @@ def main(argv=None, runner=run_local, out=None):
                f'see {join(join(args.workdir, failed[0]), "sweep.log")}')
   except (SweepError, tpu_vm.LaunchError) as e:
     sys.exit(f'vit-sweep: error: {e}')
+  except SweepInterrupted as e:
+    sys.stderr.write(f'vit-sweep: {e}\n')
+    sys.exit(130)  # the shell's status for Ctrl-C
+  except KeyboardInterrupt:  # between points, or while checking or summarizing
+    sys.stderr.write('vit-sweep: interrupted (Ctrl-C)\n')
+    sys.exit(130)
 
 
 if __name__ == '__main__':

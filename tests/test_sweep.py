@@ -2,8 +2,10 @@
 import csv
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -321,6 +323,49 @@ def test_a_later_event_file_wins_whatever_its_counter(tmp_path):
     (written,) = (tmp_path / 'tmp').iterdir()
     written.rename(tmp_path / f'events.out.tfevents.1795747739.vm.internal.6870.{n}.v2')
   assert sweep.read_accuracy(str(tmp_path)) == [(200, pytest.approx(0.5))]
+
+
+# A point's vit-train as far as Ctrl-C goes: it saves, says so, exits 1.
+_POINT_THAT_SAVES_ON_CTRL_C = '\n'.join([
+    'import signal, sys, time',
+    'def saved(*_):',
+    '  print("vit_jax: interrupted (Ctrl-C) at step 7: checkpoint saved", flush=True)',
+    '  sys.exit(1)',
+    'signal.signal(signal.SIGINT, saved)',
+    'print("step 1", flush=True)',
+    'open("point_started", "w").close()',
+    'time.sleep(120)',
+])
+
+
+def test_ctrl_c_lets_the_point_save_then_stops_the_sweep_with_one_line(tmp_path):
+  """Ctrl-C (sent by the terminal to the sweep and its point) printed the sweep's
+  traceback while the point's run was still saving; its last lines were not shown."""
+  data = data_fixtures.write_idx(str(tmp_path / 'data'), num_train=64, num_test=32)
+  code = ('import sys\n'
+          'from vit_jax.launch import sweep\n'
+          f'point = [sys.executable, "-c", {_POINT_THAT_SAVES_ON_CTRL_C!r}]\n'
+          'sweep.main(sys.argv[1:], runner=lambda argv, log: sweep.run_local(point, log))\n')
+  proc = subprocess.Popen([
+      sys.executable, '-c', code, '--config=quickstart', '--workdir=sw', '--sweep',
+      'config.base_lr=[0.1,0.2]', '--set', f'config.data_dir={data}'
+  ], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=REPO), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+  deadline = time.time() + 120
+  while not (tmp_path / 'point_started').exists():
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
+    time.sleep(0.1)
+  os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C in the terminal: the sweep and its point
+  out, err = proc.communicate(timeout=60)
+  assert proc.returncode == 130, err[-2000:]
+  assert err.strip().splitlines() == [
+      "vit-sweep: interrupted (Ctrl-C) at point 1/2, base_lr=0.1 (its run's last line above "
+      'says what it saved): run the same command to resume the sweep, each point from its '
+      'last checkpoint'
+  ]
+  assert out.strip().splitlines()[-1] == 'vit_jax: interrupted (Ctrl-C) at step 7: checkpoint saved'
+  assert 'checkpoint saved' in (tmp_path / 'sw' / 'base_lr=0.1' / 'sweep.log').read_text()
+  assert not (tmp_path / 'sw' / 'base_lr=0.2').exists()
 
 
 def test_real_local_sweep(tmp_path, monkeypatch, capsys):
