@@ -488,6 +488,13 @@ def test_ctrl_c_or_a_closed_terminal_saves_then_exits_non_zero(tmp_path, sig, sa
   assert 'run the same command to resume' in last
 
 
+def _patched_cli(tmp_path, code, *extra, **env):
+  """The CLI run by `code` (a script that patches vit_jax, then calls main.run()) with the
+  suite's flags, --workdir=run and `extra`, in `tmp_path`."""
+  return subprocess.run([sys.executable, '-c', code, *ARGS, '--workdir=run', *extra], cwd=tmp_path,
+                        env=dict(_env(), **env), capture_output=True, text=True, timeout=300)
+
+
 _OUTSIDE_THE_LOOP_SAYS = {
     'SIGTERM': (0, 'vit_jax: preempted (SIGTERM) outside the training steps (set-up, compile or '
                 'wrap-up): the saved checkpoints are kept; run the same command to resume'),
@@ -518,9 +525,7 @@ def test_a_signal_before_the_loop_releases_the_lock_and_says_so(tmp_path, lands_
           '  return made\n'
           'step.create_train_state = restored\n'
           'main.run()\n')
-  proc = subprocess.run([sys.executable, '-c', code, *ARGS, '--workdir=run'], cwd=tmp_path,
-                        env=dict(_env(), VIT_JAX_HOST_ALLOCATOR='system'), capture_output=True,
-                        text=True, timeout=300)
+  proc = _patched_cli(tmp_path, code, VIT_JAX_HOST_ALLOCATOR='system')
   status, says = _OUTSIDE_THE_LOOP_SAYS[sig]
   assert proc.returncode == status, proc.stderr[-3000:]
   assert proc.stderr.strip().splitlines()[-1] == says
@@ -554,8 +559,7 @@ def test_a_signal_during_start_up_is_its_one_line(tmp_path, sig, lands_in):
           '  return recorded(*args)\n'
           'rundir.recorded_cpu_flags = read\n'
           'main.run()\n')
-  proc = subprocess.run([sys.executable, '-c', code, *ARGS, '--workdir=run'], cwd=tmp_path,
-                        env=_env(), capture_output=True, text=True, timeout=300)
+  proc = _patched_cli(tmp_path, code)  # jemalloc where installed: the re-exec's signal mask
   status, says = dict(_OUTSIDE_THE_LOOP_SAYS, SIGINT=(130, _INTERRUPTED_BEFORE_TRAINING))[sig]
   assert proc.returncode == status, proc.stderr[-3000:]
   assert proc.stderr.strip().splitlines() == [says]
@@ -594,9 +598,7 @@ def test_a_signal_as_the_checkpoints_open_is_the_last_line(tmp_path):
           '  return manager\n'
           'checkpoint.train_state_manager = made\n'
           'main.run()\n')
-  proc = subprocess.run([sys.executable, '-c', code, *ARGS, '--workdir=run'], cwd=tmp_path,
-                        env=dict(_env(), VIT_JAX_HOST_ALLOCATOR='system'), capture_output=True,
-                        text=True, timeout=300)
+  proc = _patched_cli(tmp_path, code, VIT_JAX_HOST_ALLOCATOR='system')
   status, says = _OUTSIDE_THE_LOOP_SAYS['SIGTERM']
   assert proc.returncode == status, proc.stderr[-3000:]
   assert proc.stderr.strip().splitlines()[-1] == says, proc.stderr[-3000:]
@@ -613,10 +615,7 @@ def test_a_run_under_nohup_ignores_sighup_before_the_loop(tmp_path):
           'rundir.check_resume_config = hung_up\n'
           'signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does\n'
           'main.run()\n')
-  proc = subprocess.run(
-      [sys.executable, '-c', code, *ARGS, '--workdir=run', '--config.total_steps=4'], cwd=tmp_path,
-      env=dict(_env(),
-               VIT_JAX_HOST_ALLOCATOR='system'), capture_output=True, text=True, timeout=300)
+  proc = _patched_cli(tmp_path, code, '--config.total_steps=4', VIT_JAX_HOST_ALLOCATOR='system')
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert (tmp_path / 'run' / 'final.npz').exists()
 
