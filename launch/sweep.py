@@ -42,7 +42,15 @@ class SweepError(Exception):
 
 
 class SweepInterrupted(Exception):
-  """Ctrl-C during a point's run; main prints it as one line."""
+  """Ctrl-C during a point's (or a VTAB task's) run; main prints it as one line."""
+
+
+def interrupted(kind, index, count, name, resumes):
+  """The SweepInterrupted of Ctrl-C during run `index` (from 0) of `count`, `name`; the same
+  command `resumes` (what)."""
+  return SweepInterrupted(f"interrupted (Ctrl-C) at {kind} {index + 1}/{count}, {name} (its run's "
+                          'last line above says what it saved): run the same command to resume '
+                          f'{resumes}')
 
 
 def _key(text, flag):
@@ -293,9 +301,8 @@ def run_sweep(config, workdir, sets, points, runner=run_local, out=None):
     except OSError as e:
       rc = f'{type(e).__name__}: {e}'
     except KeyboardInterrupt:
-      raise SweepInterrupted(f'interrupted (Ctrl-C) at point {i + 1}/{len(points)}, {name} (its '
-                             "run's last line above says what it saved): run the same command to "
-                             'resume the sweep, each point from its last checkpoint') from None
+      raise interrupted('point', i, len(points), name,
+                        'the sweep, each point from its last checkpoint') from None
     statuses[name] = 'ok' if rc == 0 else f'failed (exit {rc})'
     with paths.open_file(join(join(workdir, name), 'sweep_status'), 'w') as f:
       f.write(statuses[name] + '\n')

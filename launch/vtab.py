@@ -96,6 +96,11 @@ def run_tasks(args, tasks, overrides, runner=sweep.run_local, out=None):
       rc = runner(argv, sweep.join(task_dir, 'vtab.log'))
     except OSError as e:
       rc = f'{type(e).__name__}: {e}'
+    except KeyboardInterrupt:
+      raise sweep.interrupted(
+          'task', i, len(tasks), task,
+          'the tasks: finished ones are skipped, this one resumes from its '
+          'last checkpoint') from None
     statuses[task] = 'ok' if rc == 0 else f'failed (exit {rc})'
     print(f'== {task}: {statuses[task]}', file=out, flush=True)
   return statuses
@@ -246,6 +251,12 @@ def main(argv=None, runner=sweep.run_local, out=None):
                f'{sweep.join(sweep.join(args.workdir, failed[0]), "vtab.log")}')
   except VtabError as e:
     sys.exit(f'vit-vtab: error: {e}')
+  except sweep.SweepInterrupted as e:
+    sys.stderr.write(f'vit-vtab: {e}\n')
+    sys.exit(130)  # the shell's status for Ctrl-C
+  except KeyboardInterrupt:  # between tasks, or while checking or summarizing
+    sys.stderr.write('vit-vtab: interrupted (Ctrl-C)\n')
+    sys.exit(130)
 
 
 if __name__ == '__main__':

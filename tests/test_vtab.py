@@ -330,6 +330,29 @@ def test_vtab_runner_dry_run_and_bad_arguments(capsys):
     assert message in str(e.value) and '\n' not in str(e.value)
 
 
+def test_ctrl_c_stops_the_tasks_with_one_line(tmp_path, capsys):
+  """It printed a traceback. (sweep.run_local, which runs a task, lets the task's run save
+  and exit first: tests/test_sweep.py.)"""
+  ran = []
+
+  def runner(argv, log_path):
+    del log_path
+    ran.append(argv)
+    if len(ran) == 2:
+      raise KeyboardInterrupt  # as run_local raises it once the task's run has exited
+    return 0
+
+  with pytest.raises(SystemExit) as e:
+    vtab_launch.main(['--model=ViT-B_16', f'--workdir={tmp_path}/v', '--tasks=dtd,svhn,eurosat'],
+                     runner=runner)
+  assert e.value.code == 130 and len(ran) == 2
+  assert capsys.readouterr().err.strip().splitlines() == [
+      "vit-vtab: interrupted (Ctrl-C) at task 2/3, svhn (its run's last line above says what it "
+      'saved): run the same command to resume the tasks: finished ones are skipped, this one '
+      'resumes from its last checkpoint'
+  ]
+
+
 @pytest.mark.parametrize('dry_run', [True, False])
 def test_a_workdir_that_is_a_file_stops_before_the_first_task(tmp_path, dry_run):
   (tmp_path / 'afile').write_text('')
