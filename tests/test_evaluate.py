@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests import data_fixtures
+from tests.conftest import CTRL_C_AS_IN_A_TERMINAL
 from vit_jax import checkpoint
 from vit_jax import config_checks
 from vit_jax import evaluate
@@ -282,7 +283,7 @@ def test_ctrl_c_is_one_line(tiny, lands_in):
   """Ctrl-C printed a page of traceback; landing in a garbage-collection callback (JAX has
   one) or a __del__, it was printed as "Exception ignored" and the evaluation went on."""
   interrupt = 'os.kill(os.getpid(), signal.SIGINT)'
-  child = ('import os, signal, sys\n'
+  child = (CTRL_C_AS_IN_A_TERMINAL + 'import os, signal, sys\n'
            'from vit_jax import tensorflow_quietly, evaluate, evaluate_cli  # as run does\n'
            'top1 = evaluate.top1_accuracy\n'
            'class Freed:\n'

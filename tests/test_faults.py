@@ -28,6 +28,7 @@ from vit_jax import rundir
 from vit_jax import train
 from vit_jax.configs import quickstart
 from tests.conftest import built_once
+from tests.conftest import CTRL_C_AS_IN_A_TERMINAL
 from tests.conftest import own_compilation_cache
 
 ARGS = [
@@ -549,7 +550,7 @@ def test_a_signal_during_start_up_is_its_one_line(tmp_path, sig, lands_in):
   traceback. A signal landing in a __del__ or a garbage-collection callback (JAX has one,
   run as TensorFlow imports), where Python drops the handler's exception, had been ignored."""
   kill = f'os.kill(os.getpid(), signal.{sig})'
-  code = ('import os, signal\n'
+  code = (CTRL_C_AS_IN_A_TERMINAL + 'import os, signal\n'
           'from vit_jax import tensorflow_quietly, main, rundir  # as main imports them\n'
           'recorded = rundir.recorded_cpu_flags\n'
           'class Freed:\n'

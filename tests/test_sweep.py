@@ -13,6 +13,7 @@ from vit_jax import tensorboard_events
 from vit_jax.launch import sweep
 from tests import data_fixtures
 from tests.conftest import console_script
+from tests.conftest import CTRL_C_AS_IN_A_TERMINAL
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FINETUNE = 'configs/finetune.py:ViT-B_16,cifar10,dev'
@@ -342,7 +343,7 @@ def test_ctrl_c_lets_the_point_save_then_stops_the_sweep_with_one_line(tmp_path)
   """Ctrl-C (sent by the terminal to the sweep and its point) printed the sweep's
   traceback while the point's run was still saving; its last lines were not shown."""
   data = data_fixtures.write_idx(str(tmp_path / 'data'), num_train=64, num_test=32)
-  code = ('import sys\n'
+  code = (CTRL_C_AS_IN_A_TERMINAL + 'import sys\n'
           'from vit_jax.launch import sweep\n'
           f'point = [sys.executable, "-c", {_POINT_THAT_SAVES_ON_CTRL_C!r}]\n'
           'sweep.main(sys.argv[1:], runner=lambda argv, log: sweep.run_local(point, log))\n')
