@@ -571,13 +571,12 @@ def test_a_signal_pending_across_the_allocator_re_exec_lands_after_it(tmp_path):
   """vit-train re-executes itself to preload jemalloc; a signal Python took during the
   execve was lost (the run went on). It is blocked there and lands in the new process."""
 
-  def blocked():
-    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
-    os.kill(os.getpid(), signal.SIGTERM)  # pending, as across the exec
-
-  proc = subprocess.run([sys.executable, '-m', 'vit_jax.main', *ARGS, '--workdir=run'],
-                        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300,
-                        preexec_fn=blocked)
+  code = ('import os, signal\n'
+          'signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])\n'
+          'os.kill(os.getpid(), signal.SIGTERM)  # pending, as across the exec\n'
+          'from vit_jax import main\n'
+          'main.run()\n')
+  proc = _patched_cli(tmp_path, code)
   status, says = _OUTSIDE_THE_LOOP_SAYS['SIGTERM']
   assert proc.returncode == status, proc.stderr[-3000:]
   assert proc.stderr.strip().splitlines() == [says]
