@@ -39,14 +39,15 @@ EXTRAS_REQUIRE = {
     "bench": ["torch>=2.13,<2.14"],
 }
 
+# Each imports its command's module with Ctrl-C already one line (vit_jax/console_scripts.py).
 CONSOLE_SCRIPTS = [
-    "vit-train = vit_jax.main:run",
-    "vit-evaluate = vit_jax.evaluate_cli:run_cli",
-    "vit-inspect = vit_jax.inspection:run_cli",
-    "vit-predict = vit_jax.predict:run_cli",
-    "vit-sweep = vit_jax.launch.sweep:main",
-    "vit-vtab = vit_jax.launch.vtab:main",
-    "vit-tpu = vit_jax.launch.tpu_vm:main",
+    "vit-train = vit_jax.console_scripts:train",
+    "vit-evaluate = vit_jax.console_scripts:evaluate",
+    "vit-inspect = vit_jax.console_scripts:inspect",
+    "vit-predict = vit_jax.console_scripts:predict",
+    "vit-sweep = vit_jax.console_scripts:sweep",
+    "vit-vtab = vit_jax.console_scripts:vtab",
+    "vit-tpu = vit_jax.console_scripts:tpu",
 ]
 
 setuptools.setup(

@@ -9,9 +9,9 @@ r"""Hyper-parameter sweeps: one vit_jax.main run per grid point, then a summary 
 
 Without --sweep the grid is the config's lr_grid over base_lr (Table 4). Several --sweep
 flags form the cartesian product. Point p runs in DIR/<p> (p like 'base_lr=0.003'),
-locally one after another (output also in DIR/<p>/sweep.log; a failed point is recorded
-and the sweep goes on), or with --tpu one after another in the background on every worker
-of a TPU VM (see launch/tpu_vm.py; DIR must then be gs://). Before any point runs, each
+locally one after another (output also in DIR/<p>/sweep.log, line by line; a failed point
+is recorded and the sweep goes on), or with --tpu one after another in the background on
+every worker of a TPU VM (see launch/tpu_vm.py; DIR must then be gs://). Before any point runs, each
 point's config goes through vit-train's start-up checks (preflight), and for a local sweep
 its data is checked as vit-train checks it (check_data). The summary reads the
 'accuracy' scalars of each point's TensorBoard events and writes DIR/summary.md and
@@ -30,6 +30,7 @@ import subprocess
 import sys
 
 from vit_jax import configs
+from vit_jax import ctrl_c
 from vit_jax import errors
 from vit_jax import paths
 from vit_jax.launch import tpu_vm
@@ -270,6 +271,9 @@ def run_local(argv, log_path, env=None):
   On Ctrl-C, which the terminal sends the point's vit-train too (one process group), the
   point saves a checkpoint and exits: its last lines are streamed before the
   KeyboardInterrupt goes on (a second Ctrl-C stops both at once)."""
+  # Each line is on the console and in a local log as it comes (`tail -f` follows it); a
+  # remote log is written whole as it closes.
+  live = not paths.is_remote(log_path)
   with paths.open_file(log_path, 'w') as log:
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
@@ -277,7 +281,10 @@ def run_local(argv, log_path, env=None):
     def stream():
       for line in proc.stdout:
         sys.stdout.write(line)
+        sys.stdout.flush()
         log.write(line)
+        if live:
+          log.flush()
 
     try:
       stream()
@@ -514,11 +521,9 @@ def main(argv=None, runner=run_local, out=None):
   except (SweepError, tpu_vm.LaunchError) as e:
     sys.exit(f'vit-sweep: error: {e}')
   except SweepInterrupted as e:
-    sys.stderr.write(f'vit-sweep: {e}\n')
-    sys.exit(130)  # the shell's status for Ctrl-C
+    ctrl_c.stop_with(f'vit-sweep: {e}')
   except KeyboardInterrupt:  # between points, or while checking or summarizing
-    sys.stderr.write('vit-sweep: interrupted (Ctrl-C)\n')
-    sys.exit(130)
+    ctrl_c.interrupted('vit-sweep')
 
 
 if __name__ == '__main__':

@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 
+from vit_jax import ctrl_c
 from vit_jax import paths
 
 ACTIONS = ('preflight', 'create', 'setup', 'run', 'logs', 'stop', 'delete', 'all', 'resume',
@@ -989,7 +990,8 @@ def main(argv=None):
   except LaunchError as e:
     sys.exit(f'vit-tpu: error: {e}')
   except KeyboardInterrupt:
-    sys.exit('vit-tpu: interrupted (what was created stays: vit-tpu delete ... removes it)')
+    ctrl_c.stop_with('vit-tpu: interrupted (Ctrl-C): what was created stays (vit-tpu delete ... '
+                     'removes it)')
   return 0
 
 

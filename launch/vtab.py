@@ -22,6 +22,7 @@ import shlex
 import sys
 
 from vit_jax import configs
+from vit_jax import ctrl_c
 from vit_jax import models
 from vit_jax import paths
 from vit_jax import vtab
@@ -252,11 +253,9 @@ def main(argv=None, runner=sweep.run_local, out=None):
   except VtabError as e:
     sys.exit(f'vit-vtab: error: {e}')
   except sweep.SweepInterrupted as e:
-    sys.stderr.write(f'vit-vtab: {e}\n')
-    sys.exit(130)  # the shell's status for Ctrl-C
+    ctrl_c.stop_with(f'vit-vtab: {e}')
   except KeyboardInterrupt:  # between tasks, or while checking or summarizing
-    sys.stderr.write('vit-vtab: interrupted (Ctrl-C)\n')
-    sys.exit(130)
+    ctrl_c.interrupted('vit-vtab')
 
 
 if __name__ == '__main__':

@@ -5,6 +5,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -431,3 +432,29 @@ def test_tpu_sweep_names_a_config_file_as_the_workers_see_it(tmp_path, capsys, m
   ])
   out = capsys.readouterr().out
   assert f'--config={FINETUNE}' in out and REPO not in out
+
+
+def test_a_points_lines_are_in_its_log_and_on_the_console_as_they_come(tmp_path):
+  """sweep.log was written through a buffer: `tail -f` on it showed nothing of a running
+  point until its end or a buffer's worth; so was vit-sweep's own output into a pipe."""
+  go = tmp_path / 'go'
+  point = ('import os, sys, time\n'
+           'from vit_jax.launch import sweep\n'
+           'point = [sys.executable, "-c", "import os, time\\n'
+           'print(\\"step 1\\", flush=True)\\n'
+           f'while not os.path.exists({str(go)!r}): time.sleep(0.05)"]\n'
+           'sys.exit(sweep.run_local(point, "sweep.log"))\n')
+  env = {k: v for k, v in os.environ.items() if k != 'PYTHONUNBUFFERED'}  # as a user's shell
+  proc = subprocess.Popen([sys.executable, '-c', point], cwd=tmp_path,
+                          env=dict(env, PYTHONPATH=REPO), stdout=subprocess.PIPE, text=True)
+  first = []
+  reader = threading.Thread(target=lambda: first.append(proc.stdout.readline()), daemon=True)
+  reader.start()
+  reader.join(60)  # a buffered line would come only at the end, which waits for `go`
+  try:
+    assert first == ['step 1\n']
+    assert (tmp_path / 'sweep.log').read_text() == 'step 1\n'
+  finally:
+    go.touch()
+    proc.communicate(timeout=60)
+  assert proc.returncode == 0

@@ -18,14 +18,13 @@ tf.data.Dataset ..." lines stood above the one line that refuses a dataset not p
 import importlib.util
 import logging
 import os
-import signal
 import sys
-import threading
 
 from absl import app
 from absl import flags
 from absl import logging as absl_logging
 
+from vit_jax import ctrl_c
 from vit_jax import errors
 
 HELP_FLAGS = frozenset({
@@ -96,7 +95,7 @@ def run(main, module_name, *flag_modules, program=None, flags_parser=None):
   as_the_program(module_name, *flag_modules)
   quiet_the_libraries()
   program = program or os.path.basename(sys.argv[0])
-  sys.unraisablehook = _ctrl_c_delivered_again(sys.unraisablehook)
+  ctrl_c.deliver_lost_ones()
   try:
     app.run(main, flags_parser=flags_parser or one_line_flag_errors(program))
   except SystemExit as e:
@@ -105,23 +104,4 @@ def run(main, module_name, *flag_modules, program=None, flags_parser=None):
       sys.exit(0)
     raise
   except KeyboardInterrupt:
-    sys.stderr.write(f'{program}: interrupted (Ctrl-C)\n')
-    sys.exit(130)  # the shell's status for it
-
-
-def _ctrl_c_delivered_again(shown):
-  """An unraisable-exception hook that, for a KeyboardInterrupt, sends SIGINT again instead
-  of printing it. Ctrl-C landing in a garbage-collection callback (JAX has one) or a
-  __del__ raised it there, where Python prints "Exception ignored" and goes on: the
-  command ran to its end."""
-
-  def hook(unraisable):
-    if (isinstance(unraisable.exc_value, KeyboardInterrupt)
-        and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
-      # From another thread, a moment later: sent from here, the handler would raise it
-      # inside this hook again.
-      threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT)).start()
-    else:
-      shown(unraisable)
-
-  return hook
+    ctrl_c.interrupted(program)

@@ -25,6 +25,7 @@ from ml_collections import config_flags
 from vit_jax import cli_help
 from vit_jax import configs
 from vit_jax import cpu_features
+from vit_jax import ctrl_c
 from vit_jax import errors
 from vit_jax import host_allocator
 from vit_jax import paths
@@ -242,8 +243,9 @@ _EXIT_ON_SIGNAL = {
     signal.SIGHUP: (1, 'vit_jax: the terminal closed (SIGHUP) outside the training steps '
                     '(set-up, compile or wrap-up): the saved checkpoints are kept; run the same '
                     'command to resume (under nohup, tmux or screen a run outlives its terminal)'),
-    signal.SIGINT: (130, 'vit_jax: interrupted (Ctrl-C) before training started: nothing new was '
-                    'saved; run the same command to start again'),
+    signal.SIGINT:
+        (ctrl_c.STATUS, 'vit_jax: interrupted (Ctrl-C) before training started: nothing new was '
+         'saved; run the same command to start again'),
 }
 
 

@@ -1,0 +1,56 @@
+"""The console scripts as setup.py installs them: Ctrl-C while they import their command's
+module (up to a second: TensorFlow, JAX) is one line and status 130."""
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import CTRL_C_AS_IN_A_TERMINAL
+from tests.conftest import ROOT
+
+COMMAND_MODULES = {
+    'vit-train': 'vit_jax.main',
+    'vit-evaluate': 'vit_jax.evaluate_cli',
+    'vit-inspect': 'vit_jax.inspection',
+    'vit-predict': 'vit_jax.predict',
+    'vit-sweep': 'vit_jax.launch.sweep',
+    'vit-vtab': 'vit_jax.launch.vtab',
+    'vit-tpu': 'vit_jax.launch.tpu_vm',
+}
+
+
+def _run_with_ctrl_c_in_import(program, module, press):
+  """`program --help` through its installed entry point, Ctrl-C pressed (`press`, a line of
+  code) as `module` is first looked up."""
+  child = (CTRL_C_AS_IN_A_TERMINAL + 'import importlib.metadata, os, signal, sys, threading\n'
+           'class CtrlC:\n'
+           '  def find_spec(self, name, path=None, target=None):\n'
+           f'    if name == {module!r}:\n'
+           '      sys.meta_path.remove(self)\n'
+           f'      {press}\n'
+           'sys.meta_path.insert(0, CtrlC())\n'
+           f'sys.argv = [{program!r}, "--help"]\n'
+           f'[entry] = importlib.metadata.entry_points(group="console_scripts", name={program!r})\n'
+           'sys.exit(entry.load()())\n')
+  return subprocess.run([sys.executable, '-c', child], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
+
+
+@pytest.mark.parametrize('program', sorted(COMMAND_MODULES))
+def test_ctrl_c_while_the_command_imports_is_one_line(program):
+  """It printed a KeyboardInterrupt traceback of ~40 lines."""
+  out = _run_with_ctrl_c_in_import(program, COMMAND_MODULES[program],
+                                   'os.kill(os.getpid(), signal.SIGINT)')
+  assert (out.returncode, out.stderr.splitlines(),
+          out.stdout) == (130, [f'{program}: interrupted (Ctrl-C)'], ''), out.stderr[-3000:]
+
+
+@pytest.mark.parametrize('after_s', [0.01, 0.03])
+def test_ctrl_c_inside_jaxlibs_initialisation_waits_for_it(after_s):
+  """Ctrl-C inside jaxlib's extension initialisation (~0.1 s of `import jax`) was dropped
+  (the command ran on), became an ImportError traceback, or crashed the process."""
+  out = _run_with_ctrl_c_in_import(
+      'vit-predict', 'jaxlib._jax',
+      f'threading.Timer({after_s}, os.kill, (os.getpid(), signal.SIGINT)).start()')
+  assert (out.returncode, out.stderr.splitlines(),
+          out.stdout) == (130, ['vit-predict: interrupted (Ctrl-C)'], ''), out.stderr[-3000:]

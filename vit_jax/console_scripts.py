@@ -1,0 +1,36 @@
+"""The console scripts' entry points (setup.py's CONSOLE_SCRIPTS): each imports its
+command's module with Ctrl-C held until the import is done, then one line. Those imports
+take up to a second (TensorFlow, JAX); Ctrl-C there printed a KeyboardInterrupt traceback
+of ~40 lines, crashed jaxlib's initialisation (SIGSEGV, or an ImportError), or was dropped
+and the command ran on. This module imports nothing heavy itself.
+"""
+import importlib
+import os
+import sys
+
+from vit_jax import ctrl_c
+
+
+def _command(module, function):
+  """The entry point that runs `module`.`function`() once `module` is imported."""
+
+  def start():
+    ctrl_c.deliver_lost_ones()
+    try:
+      with ctrl_c.held():
+        entry = getattr(importlib.import_module(module), function)
+      return entry()
+    except KeyboardInterrupt:  # importing, or before the command's own handling
+      ctrl_c.interrupted(os.path.basename(sys.argv[0]))
+
+  start.__doc__ = f'{module}.{function}(), imported with Ctrl-C as one line.'
+  return start
+
+
+train = _command('vit_jax.main', 'run')
+evaluate = _command('vit_jax.evaluate_cli', 'run_cli')
+inspect = _command('vit_jax.inspection', 'run_cli')
+predict = _command('vit_jax.predict', 'run_cli')
+sweep = _command('vit_jax.launch.sweep', 'main')
+vtab = _command('vit_jax.launch.vtab', 'main')
+tpu = _command('vit_jax.launch.tpu_vm', 'main')

@@ -1,0 +1,62 @@
+"""Ctrl-C ends a command with one line and status 130, never a KeyboardInterrupt traceback.
+
+`interrupted` is the line each command prints (`stop_with` where it says more: a sweep's
+point, vit-train's step); `held` keeps Ctrl-C out of imports; `deliver_lost_ones` sends
+again a Ctrl-C that Python dropped.
+"""
+import contextlib
+import os
+import signal
+import sys
+import threading
+
+STATUS = 130  # the shell's status for a command stopped by Ctrl-C
+
+
+def stop_with(line):
+  """Exits with status 130 and `line` as stderr's last line."""
+  sys.stderr.write(line + '\n')
+  sys.exit(STATUS)
+
+
+def interrupted(program):
+  stop_with(f'{program}: interrupted (Ctrl-C)')
+
+
+@contextlib.contextmanager
+def held():
+  """Ctrl-C waits until the block ends, then lands there. For imports: a KeyboardInterrupt
+  raised inside a C extension's initialisation (jaxlib's, ~0.1 s of `import jax`) crashed
+  the process (SIGSEGV), became an ImportError traceback, or was dropped. Threads started
+  inside the block keep SIGINT blocked, which leaves it to the main thread, whose handler
+  runs it anyway."""
+  previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+  try:
+    yield
+  finally:
+    signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+_delivering = []
+
+
+def deliver_lost_ones():
+  """A KeyboardInterrupt raised in a garbage-collection callback (JAX has one, which runs
+  as TensorFlow imports) or in a __del__ is printed by Python as "Exception ignored", and
+  the command ran on to its end. From now on such a one sends SIGINT again instead, where
+  Python's default handler is in place. Once per process."""
+  if _delivering:
+    return
+  _delivering.append(True)
+  shown = sys.unraisablehook
+
+  def hook(unraisable):
+    if (isinstance(unraisable.exc_value, KeyboardInterrupt)
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+      # From another thread, a moment later: sent from here, the handler would raise it
+      # inside this hook again.
+      threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT)).start()
+    else:
+      shown(unraisable)
+
+  sys.unraisablehook = hook
