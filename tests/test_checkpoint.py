@@ -178,6 +178,7 @@ def test_a_damaged_npz_is_one_line_and_a_workdir_is_told_to_rerun(tmp_path):
   c = common.get_config()
   c.model_name = 'ViT-Ti_16'
   c.model.update(TINY)
+  c.image_size = 32  # as the parameters were made
   config = c.to_json_best_effort()
   (run / 'config.json').write_text(config)
   checkpoint.load_run(str(run))  # intact

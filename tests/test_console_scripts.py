@@ -1,5 +1,7 @@
 """The console scripts as setup.py installs them: Ctrl-C while they import their command's
-module (up to a second: TensorFlow, JAX) is one line and status 130."""
+module (up to a second: TensorFlow, JAX) is one line and status 130; for vit-train SIGTERM
+and SIGHUP too, with its start-up's lines."""
+import signal
 import subprocess
 import sys
 
@@ -7,6 +9,7 @@ import pytest
 
 from tests.conftest import CTRL_C_AS_IN_A_TERMINAL
 from tests.conftest import ROOT
+from vit_jax import main
 
 COMMAND_MODULES = {
     'vit-train': 'vit_jax.main',
@@ -20,8 +23,8 @@ COMMAND_MODULES = {
 
 
 def _run_with_ctrl_c_in_import(program, module, press):
-  """`program --help` through its installed entry point, Ctrl-C pressed (`press`, a line of
-  code) as `module` is first looked up."""
+  """`program --help` through its installed entry point, Ctrl-C (or another signal) sent by
+  `press`, a line of code, as `module` is first looked up."""
   child = (CTRL_C_AS_IN_A_TERMINAL + 'import importlib.metadata, os, signal, sys, threading\n'
            'class CtrlC:\n'
            '  def find_spec(self, name, path=None, target=None):\n'
@@ -41,8 +44,21 @@ def test_ctrl_c_while_the_command_imports_is_one_line(program):
   """It printed a KeyboardInterrupt traceback of ~40 lines."""
   out = _run_with_ctrl_c_in_import(program, COMMAND_MODULES[program],
                                    'os.kill(os.getpid(), signal.SIGINT)')
-  assert (out.returncode, out.stderr.splitlines(),
-          out.stdout) == (130, [f'{program}: interrupted (Ctrl-C)'], ''), out.stderr[-3000:]
+  says = (main._EXIT_ON_SIGNAL[signal.SIGINT][1]
+          if program == 'vit-train' else f'{program}: interrupted (Ctrl-C)')
+  assert (out.returncode, out.stderr.splitlines(), out.stdout) == (130, [says],
+                                                                   ''), out.stderr[-3000:]
+
+
+@pytest.mark.parametrize('sig', ['SIGTERM', 'SIGHUP'])
+def test_vit_train_takes_a_signal_while_it_imports_as_in_its_start_up(sig):
+  """SIGTERM and SIGHUP in vit-train's first ~0.1 s killed it silently (status 143, 129):
+  a TPU resume loop read a preemption as a failure."""
+  out = _run_with_ctrl_c_in_import('vit-train', 'vit_jax.main',
+                                   f'os.kill(os.getpid(), signal.{sig})')
+  status, says = main._EXIT_ON_SIGNAL[getattr(signal, sig)]
+  assert (out.returncode, out.stderr.splitlines()[-1:], out.stdout) == (status, [says],
+                                                                        ''), out.stderr[-3000:]
 
 
 @pytest.mark.parametrize('after_s', [0.01, 0.03])

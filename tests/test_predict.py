@@ -185,6 +185,32 @@ def test_a_published_file_needs_its_model_named(home):
   ]
 
 
+@pytest.mark.parametrize('program', ['vit-predict', 'vit-evaluate', 'vit-inspect'])
+def test_another_runs_final_npz_in_the_workdir_is_one_line(program, tmp_path):
+  """A final.npz copied in from a run of another model size: flax's ScopeParamShapeError
+  traceback (58 lines) at the first forward pass; vit-inspect without --images exited 0."""
+  write_run(str(tmp_path / 'small'))
+  config = quickstart.get_config()
+  config.model.update(TINY, hidden_size=48)
+  model = models.from_config(config, 10)
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 3)), train=False)['params']
+  checkpoint.save_npz(str(tmp_path / 'small' / 'final.npz'), params)
+  save_random(str(tmp_path / 'cat.png'))
+  argv = {
+      'vit-predict': ['cat.png'],
+      'vit-evaluate': ['--shots', '1', '--seeds', '0'],
+      'vit-inspect': ['--outdir', 'figures']
+  }[program]
+  out = shell([program, '--workdir', 'small', *argv], tmp_path)
+  assert (out.returncode, out.stderr.strip().splitlines()[-1:]) == (1, [
+      f'{program}: {tmp_path}/small/final.npz does not fit the model of its run\'s config.json '
+      '(Transformer/encoder_norm/bias: file (48,) vs model (32,)): run vit-train again with the '
+      'same --workdir to write it again from the last checkpoint, or pass the file as '
+      '--checkpoint with its --model'
+  ]), out.stderr[-3000:]
+  assert 'Traceback' not in out.stderr and not (tmp_path / 'figures').exists()
+
+
 def test_model_flags_beside_a_workdir_are_refused_not_ignored(home):
   # The run's config.json names its model and resolution: these flags had been dropped silently.
   out = shell([

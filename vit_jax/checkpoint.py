@@ -343,6 +343,14 @@ def load_run(workdir):
   flat = flax.traverse_util.flatten_dict(params, sep='/')
   num_classes = flat['head/kernel'].shape[-1] if 'head/kernel' in flat else 0
   model = models.from_config(config, num_classes)
+  # A final.npz of another run or model copied in, or one edited: one line, not flax's
+  # ScopeParamShapeError traceback at the first forward pass.
+  for key, spec in _target_shapes(model, config.image_size).items():
+    shape = flat[key].shape if key in flat else 'missing'
+    if shape != spec.shape:
+      raise ValueError(f'{final_path} does not fit the model of its run\'s config.json ({key}: '
+                       f'file {shape} vs model {spec.shape}): {rerun} to write it again from '
+                       'the last checkpoint, or pass the file as --checkpoint with its --model')
   return config, model, jax.tree.map(jnp.asarray, params)
 
 

@@ -6,19 +6,26 @@ and the command ran on. This module imports nothing heavy itself.
 """
 import importlib
 import os
+import signal
 import sys
 
 from vit_jax import ctrl_c
 
 
-def _command(module, function):
-  """The entry point that runs `module`.`function`() once `module` is imported."""
+def _command(module, function, takes_signals_over=False):
+  """The entry point that runs `module`.`function`() once `module` is imported. Where
+  `takes_signals_over` (vit-train), SIGTERM and SIGHUP are held too, and through the call:
+  it unblocks them once its own start-up handlers are in place (vit_jax/main.py), so that
+  each is its one line there too, not a silent death (status 143, 129)."""
+  also = (signal.SIGTERM, signal.SIGHUP) if takes_signals_over else ()
 
   def start():
     ctrl_c.deliver_lost_ones()
     try:
-      with ctrl_c.held():
+      with ctrl_c.held(*also):
         entry = getattr(importlib.import_module(module), function)
+        if takes_signals_over:
+          return entry()
       return entry()
     except KeyboardInterrupt:  # importing, or before the command's own handling
       ctrl_c.interrupted(os.path.basename(sys.argv[0]))
@@ -27,7 +34,7 @@ def _command(module, function):
   return start
 
 
-train = _command('vit_jax.main', 'run')
+train = _command('vit_jax.main', 'run', takes_signals_over=True)
 evaluate = _command('vit_jax.evaluate_cli', 'run_cli')
 inspect = _command('vit_jax.inspection', 'run_cli')
 predict = _command('vit_jax.predict', 'run_cli')

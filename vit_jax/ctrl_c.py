@@ -24,13 +24,13 @@ def interrupted(program):
 
 
 @contextlib.contextmanager
-def held():
-  """Ctrl-C waits until the block ends, then lands there. For imports: a KeyboardInterrupt
-  raised inside a C extension's initialisation (jaxlib's, ~0.1 s of `import jax`) crashed
-  the process (SIGSEGV), became an ImportError traceback, or was dropped. Threads started
-  inside the block keep SIGINT blocked, which leaves it to the main thread, whose handler
-  runs it anyway."""
-  previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+def held(*also):
+  """Ctrl-C (and the signals `also`) waits until the block ends, then lands there. For
+  imports: a KeyboardInterrupt raised inside a C extension's initialisation (jaxlib's,
+  ~0.1 s of `import jax`) crashed the process (SIGSEGV), became an ImportError traceback,
+  or was dropped. Threads started inside the block keep the signals blocked, which leaves
+  them to the main thread, whose handlers run them anyway."""
+  previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *also})
   try:
     yield
   finally:

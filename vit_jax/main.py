@@ -293,7 +293,8 @@ def _stop_while_starting():
       shown(unraisable)
 
   sys.unraisablehook = lost_ones_unshown
-  # One that came while host_allocator re-executed the process waited, blocked: now it lands.
+  # One that came while the console script imported this module (vit_jax/console_scripts.py)
+  # or host_allocator re-executed the process waited, blocked: now it lands.
   signal.pthread_sigmask(signal.SIG_UNBLOCK, list(_EXIT_ON_SIGNAL))
 
 
