@@ -160,17 +160,32 @@ def test_a_damaged_config_json_stops_a_resume_with_another_config(good, tmp_path
   assert _read(run / 'final.npz') == final
 
 
-def test_resume_changes_star_writes_a_damaged_config_json_again(good, tmp_path):
+@pytest.mark.parametrize('damage', ['cut short', 'without the model field'])
+def test_resume_changes_star_writes_a_damaged_config_json_again(good, tmp_path, damage):
   """vit-evaluate's advice for a damaged config.json (checkpoint.load_run) works: the run's
-  command with --config.resume_changes='*' writes it again, even on a finished run."""
+  command with --config.resume_changes='*' writes it again, even on a finished run. One
+  that lacks a field of the model's (edited, or of another version) had been a traceback in
+  vit-evaluate and was kept as it was by that command."""
   run = _copy(good, tmp_path)
   config, final = _read(run / 'config.json'), _read(run / 'final.npz')
-  (run / 'config.json').write_text('{"broken')
-  with pytest.raises(ValueError, match=r"config.json is damaged .*resume_changes='\*'"):
+  if damage == 'cut short':
+    (run / 'config.json').write_text('{"broken')
+    says = r"config.json is damaged .*resume_changes='\*'"
+    warned = 'config.json cannot be read'
+  else:
+    (run / 'config.json').write_text(
+        json.dumps({
+            k: v for k, v in json.loads(config).items() if k != 'model'
+        }))
+    says = (r"config.json has no field 'model' \(edited, or written by another version\): "
+            r"restore it, or run the run's vit-train command again with "
+            r"--config.resume_changes='\*' to write it again$")
+    warned = "config.json has no field 'model."
+  with pytest.raises(ValueError, match=says):
     checkpoint.load_run(str(run))
   rc, err, _ = _cli(tmp_path, 'run', "--config.resume_changes=*")
   assert rc == 0, err[-3000:]
-  assert 'config.json cannot be read' in err and _read(run / 'final.npz') == final
+  assert warned in err and _read(run / 'final.npz') == final
   assert json.loads(_read(run / 'config.json'))['resume_changes'] == '*'
   assert {
       k: v for k, v in json.loads(_read(run / 'config.json')).items() if k != 'resume_changes'

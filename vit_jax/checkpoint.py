@@ -342,10 +342,16 @@ def load_run(workdir):
                      'checkpoint') from None
   flat = flax.traverse_util.flatten_dict(params, sep='/')
   num_classes = flat['head/kernel'].shape[-1] if 'head/kernel' in flat else 0
-  model = models.from_config(config, num_classes)
+  try:
+    model = models.from_config(config, num_classes)
+    image_size = config.image_size
+  except AttributeError as e:  # edited, or written by a version without the field
+    raise ValueError(f'{config_path} has no field {e.name!r} (edited, or written by another '
+                     'version): restore it, or run the run\'s vit-train command again with '
+                     '--config.resume_changes=\'*\' to write it again') from None
   # A final.npz of another run or model copied in, or one edited: one line, not flax's
   # ScopeParamShapeError traceback at the first forward pass.
-  for key, spec in _target_shapes(model, config.image_size).items():
+  for key, spec in _target_shapes(model, image_size).items():
     shape = flat[key].shape if key in flat else 'missing'
     if shape != spec.shape:
       raise ValueError(f'{final_path} does not fit the model of its run\'s config.json ({key}: '

@@ -131,21 +131,24 @@ def check_resume_config(config, workdir):
   except (ValueError, OSError, tf.errors.OpError) as e:
     old = e
   allowed = [x.strip() for x in str(config.get('resume_changes', '')).split(',') if x.strip()]
-  if isinstance(old, Exception) and '*' in allowed:
-    # A finished run started again writes nothing: without this the file stays damaged.
-    logging.warning(
-        '%s cannot be read (%s): written again from this config, which '
-        'resume_changes=\'*\' accepts as the run\'s', path, errors.one_line(old))
-    write_config(config, workdir)
-    return
+  new = _flatten(json.loads(config.to_json_best_effort()))
   if '*' in allowed:
+    # A finished run started again writes nothing: without this a damaged file, or one that
+    # lacks fields (edited, or written by another version), stays so.
+    lacking = [] if isinstance(old, Exception) else sorted(set(new) - set(old))
+    if isinstance(old, Exception) or lacking:
+      why = (f'cannot be read ({errors.one_line(old)})' if isinstance(old, Exception) else
+             f'has no field {lacking[0]!r} (and {len(lacking) - 1} more)')
+      logging.warning(
+          '%s %s: written again from this config, which resume_changes=\'*\' '
+          'accepts as the run\'s', path, why)
+      write_config(config, workdir)
     return
   if isinstance(old, Exception):
     raise errors.ConfigError(
         f'{path} cannot be read ({errors.one_line(old)}), so this config cannot be checked '
         'against the run\'s: restore the file, or pass --config.resume_changes=\'*\' to resume '
         'with this config') from None
-  new = _flatten(json.loads(config.to_json_best_effort()))
   # A mistyped name would let nothing through and then be named in the refusal's own fix.
   unknown = [a for a in allowed if not any(k == a or k.startswith(a + '.') for k in {*old, *new})]
   if unknown:
