@@ -211,6 +211,21 @@ def test_another_runs_final_npz_in_the_workdir_is_one_line(program, tmp_path):
   assert 'Traceback' not in out.stderr and not (tmp_path / 'figures').exists()
 
 
+@pytest.mark.parametrize('program', ['vit-predict', 'vit-evaluate'])
+def test_a_damaged_class_names_file_is_one_line(program, tmp_path):
+  """A class_names.txt that is not UTF-8: "'utf-8' codec can't decode byte 0xff ...", which
+  named neither the file nor the fix."""
+  write_run(str(tmp_path / 'run'))
+  (tmp_path / 'run' / 'class_names.txt').write_bytes(b'\xff\xfe\x00cat\n')
+  save_random(str(tmp_path / 'cat.png'))
+  argv = ['cat.png'] if program == 'vit-predict' else ['--shots', '1', '--seeds', '0']
+  out = shell([program, '--workdir', 'run', *argv], tmp_path)
+  assert (out.returncode, out.stderr.strip().splitlines()[-1:]) == (1, [
+      f'{program}: {tmp_path}/run/class_names.txt cannot be read (not UTF-8 text): restore it, '
+      "or delete it (the classes are then named from the run's dataset, where it is at hand)"
+  ]), out.stderr[-3000:]
+
+
 def test_model_flags_beside_a_workdir_are_refused_not_ignored(home):
   # The run's config.json names its model and resolution: these flags had been dropped silently.
   out = shell([

@@ -76,6 +76,10 @@ def recorded_class_names(workdir):
       return f.read().rstrip('\n').split('\n')
   except (tf.errors.NotFoundError, FileNotFoundError):
     return None
+  except (UnicodeDecodeError, OSError, tf.errors.OpError) as e:
+    reason = 'not UTF-8 text' if isinstance(e, UnicodeDecodeError) else errors.one_line(e)
+    raise ValueError(f'{path} cannot be read ({reason}): restore it, or delete it (the classes '
+                     'are then named from the run\'s dataset, where it is at hand)') from None
 
 
 def _write_whole(path, text):
