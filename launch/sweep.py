@@ -11,9 +11,9 @@ Without --sweep the grid is the config's lr_grid over base_lr (Table 4). Several
 flags form the cartesian product. Point p runs in DIR/<p> (p like 'base_lr=0.003'),
 locally one after another (output also in DIR/<p>/sweep.log, line by line; a failed point
 is recorded and the sweep goes on), or with --tpu one after another in the background on
-every worker of a TPU VM (see launch/tpu_vm.py; DIR must then be gs://). Before any point runs, each
-point's config goes through vit-train's start-up checks (preflight), and for a local sweep
-its data is checked as vit-train checks it (check_data). The summary reads the
+every worker of a TPU VM (see launch/tpu_vm.py; DIR must then be gs://). Before any point
+runs, each point's config goes through vit-train's start-up checks (preflight), and for a
+local sweep its data is checked as vit-train checks it (check_data). The summary reads the
 'accuracy' scalars of each point's TensorBoard events and writes DIR/summary.md and
 DIR/summary.csv; the winner is the point with the best final accuracy, as the paper
 picks the learning rate on the held-out development split.

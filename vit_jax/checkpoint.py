@@ -346,6 +346,8 @@ def load_run(workdir):
     model = models.from_config(config, num_classes)
     image_size = config.image_size
   except AttributeError as e:  # edited, or written by a version without the field
+    if not isinstance(e.obj, ml_collections.ConfigDict):
+      raise
     raise ValueError(f'{config_path} has no field {e.name!r} (edited, or written by another '
                      'version): restore it, or run the run\'s vit-train command again with '
                      '--config.resume_changes=\'*\' to write it again') from None
