@@ -271,8 +271,8 @@ def run_local(argv, log_path, env=None):
   On Ctrl-C, which the terminal sends the point's vit-train too (one process group), the
   point saves a checkpoint and exits: its last lines are streamed before the
   KeyboardInterrupt goes on (a second Ctrl-C stops both at once)."""
-  # Each line is on the console and in a local log as it comes (`tail -f` follows it); a
-  # remote log is written whole as it closes.
+  # Each line is in a local log, then on the console, as it comes (`tail -f` follows the
+  # log); a remote log is written whole as it closes.
   live = not paths.is_remote(log_path)
   with paths.open_file(log_path, 'w') as log:
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -280,11 +280,11 @@ def run_local(argv, log_path, env=None):
 
     def stream():
       for line in proc.stdout:
-        sys.stdout.write(line)
-        sys.stdout.flush()
         log.write(line)
         if live:
           log.flush()
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
     try:
       stream()
