@@ -362,6 +362,23 @@ def test_folder_splits_are_checked_before_training(tmp_path):
     ip.validate_splits(c)
 
 
+def test_a_folder_split_not_read_is_not_checked(tmp_path):
+  """A split the run does not read (here 'extra', with an empty class folder) stopped a run
+  that reads 'train' and 'test', with an error naming that folder as the eval split's."""
+  root = str(tmp_path / 'pets')
+  fx.write_folder(root, 'train', {'cat': [1, 2], 'dog': [3, 4]})
+  fx.write_folder(root, 'test', {'cat': [5], 'dog': [6]})
+  os.makedirs(os.path.join(root, 'extra', 'cat'))
+  c = _config(dataset='folder:' + root)
+  assert ip.validate_splits(c).startswith(f'folder:{root}: 2 classes (cat, dog); train: 4 '
+                                          'images, test: 2 images')
+  assert ip.count_split(c, 'eval_split') == 2
+  c.eval_split = 'extra'
+  with pytest.raises(ValueError,
+                     match=f"^eval_split 'extra': class folder {root}/extra/cat holds no images "):
+    ip.count_split(c, 'eval_split')
+
+
 def test_folder_train_replaces_corrupt_and_resumes(folder, caplog):
   root, train, _ = folder
   c = _config(dataset='folder:' + root, pp_train_crop='resize', pp_flip=False)

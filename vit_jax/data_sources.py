@@ -37,6 +37,7 @@ import os
 import tempfile
 import types
 import zlib
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import numpy as np
@@ -50,10 +51,32 @@ FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
 _IDX_PREFIX = {'train': 'train', 'test': 't10k'}  # split -> IDX file prefix
 
 
-def _shard_ranges(spec: str, sizes: dict[str, int], index: int,
+class _EachWhenAsked(Mapping):
+  """{name: value(name)} for `names`, each value computed when first asked for. TFDS's
+  split arithmetic asks only for the splits a spec names: a folder's other splits are not
+  read, so one of them with an empty class folder does not stop a read of another."""
+
+  def __init__(self, names, value):
+    self._names = tuple(names)
+    self._value = functools.cache(value)
+
+  def __getitem__(self, name):
+    if name not in self._names:
+      raise KeyError(name)
+    return self._value(name)
+
+  def __iter__(self):
+    return iter(self._names)
+
+  def __len__(self):
+    return len(self._names)
+
+
+def _shard_ranges(spec: str, sizes: Mapping[str, int], index: int,
                   count: int) -> list[tuple[str, int, int]]:
   """[(split, start, stop)] of part `index` of `count` of `spec`, as TFDS does."""
-  infos = {k: types.SimpleNamespace(num_examples=v, shard_lengths=[v]) for k, v in sizes.items()}
+  infos = _EachWhenAsked(
+      sizes, lambda k: types.SimpleNamespace(num_examples=sizes[k], shard_lengths=[sizes[k]]))
   part = tfds.even_splits(spec, n=count)[index]
   try:
     absolute = part.to_absolute(infos)
@@ -90,7 +113,7 @@ class Source:
   multi_label = False  # Labels are multi-hot float32 [num_classes] vectors.
   random_access = False  # Records are indices: any host can walk the whole split cheaply.
 
-  def sizes(self) -> dict[str, int]:
+  def sizes(self) -> Mapping[str, int]:
     """{split name: examples}."""
     raise NotImplementedError
 
@@ -296,8 +319,8 @@ class _FolderSource(_LocalSource):
     return f'folder:{self.root}: {self.num_classes} classes ({names}); {counts}{left_out}'
 
   @functools.cache
-  def sizes(self) -> dict[str, int]:
-    return {s: len(self.arrays(s)[1]) for s in self.splits}
+  def sizes(self) -> Mapping[str, int]:
+    return _EachWhenAsked(self.splits, lambda s: len(self.arrays(s)[1]))
 
   def load_item(self, item: tf.Tensor) -> tf.Tensor:
     return tf.io.read_file(item)
