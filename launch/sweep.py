@@ -28,6 +28,7 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 
 from vit_jax import configs
 from vit_jax import ctrl_c
@@ -286,13 +287,19 @@ def run_local(argv, log_path, env=None):
         sys.stdout.write(line)
         sys.stdout.flush()
 
+    # The copy runs in its own thread, which Ctrl-C never interrupts: raised in the main
+    # thread's copy, it could land after a line was read and before it was written, and
+    # that line (the point's "checkpoint saved") was lost.
+    copy = threading.Thread(target=stream, daemon=True)
+    copy.start()
     try:
-      stream()
+      status = proc.wait()
     except KeyboardInterrupt:
-      stream()
       proc.wait()
       raise
-    return proc.wait()
+    finally:
+      copy.join()
+    return status
 
 
 def run_sweep(config, workdir, sets, points, runner=run_local, out=None):

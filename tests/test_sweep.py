@@ -434,6 +434,36 @@ def test_tpu_sweep_names_a_config_file_as_the_workers_see_it(tmp_path, capsys, m
   assert f'--config={FINETUNE}' in out and REPO not in out
 
 
+# A point whose last line is in the pipe as the sweep gets Ctrl-C: it says so, then sends
+# Ctrl-C to the sweep alone.
+_POINT_SAVED_THEN_CTRL_C = '\n'.join([
+    'import os, signal, sys, time',
+    'print("vit_jax: interrupted (Ctrl-C) at step 7: checkpoint saved", flush=True)',
+    'os.kill(os.getppid(), signal.SIGINT)',
+    'time.sleep(0.5)',
+    'sys.exit(1)',
+])
+
+
+def test_the_points_last_line_is_kept_when_ctrl_c_comes_with_it(tmp_path):
+  """Ctrl-C landing just after the sweep read the point's line, before it wrote it, lost
+  that line (seen on a loaded CI host): the console and sweep.log ended without it."""
+  data = data_fixtures.write_idx(str(tmp_path / 'data'), num_train=64, num_test=32)
+  code = (CTRL_C_AS_IN_A_TERMINAL + 'import sys\n'
+          'from vit_jax.launch import sweep\n'
+          f'point = [sys.executable, "-c", {_POINT_SAVED_THEN_CTRL_C!r}]\n'
+          'sweep.main(sys.argv[1:], runner=lambda argv, log: sweep.run_local(point, log))\n')
+  out = subprocess.run([
+      sys.executable, '-c', code, '--config=quickstart', '--workdir=sw', '--sweep',
+      'config.base_lr=[0.1,0.2]', '--set', f'config.data_dir={data}'
+  ], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 130, out.stderr[-2000:]
+  saved = 'vit_jax: interrupted (Ctrl-C) at step 7: checkpoint saved'
+  assert out.stdout.strip().splitlines()[-1] == saved, out.stdout[-2000:]
+  assert (tmp_path / 'sw' / 'base_lr=0.1' / 'sweep.log').read_text() == saved + '\n'
+
+
 def test_a_points_lines_are_in_its_log_and_on_the_console_as_they_come(tmp_path):
   """sweep.log was written through a buffer: `tail -f` on it showed nothing of a running
   point until its end or a buffer's worth; so was vit-sweep's own output into a pipe."""
