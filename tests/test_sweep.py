@@ -340,18 +340,25 @@ _POINT_THAT_SAVES_ON_CTRL_C = '\n'.join([
 ])
 
 
-def test_ctrl_c_lets_the_point_save_then_stops_the_sweep_with_one_line(tmp_path):
-  """Ctrl-C (sent by the terminal to the sweep and its point) printed the sweep's
-  traceback while the point's run was still saving; its last lines were not shown."""
+def _sweep_of_two_points(tmp_path, point_code):
+  """The argv of a sweep of two points (base_lr 0.1, 0.2) in tmp_path/sw, each point's run
+  being `point_code` in its own Python; Ctrl-C reaches the sweep as in a terminal."""
   data = data_fixtures.write_idx(str(tmp_path / 'data'), num_train=64, num_test=32)
   code = (CTRL_C_AS_IN_A_TERMINAL + 'import sys\n'
           'from vit_jax.launch import sweep\n'
-          f'point = [sys.executable, "-c", {_POINT_THAT_SAVES_ON_CTRL_C!r}]\n'
+          f'point = [sys.executable, "-c", {point_code!r}]\n'
           'sweep.main(sys.argv[1:], runner=lambda argv, log: sweep.run_local(point, log))\n')
-  proc = subprocess.Popen([
+  return [
       sys.executable, '-c', code, '--config=quickstart', '--workdir=sw', '--sweep',
       'config.base_lr=[0.1,0.2]', '--set', f'config.data_dir={data}'
-  ], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=REPO), stdout=subprocess.PIPE,
+  ]
+
+
+def test_ctrl_c_lets_the_point_save_then_stops_the_sweep_with_one_line(tmp_path):
+  """Ctrl-C (sent by the terminal to the sweep and its point) printed the sweep's
+  traceback while the point's run was still saving; its last lines were not shown."""
+  proc = subprocess.Popen(_sweep_of_two_points(tmp_path, _POINT_THAT_SAVES_ON_CTRL_C), cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=REPO), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, start_new_session=True)
   deadline = time.time() + 120
   while not (tmp_path / 'point_started').exists():
@@ -448,16 +455,9 @@ _POINT_SAVED_THEN_CTRL_C = '\n'.join([
 def test_the_points_last_line_is_kept_when_ctrl_c_comes_with_it(tmp_path):
   """Ctrl-C landing just after the sweep read the point's line, before it wrote it, lost
   that line (seen on a loaded CI host): the console and sweep.log ended without it."""
-  data = data_fixtures.write_idx(str(tmp_path / 'data'), num_train=64, num_test=32)
-  code = (CTRL_C_AS_IN_A_TERMINAL + 'import sys\n'
-          'from vit_jax.launch import sweep\n'
-          f'point = [sys.executable, "-c", {_POINT_SAVED_THEN_CTRL_C!r}]\n'
-          'sweep.main(sys.argv[1:], runner=lambda argv, log: sweep.run_local(point, log))\n')
-  out = subprocess.run([
-      sys.executable, '-c', code, '--config=quickstart', '--workdir=sw', '--sweep',
-      'config.base_lr=[0.1,0.2]', '--set', f'config.data_dir={data}'
-  ], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
-                       timeout=120)
+  out = subprocess.run(_sweep_of_two_points(tmp_path, _POINT_SAVED_THEN_CTRL_C), cwd=tmp_path,
+                       env=dict(os.environ,
+                                PYTHONPATH=REPO), capture_output=True, text=True, timeout=120)
   assert out.returncode == 130, out.stderr[-2000:]
   saved = 'vit_jax: interrupted (Ctrl-C) at step 7: checkpoint saved'
   assert out.stdout.strip().splitlines()[-1] == saved, out.stdout[-2000:]
