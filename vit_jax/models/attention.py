@@ -1,5 +1,5 @@
-"""The attention core, softmax(q k^T) v; in a bfloat16 model on the CPU backend, with a
-backward that keeps q, k and v only; in a bfloat16 model on a GPU, cuDNN's fused attention.
+"""The attention core, softmax(q k^T) v; on the CPU backend, with a backward that keeps q,
+k and v only; in a bfloat16 model on a GPU, cuDNN's fused attention.
 
 Autodiff keeps each block's attention weights for the backward pass, (batch, heads,
 tokens, tokens) in float32, and in a bfloat16 model XLA also keeps their bf16 copy (the
@@ -54,12 +54,16 @@ def values(attention_weights, v, dtype):
 
 
 def recomputes(dtype):
-  """Whether `attend` recomputes the weights in the backward pass: for bfloat16 on the CPU
-  backend, where the bf16 ViT-Ti/16 b32 step planned 24% less memory (ViT-B/16 b8 5%,
-  R50+ViT-B/16 b8 1%) at medians of 1.03, 0.99 and 0.98 of the speed (benchmarks/README.md,
-  sixteenth session). In float32 the weights are kept once, not twice: ViT-Ti/16 planned
-  10% less but ran at 0.93-1.00x. Not measured on TPU or GPU, which keep autodiff's."""
-  return precision.is_mixed(dtype) and jax.default_backend() == 'cpu'
+  """Whether `attend` recomputes the weights in the backward pass: on the CPU backend. In
+  bfloat16 the ViT-Ti/16 b32 step planned 24% less memory (ViT-B/16 b8 5%, R50+ViT-B/16 b8
+  1%) at medians of 1.03, 0.99 and 0.98 of the speed (benchmarks/README.md, sixteenth
+  session). In float32, where the weights are kept once, not twice, it buys less (ViT-Ti/16
+  b32 1.05 -> 0.96 GiB planned) for 0.95-0.97x of the step's speed (fifty-fifth session),
+  but it brings the step's peak RSS under PyTorch's, which autodiff's attention left
+  1.01-1.03x over (fifty-eighth session). Not measured on TPU or GPU, which keep
+  autodiff's."""
+  del dtype  # (both dtypes; the signature is the callers')
+  return jax.default_backend() == 'cpu'
 
 
 def fuses(dtype, head_dim):
