@@ -70,12 +70,15 @@ def test_attend_recomputes_on_cpu_only():
   assert attention.recomputes(jnp.float32) == on_cpu
 
 
-def test_the_compiled_bf16_step_plans_less_memory(monkeypatch):
-  if not attention.recomputes(jnp.bfloat16):
+# Measured on the CPU: 0.67 of the plain attention's temporaries in bf16 (the weights kept
+# in float32 and as the bf16 operand), 0.89 in float32 (kept once).
+@pytest.mark.parametrize('dtype, fraction', [('bfloat16', 0.85), ('float32', 0.95)])
+def test_the_compiled_step_plans_less_memory(dtype, fraction, monkeypatch):
+  if not attention.recomputes(jnp.dtype(dtype)):
     pytest.skip('the plain attention on this backend')
-  lean = planned_memory.vit_step_temporaries_mb('bfloat16')
+  lean = planned_memory.vit_step_temporaries_mb(dtype)
   monkeypatch.setattr(attention, 'attend', _plain)
-  assert lean < 0.85 * planned_memory.vit_step_temporaries_mb('bfloat16')
+  assert lean < fraction * planned_memory.vit_step_temporaries_mb(dtype)
 
 
 def test_the_weights_are_still_sown_and_attention_dropout_still_applies():
