@@ -228,6 +228,18 @@ def test_under_jemalloc_the_loop_waits_after_every_step_and_purges_after_evaluat
   assert [e for e in events[len(start):] if e != 'read'] == [b'arena.4096.purge'] * 4
 
 
+def test_remat_gelu_follows_float32_and_says_when_dropout_keeps_the_gelu(
+    idx_dir, tmp_path, data_parallel, caplog):
+  with caplog.at_level(logging.INFO):
+    gelu = _run(idx_dir, tmp_path, 'gelu', remat='gelu')
+  assert "default scheduler" not in caplog.text and "remat 'gelu'" not in caplog.text
+  _assert_trees_close(data_parallel['params'], gelu['params'], 1e-6)
+  caplog.clear()
+  _run(idx_dir, tmp_path, 'gelu_dropout', remat='gelu', stop_after_steps=0,
+       **{'model.dropout_rate': 0.1})
+  assert "remat 'gelu' recomputes nothing in training here" in caplog.text
+
+
 def test_bfloat16_and_remat_follow_float32(idx_dir, tmp_path, data_parallel, caplog):
   with caplog.at_level(logging.INFO):
     remat = _run(idx_dir, tmp_path, 'remat', remat=True)

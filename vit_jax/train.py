@@ -392,6 +392,9 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
         'remat %s: the step compiles with XLA:CPU\'s default scheduler, under which '
         'the recomputation saves memory (vit_jax/models/remat.py)',
         remat_lib.policy_name(config.remat))
+  gelu_note = remat_lib.gelu_remat_note(config.remat, getattr(model, 'dropout_rate', None))
+  if gelu_note:
+    logging.warning('%s', gelu_note)
   if (step_lib.compiler_options(config) or {}).items() >= step_lib.NO_COMMAND_BUFFERS.items():
     logging.info('the step compiles without XLA:GPU\'s command buffers (CUDA graphs), which '
                  'slowed a ViT\'s step in the preallocated pool (vit_jax/step.py)')

@@ -30,13 +30,17 @@ each dot. Not measured on a TPU, which keeps this module's dots.
 `dtype`: where `is_mixed`, inputs cast to bf16, kernel and bias left float32 (the bias is
 added to the float32 result); for float32 on the CPU backend, `float32_dot_general`;
 otherwise none, i.e. flax's own dots (TPU and GPU lay out transposes themselves; a bf16
-model's flax dots cast the kernel to bf16 and return bf16).
+model's flax dots cast the kernel to bf16 and return bf16). `dense_options(dtype,
+activation)` is for a layer of activation(inputs) that computes the activation again in its
+backward pass (`of_activation`, on any of those dots: remat.py's 'gelu').
 
 `layer_output(y, dtype)` casts a layer's output to the model's dtype and names it for the
 dots remat policies (remat.py): float32 dots name their own results; where `is_mixed` the
 layer's bf16 output is named, which a policy keeps in half the bytes of the dot's float32
 result (XLA's own dots are dots to the policies).
 """
+import functools
+
 import jax
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
@@ -193,6 +197,38 @@ def layer_output(y, dtype):
   return checkpoint_name(y, DOT_NAME) if is_mixed(dtype) else y
 
 
+def of_activation(dot_general, activation):
+  """`dot_general` (lax.dot_general's signature) of activation(lhs), whose backward keeps lhs,
+  not activation(lhs), and computes the activation again: one array of the activation's
+  size fewer kept per layer, for one more evaluation of it (remat.py's 'gelu')."""
+
+  def plain_dot(lhs, rhs, options):  # options: dot_general's other (args, sorted kwargs)
+    return dot_general(lhs, rhs, *options[0], **dict(options[1]))
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+  def dot(lhs, rhs, options):
+    return plain_dot(activation(lhs), rhs, options)
+
+  def forward(lhs, rhs, options):
+    return dot(lhs, rhs, options), (lhs, rhs)
+
+  def backward(options, residuals, g):
+    lhs, rhs = residuals
+    # Computed again from an lhs that depends on g, so that XLA does not merge it with the
+    # forward pass's activation (the same expression) and keep that alive until here.
+    activated, activation_vjp = jax.vjp(activation, depending_on(lhs, g.ravel()[:1]))
+    _, dot_vjp = jax.vjp(lambda a, r: plain_dot(a, r, options), activated, rhs)
+    d_activated, d_rhs = dot_vjp(g)
+    return activation_vjp(d_activated)[0], d_rhs
+
+  dot.defvjp(forward, backward)
+
+  def dot_general_of_activation(lhs, rhs, *args, **kwargs):
+    return dot(lhs, rhs, (args, tuple(sorted(kwargs.items()))))
+
+  return dot_general_of_activation
+
+
 def _promote_inputs_only(inputs, kernel, bias, dtype=None, inexact=True):
   del inexact
   return [inputs.astype(dtype), kernel, bias]
@@ -215,9 +251,12 @@ def dot_general_for(dtype):
   return None
 
 
-def dense_options(dtype):
-  """Fields for nn.Dense / nn.DenseGeneral of a model computing in `dtype`."""
+def dense_options(dtype, activation=None):
+  """Fields for nn.Dense / nn.DenseGeneral of a model computing in `dtype`; with
+  `activation`, for a layer of activation(inputs) (`of_activation`)."""
   dot = dot_general_for(dtype)
+  if activation is not None:
+    dot = of_activation(dot or lax.dot_general, activation)
   if dot is None:
     return {}
   if is_mixed(dtype):

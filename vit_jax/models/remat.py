@@ -2,12 +2,20 @@
 checkpointing), and on XLA:CPU the order of their gradients.
 
 `config.remat` names a `jax.checkpoint_policies` policy, i.e. which values of a block's
-forward pass are kept for the backward pass; the rest are recomputed:
+forward pass are kept for the backward pass (the rest are recomputed), or 'gelu':
   ''                                  no remat: everything is kept (fastest, most memory)
   'nothing_saveable'                  only block inputs are kept (least memory)
   'dots_saveable'                     matmul/conv outputs kept, elementwise ops recomputed
   'dots_with_no_batch_dims_saveable'  as dots_saveable, except batched dots (attention)
+  'gelu'                              no block remat; only the MLPs' GELU is computed again
 True and False, the field's old values, mean 'nothing_saveable' (what remat=True did) and ''.
+'gelu' keeps each MLP's hidden layer once instead of twice (the GELU's input, not also its
+output, the second layer's input: `precision.of_activation`). On a 2-core Zen 5 host the
+ViT-Ti/16 b32, ViT-B/16 b8 and R50+ViT-B/16 b8 steps planned 0.10, 0.08 and 0.08 GiB less
+in bf16 at 0.90-1.01x the speed, 0.20 GiB less in float32 at 0.94-1.01x (benchmarks/README.md,
+fifty-ninth session); float32 with YNNPACK's fusions off planned the same as without. Where
+dropout follows the GELU (dropout_rate > 0, in training) the second layer's input is the
+dropped output, and the GELU is kept as without remat (vit-train says so at start-up).
 The dots policies count the models' own custom-VJP dots (precision.py) as dots, by name;
 in a bf16 model they keep each layer's bf16 output instead (`precision.layer_output`).
 Measured memory and speed per policy: benchmarks/README.md.
@@ -40,7 +48,8 @@ import jax.numpy as jnp
 from vit_jax import xla_cpu_flags
 from vit_jax.models import precision
 
-POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable')
+GELU = 'gelu'
+POLICIES = ('nothing_saveable', 'dots_saveable', 'dots_with_no_batch_dims_saveable', GELU)
 _OLD_VALUES = {True: 'nothing_saveable', False: ''}
 
 
@@ -54,14 +63,40 @@ def policy_name(remat):
                    f"'' (off), {', '.join(POLICIES)}")
 
 
+def block_policy(remat):
+  """The jax.checkpoint policy name of whole blocks under `remat` ('' for none)."""
+  name = policy_name(remat)
+  return '' if name == GELU else name
+
+
+def recomputes_gelu(remat):
+  """Whether the MLPs compute their GELU again in the backward pass (policy 'gelu')."""
+  return policy_name(remat) == GELU
+
+
 def compiler_drops_barriers():
   """Whether the backend's compiler removes jax.checkpoint's optimisation barriers."""
   return jax.default_backend() == 'cpu'
 
 
+def gelu_remat_note(remat, dropout_rate):
+  """What a run under `remat` of a model whose MLPs drop out at `dropout_rate` (None: no
+  MLPs) should be told: that 'gelu' recomputes nothing there; else None."""
+  if not recomputes_gelu(remat):
+    return None
+  if dropout_rate is None:
+    return ("remat 'gelu' recomputes nothing in this model, which has no MLP: set "
+            "--config.remat to another policy (models/remat.py)")
+  if dropout_rate > 0:
+    return (f"remat 'gelu' recomputes nothing in training here: dropout follows each GELU "
+            f"(dropout_rate {dropout_rate}), so the GELU's output is kept: set "
+            "--config.model.dropout_rate=0 or --config.remat to another policy")
+  return None
+
+
 def step_compiler_options(remat):
   """`jax.jit` compiler options for a train step of a model under `remat` (a config value)."""
-  if policy_name(remat) and compiler_drops_barriers():
+  if block_policy(remat) and compiler_drops_barriers():
     return {'xla_cpu_scheduler_type': 'CPU_SCHEDULER_TYPE_DEFAULT'}
   return None
 
@@ -87,7 +122,7 @@ def wrap(module_cls, remat, dtype, static_argnums=()):
   Construct and call the result as `module_cls`. `static_argnums` count `self` as 0, as
   in `nn.remat`.
   """
-  name = policy_name(remat)
+  name = block_policy(remat)
   if name:
     module_cls = nn.remat(module_cls, policy=checkpoint_policy(name), static_argnums=static_argnums)
   recompute_after_cotangent = bool(name) and compiler_drops_barriers()

@@ -49,20 +49,26 @@ class PatchEmbedding(nn.Module):
 
 
 class MlpBlock(nn.Module):
-  """Dense -> GELU (tanh approximation) -> dropout -> Dense -> dropout."""
+  """Dense -> GELU (tanh approximation) -> dropout -> Dense -> dropout. `recompute_gelu`
+  (remat 'gelu'): without dropout, the second layer applies the GELU inside its dot and
+  computes it again in the backward pass."""
   mlp_dim: int
   dropout_rate: float = 0.0
   dtype: Any = jnp.float32
+  recompute_gelu: bool = False
 
   @nn.compact
   def __call__(self, x, *, deterministic):
-    dense = lambda f, name: nn.Dense(
+    dense = lambda f, name, activation=None: nn.Dense(
         f, dtype=self.dtype, kernel_init=nn.initializers.xavier_uniform(), bias_init=nn.initializers
-        .normal(stddev=1e-6), name=name, **precision.dense_options(self.dtype))
+        .normal(stddev=1e-6), name=name, **precision.dense_options(self.dtype, activation))
     out = lambda y: precision.layer_output(y, self.dtype)
-    y = activations.gelu(out(dense(self.mlp_dim, 'Dense_0')(x)))
-    y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
-    y = out(dense(x.shape[-1], 'Dense_1')(y))
+    y = out(dense(self.mlp_dim, 'Dense_0')(x))
+    if self.recompute_gelu and (deterministic or self.dropout_rate == 0.0):
+      y = out(dense(x.shape[-1], 'Dense_1', activations.gelu)(y))
+    else:
+      y = nn.Dropout(self.dropout_rate)(activations.gelu(y), deterministic=deterministic)
+      y = out(dense(x.shape[-1], 'Dense_1')(y))
     return nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
 
 
@@ -151,6 +157,7 @@ class EncoderBlock(nn.Module):
   attention_dropout_rate: float = 0.0
   dtype: Any = jnp.float32
   key_tokens: Optional[int] = None  # see MultiHeadDotProductAttention
+  recompute_gelu: bool = False  # see MlpBlock
 
   @nn.compact
   def __call__(self, x, deterministic):
@@ -160,7 +167,7 @@ class EncoderBlock(nn.Module):
                                          y, deterministic=deterministic)
     x = x + nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
     y = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, name='LayerNorm_2')(x)
-    y = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype,
+    y = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, self.recompute_gelu,
                  name='MlpBlock_3')(y, deterministic=deterministic)
     return x + y
 
@@ -188,8 +195,9 @@ class Encoder(nn.Module):
     # `deterministic` is positional so remat can treat it as static.
     block_cls = remat_lib.wrap(EncoderBlock, self.remat, self.dtype, static_argnums=(2,))
     for i in range(self.num_layers):
-      x = block_cls(self.mlp_dim, self.num_heads, self.dropout_rate, self.attention_dropout_rate,
-                    self.dtype, key_tokens, name=f'encoderblock_{i}')(x, not train)
+      x = block_cls(self.mlp_dim, self.num_heads, self.dropout_rate,
+                    self.attention_dropout_rate, self.dtype, key_tokens,
+                    remat_lib.recomputes_gelu(self.remat), name=f'encoderblock_{i}')(x, not train)
     return nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, name='encoder_norm')(x[:, :tokens])
 
 
