@@ -510,9 +510,10 @@ def test_remat_gelu_gives_the_gradients_of_no_remat_and_keeps_the_mlps_hidden_la
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_remat_gelu_plans_less_memory_on_xla_cpu(dtype):
   # ViT-Ti/16 with 4 blocks of 65 tokens, batch 8: 25.4 against 20.6 MB in float32 (with
-  # YNNPACK's fusions), 15.4 against 13.0 in bf16. Without the recomputation's dependence on the cotangent XLA merges
-  # it with the forward pass's GELU and keeps that alive. float32 with YNNPACK's fusions off
-  # (the suite's flags for float32 on some hosts) plans the same either way: 27.4 MB.
+  # YNNPACK's fusions), 15.4 against 13.0 in bf16. Without the recomputation's dependence on
+  # the cotangent XLA merges it with the forward pass's GELU and keeps that alive. float32
+  # with YNNPACK's fusions off (the suite's flags for float32 on some hosts) plans the same
+  # either way: 27.4 MB.
   if jax.default_backend() != 'cpu':
     pytest.skip('measured on XLA:CPU')
   off, gelu = _planned_temporaries_mb('', dtype), _planned_temporaries_mb('gelu', dtype)
