@@ -7,6 +7,7 @@ same thing. Call `setup` before the first JAX computation. (harness.py holds wha
 JAX: the PyTorch worker of vs_pytorch.py imports only that, so its RSS is its own.)
 """
 import datetime
+import gc
 import os
 import platform
 import sys
@@ -203,3 +204,16 @@ class BareStep:
       if self.pause_s:
         time.sleep(self.pause_s)
     return times
+
+  def drop_program(self):
+    """Drops the compiled step (run no more after) and returns the resident host memory that
+    freed, in MiB: XLA keeps the optimised program, its buffer assignment and (XLA:CPU) its
+    kernels' runtimes in the host's heap, whatever the device (benchmarks/README.md,
+    fifty-fifth and sixtieth sessions). Heap purged before and after, as the loop purges."""
+    gc.collect()
+    host_memory.release_freed()
+    before = harness.rss_gib()
+    self.compiled = self.lowered = None
+    gc.collect()
+    host_memory.release_freed()
+    return (before - harness.rss_gib()) * 1024

@@ -44,6 +44,7 @@ def test_train_step(tmp_path):
   assert r['img_s_median'] > 0 and r['flops_per_step_analytic'] > 0
   assert r['flops_per_step_xla'] >= r['flops_per_step_analytic']
   assert r['peak'] == 'measured' and 0 < r['mfu_per_round'][0] < 1
+  assert r['program_host_mib'] > 5  # this one-block step's program: 14-15 MiB measured
 
 
 def test_vs_pytorch(tmp_path):
