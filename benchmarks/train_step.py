@@ -77,7 +77,7 @@ def main():
       times[i].append(s.run(args.steps))
     print(f'round {r + 1}/{args.rounds} done', flush=True)
 
-  program_mib = [steps[0].drop_program() if len(steps) == 1 else None for _ in steps]
+  program_mib = [steps[0].drop_program()] if len(steps) == 1 else [None] * len(steps)
   results = []
   for i, s in enumerate(steps):
     c = s.config
