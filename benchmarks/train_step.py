@@ -20,7 +20,7 @@ instead (benchmarks/README.md, ninth session). With one configuration, the compi
 is dropped after the rounds and the resident host memory that frees is its program's
 ('program host MiB': part of the peak RSS that no planned buffer accounts for). With more,
 their programs share the heap's pages, and one dropped while others are alive frees only
-pages of its own (ViT-Ti/16 b32 bf16: 62 MiB dropped first, 114 last, 77-88 alone): n/a.
+pages of its own: n/a (benchmarks/README.md, sixtieth session).
 """
 import argparse
 
