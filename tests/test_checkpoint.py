@@ -286,7 +286,9 @@ def test_a_state_replicated_on_cpu_devices_saves_without_compiling(tmp_path):
   # devices, which share the host's memory, train_state_manager turns it off.
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  shapes = [(8, 5), (24,), (3, 16, 2), (40, 3)]  # a side of 8k: orbax would split it 8 ways
+  # A side of 8k: orbax would split it 8 ways. Arrays this large are saved as themselves
+  # (vit_jax/packed_state.py), the small one packed.
+  shapes = [(1024, 1024), (8, 2**17), (2**20 + 24,), (40, 3)]
   state = {
       f'w{i}': jax.device_put(jnp.full(s, i, jnp.float32), replicated) for i, s in enumerate(shapes)
   }

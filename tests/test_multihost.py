@@ -50,13 +50,13 @@ def _env(devices):
   return dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
 
 
-def _start_hosts(workdir, idx_dir, total_steps, heartbeat=100, env=None):
+def _start_hosts(workdir, idx_dir, total_steps, heartbeat=100, env=None, extra=()):
   address = f'127.0.0.1:{_free_port()}'
   return [
       subprocess.Popen(
           _args(workdir, idx_dir, total_steps) + [
               f'--coordinator_address={address}', '--num_processes=2', f'--process_id={i}',
-              f'--heartbeat_timeout_seconds={heartbeat}'
+              f'--heartbeat_timeout_seconds={heartbeat}', *extra
           ], cwd=ROOT, env=env or _env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
           text=True) for i in range(2)
   ]
@@ -91,6 +91,21 @@ def test_two_processes_of_4_devices_equal_one_of_8(idx_dir, tmp_path):
       np.testing.assert_allclose(a[k], b[k], atol=1e-5, rtol=0, err_msg=k)
   # Orbax wrote one checkpoint collectively.
   assert os.listdir(tmp_path / 'two' / 'checkpoints') == ['4']
+  # Both processes resume from it (each reads the packed arrays: vit_jax/packed_state.py)
+  # and go on as one process resumed from its own.
+  config = _reference_config(idx_dir)
+  config.update(total_steps=6, resume_changes='total_steps')
+  train.train_and_evaluate(config, str(tmp_path / 'one'))
+  hosts = _start_hosts(str(tmp_path / 'two'), idx_dir, 6,
+                       extra=['--config.resume_changes=total_steps'])
+  outputs = [p.communicate(timeout=300)[0] for p in hosts]
+  for p, out in zip(hosts, outputs):
+    assert p.returncode == 0, out[-3000:]
+    assert 'Resuming from the checkpoint of step 4' in out, out[-3000:]
+  l1, l2 = _losses(str(tmp_path / 'one')), _losses(str(tmp_path / 'two'))
+  assert sorted(l1) == sorted(l2) == [1, 2, 3, 4, 5, 6]
+  for step in (5, 6):
+    assert abs(l1[step] - l2[step]) < 1e-5, (step, l1[step], l2[step])
 
 
 def test_a_dead_process_makes_the_other_exit(idx_dir, tmp_path):

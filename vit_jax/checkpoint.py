@@ -27,6 +27,7 @@ import scipy.ndimage
 
 from vit_jax import errors
 from vit_jax import models
+from vit_jax import packed_state
 from vit_jax import paths
 
 # BiT unit sub-layers: TF name prefix -> (our norm, our conv).
@@ -495,20 +496,32 @@ def state_checksums(state, host=True):
   sums = [_host_sums(x) if here else None for (_, x), here in zip(leaves, on_host)]
   sums = [mine or theirs for mine, theirs in zip(sums, jax.device_get(dispatched))]
   return {
-      jax.tree_util.keystr(path, simple=True, separator='/'): [int(v) for v in value]
+      packed_state.leaf_path(path): [int(v) for v in value]
       for (path, _), value in zip(leaves, sums)
   }
 
 
+# Where each array of the state is in the saved tree (vit_jax/packed_state.py); checkpoints
+# written before it hold the state's own tree.
+_LAYOUT = 'vit_jax_layout'
+
+
 def save_train_state(manager, step, state, force=False):
-  return manager.save(step, args=ocp.args.StandardSave(state), force=force,
-                      custom_metadata={_CHECKSUMS: state_checksums(state)})
+  tree, layout = packed_state.pack(state)
+  return manager.save(step, args=ocp.args.StandardSave(tree), force=force, custom_metadata={
+      _CHECKSUMS: state_checksums(state),
+      _LAYOUT: layout
+  })
+
+
+def _custom_metadata(manager, step):
+  return manager.metadata(step).custom_metadata or {}
 
 
 def _check_sums(manager, step, state):
   """Raises ValueError naming the first array whose bits differ from those saved at `step`
   (checkpoints written before checksums were kept pass)."""
-  saved = (manager.metadata(step).custom_metadata or {}).get(_CHECKSUMS)
+  saved = _custom_metadata(manager, step).get(_CHECKSUMS)
   if not saved:
     return
   restored = state_checksums(state)
@@ -524,16 +537,28 @@ def _flat_shapes(tree):
   }
 
 
+def _shapes_by_path(tree):
+  return {
+      packed_state.leaf_path(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(tree)
+  }
+
+
 def check_fits(manager, step, abstract_state):
   """Raises DifferentModelError if step's saved shapes differ from `abstract_state`'s.
 
   Returns False when the step's metadata cannot be read (a damaged checkpoint).
   """
   try:
-    saved = _flat_shapes(dict(manager.item_metadata(step)))
+    layout = _custom_metadata(manager, step).get(_LAYOUT)
+    # Checkpoints written before the layout: orbax's tree, whose key style differs.
+    saved = (packed_state.shapes(layout) if layout is not None else _flat_shapes(
+        dict(manager.item_metadata(step))))
   except Exception:  # pylint: disable=broad-except  (any damage: the caller falls back)
     return False
-  wanted = _flat_shapes(abstract_state)
+  if layout is not None and layout.get('version') != packed_state.VERSION:
+    raise DifferentModelError(f'they were written by another version of vit_jax (layout '
+                              f'{layout.get("version")!r}, this one reads {packed_state.VERSION})')
+  wanted = _shapes_by_path(abstract_state) if layout is not None else _flat_shapes(abstract_state)
   saved_params = {k: v for k, v in saved.items() if k.startswith('params/')}
   for key, shape in wanted.items():
     if key in saved_params and saved_params[key] != shape:
@@ -542,8 +567,12 @@ def check_fits(manager, step, abstract_state):
   if only:
     raise DifferentModelError(f'{only[0]} is only in the '
                               f'{"checkpoint" if only[0] in saved else "model"}')
-  shapes = lambda tree: sorted(tuple(x.shape) for x in jax.tree.leaves(tree))
-  if shapes(dict(manager.item_metadata(step))) != shapes(abstract_state):  # key styles differ
+  if layout is not None:
+    differs = saved != wanted
+  else:
+    shapes = lambda tree: sorted(tuple(x.shape) for x in jax.tree.leaves(tree))
+    differs = shapes(dict(manager.item_metadata(step))) != shapes(abstract_state)
+  if differs:
     raise DifferentModelError('the optimizer state differs (another optimizer?)')
   return True
 
@@ -572,7 +601,7 @@ def restore_train_state(manager, abstract_state, *, move_bad=True):
     error = None
     if check_fits(manager, step, abstract_state):
       try:
-        state = manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+        state = _restore(manager, step, abstract_state)
         _check_sums(manager, step, state)
         if moved:
           manager.reload()
@@ -593,6 +622,48 @@ def restore_train_state(manager, abstract_state, *, move_bad=True):
         'previous one', step, directory, error, where)
   manager.reload()
   return None
+
+
+def _restore(manager, step, abstract_state):
+  layout = _custom_metadata(manager, step).get(_LAYOUT)
+  if layout is None:  # written before packed_state
+    return manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+  target = packed_state.restore_target(layout, abstract_state)
+  restored = manager.restore(step, args=ocp.args.StandardRestore(target))
+  return packed_state.unpack(restored, layout, abstract_state)
+
+
+def saved_arrays(directory, step=None):
+  """{array path: NumPy array} of the train state saved at `step` (None: the latest) in
+  `directory` (a run's `checkpoints/`), whatever layout it was written in: for looking into
+  a run, e.g. the parameters of an earlier step ('params/Transformer/encoder_norm/scale').
+  The checksums are not checked (restore_train_state does)."""
+  options = ocp.CheckpointManagerOptions(read_only=True)
+  with ocp.CheckpointManager(paths.resolve(directory), options=options,
+                             item_handlers=ocp.StandardCheckpointHandler()) as manager:
+    steps = manager.all_steps()
+    step = max(steps, default=None) if step is None else step
+    if step not in steps:
+      raise ValueError(f'{directory} has no checkpoint of step {step} (steps: '
+                       f'{", ".join(map(str, sorted(steps))) or "none"}): pass the checkpoints '
+                       'folder of a vit-train run and one of its steps')
+    layout = _custom_metadata(manager, step).get(_LAYOUT)
+    host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend='cpu')[0])
+    if layout is None:  # written before packed_state: orbax's tree of the state
+      target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=host),
+                            dict(manager.item_metadata(step)))
+      state = manager.restore(step, args=ocp.args.StandardRestore(target))
+    else:
+      abstract = packed_state.nest({
+          e['path']: jax.ShapeDtypeStruct(tuple(e['shape']), np.dtype(e['dtype']), sharding=host)
+          for e in layout['leaves']
+      })
+      restored = manager.restore(
+          step, args=ocp.args.StandardRestore(packed_state.restore_target(layout, abstract)))
+      state = packed_state.unpack(restored, layout, abstract)
+  return {
+      packed_state.leaf_path(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(state)
+  }
 
 
 def _one_line(error):
