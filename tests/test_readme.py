@@ -220,3 +220,5 @@ def test_python_blocks(index, user_dir, monkeypatch):
   exec(readme_commands()[2][index], namespace)  # pylint: disable=exec-used
   if 'logits' in namespace:
     assert namespace['logits'].shape == (2, 1000)
+  if 'arrays' in namespace:  # the user's quickstart run (SMALL_RUN): its last step
+    assert int(namespace['arrays']['step']) == 6 and namespace['scale'].ndim == 1
