@@ -99,6 +99,17 @@ def test_input_speed(tmp_path):
   assert p['train_img_s_median'] > 0 and p['eval_img_s_median'] > 0
 
 
+def test_checkpoint_save(tmp_path):
+  p = _run('checkpoint_save', '--models', 'ViT-Ti_16', '--rounds', '1', '--override',
+           'num_layers=1', tmp_path=tmp_path)
+  r = p['results'][0]
+  packed, itself = r['runs']['packed'][0], r['runs']['as itself'][0]
+  # One block's parameters and momentum, and the step: packed as a float32 and an int32 buffer.
+  assert itself['saved_arrays'] == r['arrays'] > 30 and packed['saved_arrays'] == 2
+  assert packed['total_cpu_s'] >= packed['call_cpu_s'] > 0 and packed['disk_mb'] > 0
+  assert len(r['ratio_cpu_per_round']) == 1
+
+
 def test_ynnpack(tmp_path):
   p = _run('ynnpack', '--models', 'ViT-Ti_16', '--batch', '2', '--steps', '1', '--rounds', '1',
            '--probe_rounds', '0', *TINY, tmp_path=tmp_path)
@@ -216,6 +227,7 @@ def _refusal(script, *flags):
     ('before_after', 'steps', '0', '0 must be 1 or more'),
     ('loop', 'steps', '0', '0 must be 1 or more'),
     ('input_speed', 'rounds', '-1', '-1 must be 1 or more'),
+    ('checkpoint_save', 'rounds', '0', '0 must be 1 or more'),
     ('block_breakdown', 'heads', '0', '0 must be 1 or more'),
 ])
 def test_a_count_below_one_is_refused_in_one_line(script, flag, value, why):

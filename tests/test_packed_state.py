@@ -105,8 +105,9 @@ def test_a_checkpoint_written_before_packing_still_restores(tmp_path):
 
 
 def test_a_vit_train_state_saves_few_arrays(tmp_path):
-  """ViT-Ti/16's parameters and SGD momentum: 402 arrays, 0.6-1.1 s of CPU a save when each
-  was saved as itself; now one buffer per dtype (benchmarks/README.md, sixty-first session)."""
+  """ViT-Ti/16's parameters and SGD momentum, 402 arrays, each saved as itself took most of
+  a save's CPU in orbax's work per array; now one buffer per dtype (benchmarks/README.md,
+  sixty-first session)."""
   config = common_config.get_config()
   config.update(model_name='ViT-Ti_16', optimizer='sgd', momentum=0.9, grad_clip_norm=1.0)
   tx = optim.make_optimizer(config, 10)

@@ -1,20 +1,24 @@
 """The train state as its checkpoints hold it: small replicated arrays packed together.
 
-orbax's cost per saved array is mostly Python work that does not shrink with the array
-(ViT-Ti/16's 402 arrays, 46 MB: 0.56-1.12 s of CPU a save; the same bytes as 8 arrays:
-0.11-0.23 s; benchmarks/README.md, sixty-first session), and on a few CPU cores a save every
-few steps took that from the steps. So every array that is fully replicated and smaller than
-`PACK_BELOW` elements is copied into one flat host buffer per dtype ('packed/<dtype>'); the
-others (large, or split over devices by FSDP) are saved as themselves under their own path
-('arrays/params/...'). The layout (each array's path, dtype, shape and, if packed, offset)
-goes into the checkpoint's metadata, and restoring takes the arrays out again onto any mesh.
+orbax's cost per saved array is mostly Python work that does not shrink with the array,
+and on a few CPU cores a save every few steps took it from the steps (ViT-Ti/16's 402
+arrays: benchmarks/README.md, sixty-first session). So every array that is fully
+replicated and smaller than `PACK_BELOW` elements is copied into one flat host buffer per
+dtype ('packed/<dtype>'); the others (large, or split over devices by FSDP) are saved as
+themselves under their own path ('arrays/params/...'). The layout (each array's path,
+dtype, shape and, if packed, offset) goes into the checkpoint's metadata, and restoring
+takes the arrays out again onto any mesh.
 """
 import jax
 import numpy as np
 
-# Arrays of at least this many elements are saved as themselves: their bytes, not orbax's
-# per-array work, are what their saves cost (4 MiB of float32 is ~1 ms to copy).
-PACK_BELOW = 2**20
+# Arrays of at least this many elements (1 MiB of float32) are saved as themselves. Packing
+# copies an array twice on the caller's thread (into the buffer, then orbax's copy of that),
+# which for larger arrays costs more than orbax's work per array saves: ViT-B/16 packed below
+# 2^20 took the same CPU a save as below 2^18, with twice as much of it in the call.
+PACK_BELOW = 2**18
+# Of the layout's format; checkpoint.check_fits refuses a checkpoint of another (written by
+# another vit_jax) without touching it.
 VERSION = 1
 
 
@@ -27,11 +31,6 @@ def _packable(x):
   if not isinstance(x, jax.Array):
     return np.size(x) < PACK_BELOW
   return x.sharding.is_fully_replicated and x.size < PACK_BELOW
-
-
-def _host_copy(x):
-  """This process's copy of the whole of a replicated array (every host holds one)."""
-  return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
 
 
 def nest(flat):
@@ -64,13 +63,16 @@ def pack(state):
     else:
       own[entry['path']] = x
     layout.append(entry)
-  packable = [(e, x) for e, (_, x) in zip(layout, leaves) if 'offset' in e]
-  for _, x in packable:  # all transfers under way before the first is waited for
-    if isinstance(x, jax.Array):
-      x.addressable_data(0).copy_to_host_async()
+  # This process's copy of each whole replicated array (every host holds one), all of the
+  # transfers from accelerators under way before the first is waited for.
+  copies = [(e, x.addressable_data(0) if isinstance(x, jax.Array) else np.asarray(x))
+            for e, (_, x) in zip(layout, leaves) if 'offset' in e]
+  for _, x in copies:
+    if isinstance(x, jax.Array) and x.device.platform != 'cpu':
+      x.copy_to_host_async()
   packed = {dtype: np.empty(size, dtype) for dtype, size in sizes.items()}
-  for entry, x in packable:
-    flat = _host_copy(x).reshape(-1)
+  for entry, x in copies:
+    flat = np.asarray(x).reshape(-1)
     packed[entry['dtype']][entry['offset']:entry['offset'] + flat.size] = flat
   tree = {}
   if packed:
