@@ -308,6 +308,19 @@ def test_damaged_checkpoints_fall_back_to_an_intact_one(good, tmp_path):
       np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+def test_a_checkpoint_without_its_metadata_file_falls_back(good, tmp_path):
+  # The step's metadata file holds the checksums and where each array is in the packed
+  # buffers (vit_jax/packed_state.py): without it, the step is damaged, not another model's.
+  run = _copy(good, tmp_path)
+  os.remove(run / 'checkpoints/30/_CHECKPOINT_METADATA')
+  rc, err, last = _cli(tmp_path, 'run')
+  assert rc == 0, err[-3000:]
+  assert re.search(
+      r'Checkpoint of step 30 .* cannot be restored \(its metadata is unreadable\): '
+      r'moved to', err), err[-3000:]
+  assert 'Resuming from the checkpoint of step 20' in err
+
+
 def test_a_save_cut_short_is_removed_at_the_next_start(good, tmp_path):
   """kill -9 during a save leaves its temporary directory (orbax's name for it); the next
   start removes it and resumes from the last finished step."""

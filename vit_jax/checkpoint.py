@@ -550,9 +550,13 @@ def check_fits(manager, step, abstract_state):
   """
   try:
     layout = _custom_metadata(manager, step).get(_LAYOUT)
-    # Checkpoints written before the layout: orbax's tree, whose key style differs.
-    saved = (packed_state.shapes(layout) if layout is not None else _flat_shapes(
-        dict(manager.item_metadata(step))))
+    if layout is not None:
+      saved = packed_state.shapes(layout)
+    else:  # written before the layout: orbax's tree of the state, whose key style differs
+      tree = dict(manager.item_metadata(step))
+      if 'params' not in tree:  # packed, and its layout lost with the step's metadata file
+        return False
+      saved = _flat_shapes(tree)
   except Exception:  # pylint: disable=broad-except  (any damage: the caller falls back)
     return False
   if layout is not None and layout.get('version') != packed_state.VERSION:
