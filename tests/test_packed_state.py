@@ -150,3 +150,13 @@ def test_a_layout_of_another_version_stops_without_moving_the_checkpoint(tmp_pat
   with pytest.raises(checkpoint.DifferentModelError, match='another version of vit_jax'):
     checkpoint.restore_train_state(manager, _target(state, mesh, P()))
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['7']
+
+
+def test_saved_arrays_names_the_steps_there_are(tmp_path):
+  _save(tmp_path, _state(_mesh()))
+  with pytest.raises(ValueError) as e:
+    checkpoint.saved_arrays(str(tmp_path / 'checkpoints'), 5)
+  assert str(e.value).endswith('has no checkpoint of step 5: pass one of its steps (7)')
+  with pytest.raises(ValueError, match='holds no checkpoints: pass the checkpoints folder'):
+    checkpoint.saved_arrays(str(tmp_path / 'elsewhere'))
+  assert not (tmp_path / 'elsewhere').exists()  # looked into, not made

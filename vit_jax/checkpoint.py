@@ -645,12 +645,14 @@ def saved_arrays(directory, step=None):
   options = ocp.CheckpointManagerOptions(read_only=True)
   with ocp.CheckpointManager(paths.resolve(directory), options=options,
                              item_handlers=ocp.StandardCheckpointHandler()) as manager:
-    steps = manager.all_steps()
-    step = max(steps, default=None) if step is None else step
+    steps = sorted(manager.all_steps())
+    if not steps:
+      raise ValueError(f'{directory} holds no checkpoints: pass the checkpoints folder of a '
+                       'vit-train run (WORKDIR/checkpoints)')
+    step = steps[-1] if step is None else step
     if step not in steps:
-      raise ValueError(f'{directory} has no checkpoint of step {step} (steps: '
-                       f'{", ".join(map(str, sorted(steps))) or "none"}): pass the checkpoints '
-                       'folder of a vit-train run and one of its steps')
+      raise ValueError(f'{directory} has no checkpoint of step {step}: pass one of its steps '
+                       f'({", ".join(map(str, steps))})')
     layout = _custom_metadata(manager, step).get(_LAYOUT)
     host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend='cpu')[0])
     if layout is None:  # written before packed_state: orbax's tree of the state

@@ -17,8 +17,8 @@ import numpy as np
 # which for larger arrays costs more than orbax's work per array saves: ViT-B/16 packed below
 # 2^20 took the same CPU a save as below 2^18, with twice as much of it in the call.
 PACK_BELOW = 2**18
-# Of the layout's format; checkpoint.check_fits refuses a checkpoint of another (written by
-# another vit_jax) without touching it.
+# The layout's format. checkpoint.check_fits refuses a checkpoint whose layout has another
+# (written by another vit_jax), and leaves it in place.
 VERSION = 1
 
 
