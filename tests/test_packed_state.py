@@ -1,5 +1,6 @@
 """Train-state checkpoints with small replicated arrays packed (vit_jax/packed_state.py)."""
 import json
+import logging
 import os
 
 import jax
@@ -120,13 +121,15 @@ def test_a_vit_train_state_saves_few_arrays(tmp_path):
   assert sorted(saved) == ['packed'] and sorted(saved['packed']) == ['float32', 'int32']
 
 
-def test_saved_arrays_reads_any_step_by_name_in_either_layout(tmp_path):
+def test_saved_arrays_reads_any_step_by_name_in_either_layout(tmp_path, caplog):
   state = _state(_mesh())
   want = {
       packed_state.leaf_path(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(state)
   }
   _save(tmp_path, state)
-  got = checkpoint.saved_arrays(str(tmp_path / 'checkpoints'), 7)
+  with caplog.at_level(logging.INFO):
+    got = checkpoint.saved_arrays(str(tmp_path / 'checkpoints'), 7)
+  assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
   assert sorted(got) == sorted(want)
   for name, x in want.items():
     assert isinstance(got[name], np.ndarray) and got[name].dtype == x.dtype, name

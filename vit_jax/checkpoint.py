@@ -9,6 +9,7 @@ import functools
 import glob
 import io
 import json
+import logging as std_logging
 import os
 import re
 import tempfile
@@ -637,14 +638,28 @@ def _restore(manager, step, abstract_state):
   return packed_state.unpack(restored, layout, abstract_state)
 
 
+class _ReadOnlyNotice(std_logging.Filter):
+  """Drops orbax's warning that a read-only manager's directory is read only (asked for)."""
+
+  def filter(self, record):
+    return not record.getMessage().startswith('Given directory is read only')
+
+
 def saved_arrays(directory, step=None):
   """{array path: NumPy array} of the train state saved at `step` (None: the latest) in
   `directory` (a run's `checkpoints/`), whatever layout it was written in: for looking into
   a run, e.g. the parameters of an earlier step ('params/Transformer/encoder_norm/scale').
   The checksums are not checked (restore_train_state does)."""
-  options = ocp.CheckpointManagerOptions(read_only=True)
-  with ocp.CheckpointManager(paths.resolve(directory), options=options,
-                             item_handlers=ocp.StandardCheckpointHandler()) as manager:
+  # Read-only as orbax would set it, so that it warns of nothing it changed.
+  options = ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0, create=False)
+  notice = _ReadOnlyNotice()
+  std_logging.getLogger('absl').addFilter(notice)
+  try:
+    manager = ocp.CheckpointManager(paths.resolve(directory), options=options,
+                                    item_handlers=ocp.StandardCheckpointHandler())
+  finally:
+    std_logging.getLogger('absl').removeFilter(notice)
+  with manager:
     steps = sorted(manager.all_steps())
     if not steps:
       raise ValueError(f'{directory} holds no checkpoints: pass the checkpoints folder of a '
