@@ -110,6 +110,21 @@ def test_a_resumed_run_keeps_the_flags_it_started_with(monkeypatch):
   assert xla_cpu_flags.apply(env, recorded=()) == list(fixed)
 
 
+def test_a_scheduler_of_the_users_own_is_recorded_and_resumed():
+  """A run started with the user's scheduler in XLA_FLAGS records that value, not the one
+  vit_jax would have added, so that resuming it without XLA_FLAGS runs the same schedule."""
+  mine = '--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_CONCURRENCY_OPTIMIZED'
+  assert mine != xla_cpu_flags.MEMORY_SCHEDULER  # else this test shows nothing
+  env = {xla_cpu_flags.OPT_OUT: '1', 'XLA_FLAGS': mine}
+  xla_cpu_flags.apply(env)
+  assert mine in xla_cpu_flags.last_flags
+  assert xla_cpu_flags.MEMORY_SCHEDULER not in xla_cpu_flags.last_flags
+  resumed = {xla_cpu_flags.OPT_OUT: 'auto'}
+  assert mine in xla_cpu_flags.apply(resumed, recorded=xla_cpu_flags.last_flags)
+  assert resumed['XLA_FLAGS'].split().count(mine) == 1
+  assert xla_cpu_flags.MEMORY_SCHEDULER not in resumed['XLA_FLAGS']
+
+
 def test_no_probe_under_pytest_and_its_children_are_pinned(monkeypatch):
   monkeypatch.setattr(xla_cpu_flags, 'probe', _no_probe)
   flags, why = xla_cpu_flags.choose({})  # auto, float32

@@ -43,8 +43,10 @@ from vit_jax import cpu_features
 
 YNNPACK_OFF = '--xla_cpu_experimental_ynn_fusion_type='
 # Not probed, every dtype: the train step's planned temporaries are smaller under it than
-# under XLA:CPU's default (concurrency-optimised) schedule, at the same speed (measured in
-# benchmarks/README.md, sixth session). A remat'd step overrides it (models/remat.py).
+# under XLA:CPU's default (concurrency-optimised) schedule, at the same speed on the host it
+# was chosen on (benchmarks/README.md, sixth session); on others the default ran up to ~1.1x
+# faster for ~30% more peak memory (sixtieth and sixty-second sessions), a trade the user
+# makes with XLA_FLAGS (README). A remat'd step overrides it (models/remat.py).
 MEMORY_SCHEDULER = '--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED'
 EVERY_DTYPE = (MEMORY_SCHEDULER,)
 # The fixed table: what a run gets with VIT_JAX_XLA_CPU_FLAGS=1, or when the probe fails.
@@ -63,7 +65,8 @@ MARGIN = 0.03  # a probe ratio within 1 +- MARGIN is a tie: the fixed table stay
 # Timings taken beside other work are not evidence: above this load per core, no probe.
 BUSY_LOAD = 0.5
 last_choice = ''  # apply()'s log line: what it chose for this process, and why
-last_flags = ()  # the flags apply() chose for this process (some may be in XLA_FLAGS already)
+# The flags apply() chose for this process, each with XLA_FLAGS's value where it names it.
+last_flags = ()
 _ACCELERATOR_PLUGINS = ('jax_cuda12_plugin', 'jax_cuda13_plugin', 'jax_rocm60_plugin',
                         'jax_rocm7_plugin', 'libtpu')
 
@@ -191,7 +194,10 @@ def apply(environ=None, dtype='float32', recorded=None, log=True):
     wanted, why = tuple(recorded), 'those the run in this workdir started with'
   else:
     wanted, why = choose(environ, dtype)
-  last_flags = tuple(wanted)
+  # What the process runs under: where XLA_FLAGS names one of the flags, its value there
+  # (the user's) wins, and that is what a resumed run must run again.
+  named = {f.split('=')[0]: f for f in environ.get('XLA_FLAGS', '').split()}
+  last_flags = tuple(named.get(f.split('=')[0], f) for f in wanted)
   added = flags_to_add(environ.get('XLA_FLAGS', ''), version, environ.get(OPT_OUT), dtype, wanted)
   if added:
     environ['XLA_FLAGS'] = ' '.join([environ.get('XLA_FLAGS', ''), *added]).strip()
