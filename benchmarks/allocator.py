@@ -60,6 +60,7 @@ def _train_step(model, batch, env, flags, workdir):
       'img_s': payload['results'][0]['img_s_median'],
       'heap_wait': payload['results'][0]['heap_wait'],
       'peak_rss_gib': payload['peak_rss_gib'],
+      'host_allocator': payload['machine']['host_allocator'],  # as the process saw it
       # Whole process: compile and warm-up included.
       'minor_faults': after.ru_minflt - before.ru_minflt,
       'sys_s': after.ru_stime - before.ru_stime,

@@ -19,6 +19,7 @@ import numpy as np
 
 from vit_jax import device_peaks
 from vit_jax import flops as vflops
+from vit_jax import host_allocator
 from vit_jax import host_memory
 from vit_jax import model_flags
 from vit_jax import models
@@ -62,6 +63,7 @@ def machine_info():
       'device_count': jax.device_count(),
       'jax': jax.__version__,
       'xla_flags': os.environ.get('XLA_FLAGS', ''),
+      'host_allocator': host_allocator.describe(),
       'gpu_memory': gpu_memory() if dev.platform == 'gpu' else '',
       'python': platform.python_version(),
   }

@@ -59,8 +59,9 @@ it: the evidence for that choice on this host. `--change`:
                     XLA_PYTHON_CLIENT_PREALLOCATE=false.
 
 Both sides are traced and compiled in one process under the XLA:CPU flags the CLI uses for
-the dtype (one --dtypes per run), then timed in alternating rounds (A B, B A, ...); the
-ratio is taken per round.
+the dtype (one --dtypes per run) and the host allocator it preloads (--allocator, as
+vs_pytorch.py), then timed in alternating rounds (A B, B A, ...); the ratio is taken per
+round.
 
   python benchmarks/before_after.py --change ordered_dots --dtypes float32 --rounds 3
   python benchmarks/before_after.py --change lean_activations --dtypes bfloat16
@@ -97,6 +98,7 @@ parser.add_argument(
              'prompt_weight_gradients', 'parameter_gradients_first', 'conv_as_dot', 'bf16_patches',
              'fused_attention', 'tokens_padded_once', 'mixed_dots', 'no_command_buffers'))
 parser.add_argument('--remat', default='', help="one remat policy for both sides ('' off)")
+harness.add_allocator_arg(parser)
 parser.add_argument('--out', default='')
 args = parser.parse_args()
 
@@ -238,6 +240,7 @@ def _gib(value):
 
 
 def main():
+  harness.reexec_under_allocator(args.allocator)
   dtypes = args.dtypes.split(',')
   bare_step.setup(1, dtypes)
   load_start = harness.loadavg()
@@ -310,6 +313,7 @@ def main():
           'XLA planned GiB before / after'
       ], rows))
   print(f'\nXLA_FLAGS: {bare_step.machine_info()["xla_flags"]!r}')
+  print(bare_step.machine_info()['host_allocator'])
   print(f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
   harness.write_json(
       args.out, {

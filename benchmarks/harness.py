@@ -105,11 +105,25 @@ def add_model_args(parser, dtypes='float32', steps=2):
 
 
 def add_allocator_arg(parser):
-  """--allocator: the host allocator of the benchmark's vit_jax process."""
+  """--allocator: the host allocator of the benchmark's vit_jax process; by default the
+  environment's VIT_JAX_HOST_ALLOCATOR, else auto, as vit-train takes it."""
   parser.add_argument(
-      '--allocator', default='auto',
+      '--allocator', default=os.environ.get(host_allocator.CHOICE) or 'auto',
       help="vit_jax's host allocator, as VIT_JAX_HOST_ALLOCATOR takes it (auto, jemalloc, "
-      "system, a path); PyTorch's side is started without it")
+      "system, a path; default: that variable's value, else auto); PyTorch's side is "
+      "started without it")
+
+
+def reexec_under_allocator(allocator):
+  """Restarts this script with `allocator` preloaded as vit-train would preload it
+  (vit_jax/host_allocator.py), so that the start-up flags it times are vit-train's (they are
+  keyed on the allocator: vit_jax/xla_cpu_flags.py). Returns where there is nothing to
+  preload (`system`, already preloaded, a TPU/GPU plugin); a bad choice exits with the fix."""
+  os.environ[host_allocator.CHOICE] = allocator
+  try:
+    host_allocator.reexec_with_jemalloc()
+  except ValueError as e:  # not a mode or a file, or jemalloc asked for and not installed
+    raise SystemExit(f'--allocator: {e}') from None
 
 
 def jax_environment(allocator):

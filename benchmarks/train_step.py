@@ -14,13 +14,15 @@ MFU divides by the device's peak as the loop's does (vit_jax.device_peaks: the T
 table, --peak FLOP/s per device, or on CPU a jitted matmul, f32 or bf16 inputs with f32
 accumulation, re-measured each round so that MFU is against the same round's peak).
 Compilation and one warm-up step per configuration are excluded from the timings.
-Under jemalloc each step waits for its temporaries to be freed, as the loop's does
-(vit_jax/host_memory.py); --no-heap_wait times it without. --pause_ms idles after each step
-instead (benchmarks/README.md, ninth session). With one configuration, the compiled step
-is dropped after the rounds and the resident host memory that frees is its program's
-('program host MiB': part of the peak RSS that no planned buffer accounts for). With more,
-their programs share the heap's pages, and one dropped while others are alive frees only
-pages of its own: n/a (benchmarks/README.md, sixtieth session).
+The process runs under the host allocator vit-train preloads (--allocator, as vs_pytorch.py;
+by default VIT_JAX_HOST_ALLOCATOR's choice, else auto). Under jemalloc each step waits for
+its temporaries to be freed, as the loop's does (vit_jax/host_memory.py); --no-heap_wait
+times it without. --pause_ms idles after each step instead (benchmarks/README.md, ninth
+session). With one configuration, the compiled step is dropped after the rounds and the
+resident host memory that frees is its program's ('program host MiB': part of the peak RSS
+that no planned buffer accounts for). With more, their programs share the heap's pages, and
+one dropped while others are alive frees only pages of its own: n/a (benchmarks/README.md,
+sixtieth session).
 """
 import argparse
 
@@ -43,11 +45,13 @@ parser.add_argument('--pause_ms', type=float, default=0.0,
                     help='idle time after each step, outside its timing (host allocator tests)')
 parser.add_argument('--heap_wait', action=argparse.BooleanOptionalAction, default=True,
                     help="the loop's wait for the step's temporaries under jemalloc")
+harness.add_allocator_arg(parser)
 parser.add_argument('--out', default='')
 args = parser.parse_args()
 
 
 def main():
+  harness.reexec_under_allocator(args.allocator)
   bare_step.setup(args.mesh, args.dtypes.split(','))
   load_start = harness.loadavg()
   cases = harness.model_batches(args)
@@ -175,6 +179,7 @@ def main():
           + ', '.join(f'{v:.2f}' for v in r['bf16_over_f32_per_round']))
   if payload['machine']['platform'] == 'gpu':
     print(f'GPU memory: {payload["machine"]["gpu_memory"]}')
+  print(payload['machine']['host_allocator'])
   print(f'peak host RSS {payload["peak_rss_gib"]:.2f} GiB; loadavg start '
         f'{load_start[0]:.2f}, end {load_end[0]:.2f}')
   harness.write_json(args.out, payload)

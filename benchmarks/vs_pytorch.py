@@ -144,17 +144,8 @@ class Worker:
 
 
 # ----------------------------------------------------------------- JAX side
-def _reexec_with_allocator():
-  """Restarts this script with --allocator preloaded, as vit-train does (host_allocator.py)."""
-  os.environ[host_allocator.CHOICE] = args.allocator
-  try:
-    host_allocator.reexec_with_jemalloc()
-  except ValueError as e:  # a bad --allocator, or jemalloc not installed
-    sys.exit(str(e))
-
-
 def main():
-  _reexec_with_allocator()
+  harness.reexec_under_allocator(args.allocator)
   # JAX only here: the PyTorch worker (this file with --worker) must not load it.
   os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')  # a GPU's memory is shared
   import bare_step  # pylint: disable=import-outside-toplevel

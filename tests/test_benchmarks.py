@@ -38,8 +38,11 @@ def _run(script, *flags, tmp_path):
 
 
 def test_train_step(tmp_path):
+  library = harmless_preload()  # stands in for jemalloc, as in test_allocator
   p = _run('train_step', '--models', 'ViT-Ti_16', '--batch', '2', '--dtypes', 'float32', '--steps',
-           '2', '--rounds', '1', '--pause_ms', '1', *TINY, tmp_path=tmp_path)
+           '2', '--rounds', '1', '--pause_ms', '1', '--allocator', library, *TINY,
+           tmp_path=tmp_path)
+  assert p['machine']['host_allocator'].startswith(f'host allocator: {library}, preloaded')
   r = p['results'][0]
   assert r['img_s_median'] > 0 and r['flops_per_step_analytic'] > 0
   assert r['flops_per_step_xla'] >= r['flops_per_step_analytic']
@@ -280,6 +283,9 @@ def test_allocator(tmp_path):
   assert set(r['over_malloc_per_round']) == {'jemalloc', 'jemalloc, no wait'}
   assert len(r['over_malloc_per_round']['jemalloc']) == 1
   assert r['runs']['malloc'][0]['peak_rss_gib'] > 0
+  # Each side's train_step.py took the allocator its environment chose, not its own default.
+  assert r['runs']['malloc'][0]['host_allocator'] == "host allocator: the C library's malloc"
+  assert r['runs']['jemalloc'][0]['host_allocator'].startswith(f'host allocator: {library}, ')
 
 
 def test_block_breakdown(tmp_path):
@@ -330,11 +336,12 @@ def test_device_time_beside_pytorch_on_the_cpu(tmp_path):
   assert sum(side['ms_per_step'].values()) < side['wall_ms_per_step']
 
 
-def test_device_time_refuses_a_bad_allocator():
+@pytest.mark.parametrize('script, flags', [('device_time', ['--torch', 'none']), ('vs_pytorch', []),
+                                           ('train_step', []), ('before_after', [])])
+def test_a_bad_allocator_is_refused_in_one_line(script, flags):
   proc = subprocess.run([
       sys.executable,
-      os.path.join(REPO, 'benchmarks', 'device_time.py'), '--allocator', 'jemaloc', '--torch',
-      'none'
+      os.path.join(REPO, 'benchmarks', f'{script}.py'), '--allocator', 'jemaloc', *flags
   ], cwd=REPO, capture_output=True, text=True, timeout=120)
   assert proc.returncode != 0
   assert proc.stderr.strip().splitlines()[-1] == (
