@@ -519,10 +519,10 @@ def _custom_metadata(manager, step):
   return manager.metadata(step).custom_metadata or {}
 
 
-def _check_sums(manager, step, state):
-  """Raises ValueError naming the first array whose bits differ from those saved at `step`
-  (checkpoints written before checksums were kept pass)."""
-  saved = _custom_metadata(manager, step).get(_CHECKSUMS)
+def _check_sums(custom_metadata, state):
+  """Raises ValueError naming the first array whose bits differ from those saved with it in
+  a step's `custom_metadata` (checkpoints written before checksums were kept pass)."""
+  saved = custom_metadata.get(_CHECKSUMS)
   if not saved:
     return
   restored = state_checksums(state)
@@ -544,13 +544,14 @@ def _shapes_by_path(tree):
   }
 
 
-def check_fits(manager, step, abstract_state):
+def check_fits(manager, step, abstract_state, custom_metadata):
   """Raises DifferentModelError if step's saved shapes differ from `abstract_state`'s.
+  `custom_metadata` is the step's (_custom_metadata).
 
   Returns False when the step's metadata cannot be read (a damaged checkpoint).
   """
+  layout = custom_metadata.get(_LAYOUT)
   try:
-    layout = _custom_metadata(manager, step).get(_LAYOUT)
     if layout is not None:
       saved = packed_state.shapes(layout)
     else:  # written before the layout: orbax's tree of the state, whose key style differs
@@ -604,10 +605,14 @@ def restore_train_state(manager, abstract_state, *, move_bad=True):
   moved = False
   for step in sorted(manager.all_steps(), reverse=True):
     error = None
-    if check_fits(manager, step, abstract_state):
+    try:
+      custom_metadata = _custom_metadata(manager, step)  # read once: layout and checksums
+    except Exception:  # pylint: disable=broad-except  (any damage: the previous step is tried)
+      custom_metadata = None
+    if custom_metadata is not None and check_fits(manager, step, abstract_state, custom_metadata):
       try:
-        state = _restore(manager, step, abstract_state)
-        _check_sums(manager, step, state)
+        state = _restore(manager, step, abstract_state, custom_metadata.get(_LAYOUT))
+        _check_sums(custom_metadata, state)
         if moved:
           manager.reload()
         return state
@@ -629,8 +634,7 @@ def restore_train_state(manager, abstract_state, *, move_bad=True):
   return None
 
 
-def _restore(manager, step, abstract_state):
-  layout = _custom_metadata(manager, step).get(_LAYOUT)
+def _restore(manager, step, abstract_state, layout):
   if layout is None:  # written before packed_state
     return manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
   target = packed_state.restore_target(layout, abstract_state)
