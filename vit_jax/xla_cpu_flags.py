@@ -89,6 +89,11 @@ def _backend_started():
   return bool(xla_bridge is not None and getattr(xla_bridge, '_backends', None))
 
 
+def _flag_name(flag):
+  """'--name' of an XLA flag '--name=value'."""
+  return flag.partition('=')[0]
+
+
 def _known(jaxlib_version):
   return '.'.join(jaxlib_version.split('.')[:2]) in KNOWN_JAXLIB
 
@@ -97,9 +102,9 @@ def ynnpack_fusions_on(environ=None):
   """Whether XLA:CPU runs YNNPACK fusions under `environ`'s (os.environ's) XLA_FLAGS: the
   last YNNPACK_OFF flag there decides, else the jaxlib default (on in KNOWN_JAXLIB)."""
   environ = os.environ if environ is None else environ
-  name = YNNPACK_OFF.split('=')[0]
+  name = _flag_name(YNNPACK_OFF)
   values = [
-      f.partition('=')[2] for f in environ.get('XLA_FLAGS', '').split() if f.split('=')[0] == name
+      f.partition('=')[2] for f in environ.get('XLA_FLAGS', '').split() if _flag_name(f) == name
   ]
   return bool(values[-1]) if values else _known(_jaxlib_version())
 
@@ -116,9 +121,9 @@ def flags_to_add(xla_flags, jaxlib_version, opt_out=None, dtype='float32', wante
   XLA_FLAGS value of `xla_flags`: none that XLA_FLAGS already names."""
   if opt_out == '0' or not _known(jaxlib_version):
     return []
-  present = {f.split('=')[0] for f in xla_flags.split()}
+  present = {_flag_name(f) for f in xla_flags.split()}
   wanted = FLAGS_BY_DTYPE.get(dtype, ()) if wanted is None else wanted
-  return [f for f in wanted if f.split('=')[0] not in present]
+  return [f for f in wanted if _flag_name(f) not in present]
 
 
 def choose(environ=None, dtype='float32', cache_path=None):
@@ -131,7 +136,7 @@ def choose(environ=None, dtype='float32', cache_path=None):
     return (), f'{OPT_OUT}=0'
   if mode == '1' or dtype not in PROBED_DTYPES:
     return fixed, f'the fixed table for {dtype}' + (f' ({OPT_OUT}=1)' if mode == '1' else '')
-  if YNNPACK_OFF.split('=')[0] in environ.get('XLA_FLAGS', ''):
+  if _flag_name(YNNPACK_OFF) in environ.get('XLA_FLAGS', ''):
     return fixed, "XLA_FLAGS decides (no probe)"
   if 'pytest' in sys.modules:
     return fixed, f'the fixed table for {dtype} (under pytest, which pins {OPT_OUT}=1)'
@@ -196,12 +201,12 @@ def apply(environ=None, dtype='float32', recorded=None, log=True):
     wanted, why = choose(environ, dtype)
   # What the process runs under: where XLA_FLAGS names one of the flags, its value there
   # (the user's) wins, and that is what a resumed run must run again.
-  named = {f.split('=')[0]: f for f in environ.get('XLA_FLAGS', '').split()}
-  last_flags = tuple(named.get(f.split('=')[0], f) for f in wanted)
+  named = {_flag_name(f): f for f in environ.get('XLA_FLAGS', '').split()}
+  last_flags = tuple(named.get(_flag_name(f), f) for f in wanted)
   added = flags_to_add(environ.get('XLA_FLAGS', ''), version, environ.get(OPT_OUT), dtype, wanted)
   if added:
     environ['XLA_FLAGS'] = ' '.join([environ.get('XLA_FLAGS', ''), *added]).strip()
-  kept = [f.split('=')[0] for f in wanted if f not in added]  # XLA_FLAGS names them already
+  kept = [_flag_name(f) for f in wanted if f not in added]  # XLA_FLAGS names them already
   last_choice = (f'XLA:CPU flags for {dtype}: {" ".join(added) or "none added"}; {why}' +
                  (f'; XLA_FLAGS already sets {" ".join(kept)}' if kept else ''))
   if log:
@@ -303,8 +308,7 @@ def probe(rounds=4, steps=2, timeout=60.0):
   processes on a shared host)."""
   base = [
       f for f in os.environ.get('XLA_FLAGS', '').split()
-      if f.split('=')[0] not in ('--xla_force_host_platform_device_count',
-                                 YNNPACK_OFF.split('=')[0])
+      if _flag_name(f) not in ('--xla_force_host_platform_device_count', _flag_name(YNNPACK_OFF))
   ]
   sides = {'on': base, 'off': base + [YNNPACK_OFF]}
   entry = {'date': datetime.date.today().isoformat(), 'flags': None}
