@@ -174,6 +174,32 @@ def _check_complete(config, path):
                      'vit_jax.configs.common.get_config() and set what differs')
 
 
+# Top-level names that google-research/vision_transformer's and big_vision's configs (and
+# optax) give to fields this config calls otherwise, for the hint of an unknown name.
+OTHER_NAMES = {
+    'learning_rate': ('base_lr',),
+    'wd': ('weight_decay',),
+    'decay_type': ('lr_decay',),
+    'schedule': ('lr_decay', 'warmup_steps'),
+    'batch': ('batch_size',),
+    'batch_eval': ('eval_batch_size',),
+    'input': ('batch_size', 'dataset', 'pp'),
+    'pp_train': ('pp',),
+    'progress_every': ('log_every_steps',),
+    'ckpt_steps': ('checkpoint_every_steps',),
+    'keep_ckpt_steps': ('keep_checkpoints',),
+    'total_epochs': ('num_epochs',),
+    'pretrained_dir': ('pretrained_path',),
+    'model_init': ('pretrained_path',),
+    'optax_name': ('optimizer',),
+    'ema': ('polyak_decay',),
+    'half_precision': ('dtype',),
+    'mixed_precision': ('dtype',),
+    'max_steps': ('total_steps',),
+    'num_steps': ('total_steps',),
+}
+
+
 def check_override_names(config, args):
   """Each --config.<path>=... in `args` must name a field: a one-line ValueError with the
   nearest names if not."""
@@ -185,7 +211,8 @@ def check_override_names(config, args):
     for part in match.group(1).split('.'):
       fields = list(node.keys()) if hasattr(node, 'keys') else []
       if part not in fields:
-        close = difflib.get_close_matches(part, fields, n=3)
+        close = [] if done else [f for f in OTHER_NAMES.get(part, ()) if f in fields]
+        close = close or difflib.get_close_matches(part, fields, n=3)
         if not close:  # a short name the field ends with: lr -> base_lr, end_lr
           close = [f for f in fields if f.endswith('_' + part)][:3]
         hint = f' (did you mean {", ".join(close)}?)' if close else ''

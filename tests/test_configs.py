@@ -3,6 +3,7 @@ here, and every row started (config checks, model, optimizer, position embedding
 model it names, as shapes only (jax.eval_shape: no parameters are made)."""
 import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -479,12 +480,24 @@ def test_table2_row_starts(model, size):
     configs.load('table2:ViT-B_16')
 
 
-@pytest.mark.parametrize('override,hint', [('--config.totl_steps=3', 'total_steps'),
-                                           ('--config.lr=1e', 'base_lr, end_lr')])
+@pytest.mark.parametrize('override,hint',
+                         [('--config.totl_steps=3', 'total_steps'),
+                          ('--config.lr=1e', 'base_lr, end_lr'),
+                          ('--config.learning_rate=0.1', 'base_lr'),
+                          ('--config.wd=0', 'weight_decay'),
+                          ('--config.input.batch_size=8', 'batch_size, dataset, pp')])
 def test_an_unknown_field_suggests_the_nearest_names(override, hint):
-  """Close spellings, and fields a short name ends with (big_vision's `lr` is our base_lr)."""
-  with pytest.raises(ValueError, match=rf"no field '\w+' \(did you mean {hint}[,?]"):
+  """Close spellings, fields a short name ends with (big_vision's `lr` is our base_lr), and
+  the names other codebases give our fields (configs.OTHER_NAMES)."""
+  with pytest.raises(ValueError, match=rf"no field '\w+' \(did you mean {re.escape(hint)}[,?]"):
     configs.load('quickstart', [override])
+
+
+def test_the_other_codebases_names_lead_to_fields():
+  """Every name in configs.OTHER_NAMES is not a field, and every name it suggests is one."""
+  fields = set(configs.load('quickstart'))
+  assert not set(configs.OTHER_NAMES) & fields
+  assert {f for names in configs.OTHER_NAMES.values() for f in names} <= fields
 
 
 def test_a_value_of_the_wrong_type_is_in_plain_words():
