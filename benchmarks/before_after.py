@@ -22,6 +22,8 @@ it: the evidence for that choice on this host. `--change`:
   lean_attention    vit_jax/models/attention.py's core, which keeps q, k and v and
                     recomputes the attention weights in the backward pass, vs autodiff of
                     the same forward, which keeps the weights.
+  attention_chunks  (float32) attention.py's core run over batch_chunks chunks of the batch
+                    vs over the whole batch at once. The JSON counts each side's dots.
   kernels_recast    (bfloat16) precision.py's bf16 copy of each large float32 kernel
                     (a quarter or more of its dot's input) made again for the backward
                     pass (XLA:CPU) vs the forward pass's copy, which XLA keeps alive until
@@ -94,9 +96,10 @@ harness.add_model_args(parser, dtypes='float32', steps=3)
 parser.add_argument(
     '--change', default='ordered_dots',
     choices=('ordered_dots', 'lean_activations', 'gelu_in_float32', 'max_pool_slices',
-             'lean_group_norm', 'group_norm_channel_sums', 'lean_attention', 'kernels_recast',
-             'prompt_weight_gradients', 'parameter_gradients_first', 'conv_as_dot', 'bf16_patches',
-             'fused_attention', 'tokens_padded_once', 'mixed_dots', 'no_command_buffers'))
+             'lean_group_norm', 'group_norm_channel_sums', 'lean_attention', 'attention_chunks',
+             'kernels_recast', 'prompt_weight_gradients', 'parameter_gradients_first',
+             'conv_as_dot', 'bf16_patches', 'fused_attention', 'tokens_padded_once', 'mixed_dots',
+             'no_command_buffers'))
 parser.add_argument('--remat', default='', help="one remat policy for both sides ('' off)")
 harness.add_allocator_arg(parser)
 parser.add_argument('--out', default='')
@@ -149,9 +152,11 @@ def _before(change, dtype):
       return _patched(normalization, {'GroupNorm': nn.GroupNorm})
     return _patched(normalization, {'_statistics': _grouped_statistics})
   if change == 'lean_attention':
-    return _patched(attention, {
-        'attend': lambda q, k, v, dtype: attention.values(attention.weights(q, k, dtype), v, dtype)
-    })
+    return _patched(
+        attention,
+        {'core': lambda q, k, v, dtype: attention.values(attention.weights(q, k, dtype), v, dtype)})
+  if change == 'attention_chunks':
+    return _patched(attention, {'batch_chunks': lambda batch, dtype: 1})
   if change == 'kernels_recast':
     return _patched(precision,
                     {'kernel_for_backward': lambda kernel, g, input_size, compute_dtype: kernel})
@@ -276,6 +281,15 @@ def main():
           # drops barriers once it has compiled, so they are counted in the lowered step).
           'barriers': {
               side: step.lowered.as_text().count('optimization_barrier')
+              for side, step in (('before', before), ('after', after))
+          },
+          'compile_s': {
+              'before': before.compile_s,
+              'after': after.compile_s
+          },
+          # The dots in each step (attention_chunks: the core's, once per chunk).
+          'dots': {
+              side: step.lowered.as_text().count('stablehlo.dot_general')
               for side, step in (('before', before), ('after', after))
           },
           # The XLA convolutions left in each step (conv_as_dot makes dots of some).

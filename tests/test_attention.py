@@ -77,8 +77,37 @@ def test_the_compiled_step_plans_less_memory(dtype, fraction, monkeypatch):
   if not attention.recomputes(jnp.dtype(dtype)):
     pytest.skip('the plain attention on this backend')
   lean = planned_memory.vit_step_temporaries_mb(dtype)
-  monkeypatch.setattr(attention, 'attend', _plain)
+  monkeypatch.setattr(attention, 'core', _plain)
   assert lean < fraction * planned_memory.vit_step_temporaries_mb(dtype)
+
+
+def test_float32_on_one_cpu_device_runs_the_core_in_chunks(monkeypatch):
+  monkeypatch.setattr(attention, 'one_cpu_device', lambda: True)
+  chunks = {b: attention.batch_chunks(b, jnp.float32) for b in (1, 6, 7, 9, 12, 32, 256)}
+  assert chunks == {1: 1, 6: 3, 7: 1, 9: 3, 12: 4, 32: 4, 256: 4}  # up to MAX_CHUNKS
+  assert attention.batch_chunks(32, jnp.bfloat16) == 1
+  monkeypatch.setattr(attention, 'one_cpu_device', lambda: False)
+  assert attention.batch_chunks(32, jnp.float32) == 1
+
+
+def test_one_cpu_device_is_the_cpu_backend_with_one_device():
+  # The suite runs on 8 CPU devices (conftest.py), the CLI's journeys on one.
+  assert attention.one_cpu_device() == (jax.default_backend() == 'cpu' and jax.device_count() == 1)
+
+
+def test_the_core_in_chunks_computes_the_core_over_the_whole_batch(monkeypatch):
+  monkeypatch.setattr(attention, 'one_cpu_device', lambda: True)
+  q, k, v, g = _qkv(jnp.float32, b=8)
+  attend = lambda q, k, v: attention.attend(q, k, v, jnp.float32)
+  core = lambda q, k, v: attention.core(q, k, v, jnp.float32)
+  if attention.recomputes(jnp.float32):  # a recomputing core per chunk of 2 examples
+    eqns = jax.make_jaxpr(attend)(q, k, v).jaxpr.eqns
+    assert [e.primitive.name for e in eqns].count('custom_vjp_call') == 4
+  y, vjp = jax.vjp(attend, q, k, v)
+  y_whole, vjp_whole = jax.vjp(core, q, k, v)
+  np.testing.assert_allclose(y, y_whole, rtol=1e-6, atol=1e-6)
+  for ours, theirs in zip(vjp(g), vjp_whole(g)):
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
 
 
 def test_the_weights_are_still_sown_and_attention_dropout_still_applies():

@@ -152,6 +152,17 @@ def test_before_after_gelu_in_float32(tmp_path):
   assert min(r['ratio_per_round']) > 0
 
 
+def test_before_after_attention_chunks(tmp_path):
+  # One block, 4 images: after, the core's 2 forward and 5 backward dots once per image.
+  p = _run('before_after', '--change', 'attention_chunks', '--models', 'ViT-Ti_16', '--batch', '4',
+           '--steps', '1', '--rounds', '1', *TINY, tmp_path=tmp_path)
+  r = p['results'][0]
+  assert p['change'] == 'attention_chunks' and min(r['ratio_per_round']) > 0
+  assert min(r['compile_s'].values()) > 0
+  if jax.default_backend() == 'cpu':  # one CPU device: the core in 4 chunks after
+    assert r['dots']['after'] - r['dots']['before'] == 3 * 7, r['dots']
+
+
 def test_before_after_lean_activations(tmp_path):
   # 257 tokens a block (TINY's 5 are too few for the saved values to make the peak).
   p = _run('before_after', '--change', 'lean_activations', '--models', 'ViT-Ti_16', '--batch', '4',

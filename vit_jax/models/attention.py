@@ -6,7 +6,8 @@ tokens, tokens) in float32, and in a bfloat16 model XLA also keeps their bf16 co
 second dot's operand): 250 of the 870 MiB live at the bf16 ViT-Ti/16 b32 step's peak.
 `attend_recomputing` keeps only its inputs and recomputes the weights in the backward
 pass, as PyTorch's fused attention does; the gradients are autodiff's of the same forward.
-`attend` uses it where it was measured to pay (`recomputes`). Dots are
+`attend` uses it where it was measured to pay (`recomputes`), and in float32 on the CPU
+runs the core over chunks of the batch (`batch_chunks`). Dots are
 precision.py's where it has them (`precision.is_mixed`: bf16 operands, float32 results),
 else XLA's (in a bf16 model on an NVIDIA GPU bf16 results; in float32, ordered
 ones too made the ViT-Ti step 1.02-1.04x flax's against 1.12-1.14x for ordered
@@ -97,11 +98,54 @@ def attend_fused(q, k, v, key_tokens=None, implementation='cudnn'):
   return y[:, :tokens] if padded else y
 
 
-def attend(q, k, v, dtype):
-  """values(weights(q, k), v) for a model computing in `dtype`."""
+# At most this many batch chunks (batch_chunks).
+MAX_CHUNKS = 4
+
+
+def batch_chunks(batch, dtype):
+  """How many equal batch chunks `attend` runs the core in: in float32 on the CPU backend
+  with one device, the largest divisor of `batch` up to MAX_CHUNKS, else 1.
+
+  XLA:CPU runs a batched dot's matrices one after another, as fast on one core as on two
+  (the ViT-Ti/16 b32 logits dot: 57-75 GFLOP/s either way, where a 2048^3 dot runs at 160
+  on two cores and 92 on one), and its memory-optimised schedule runs the core's dots one
+  after another too. Chunks are independent pieces, which its executor runs on both cores
+  at once, each with logits a fraction of the size. On host F's model (benchmarks/
+  README.md, sixty-fourth session) one block's core forward and backward at ViT-Ti/16 b32
+  shapes took 42-49 ms (medians) in 4 chunks against 74-81 in one, and the float32 train
+  steps in 4 chunks ran at medians of 1.06x (ViT-Ti/16 b32, 6 rounds) and 1.05x (ViT-B/16
+  b8, R50+ViT-B/16 b8, 3 rounds each). 8 chunks ran ViT-Ti/16 at about the same speed
+  (medians 1.06-1.08x) with 0.07 GiB more peak RSS (over PyTorch's) and twice the compile
+  time's increase (7.7 -> 11-15 s; 4 chunks 8-11 s). bfloat16, measured nowhere, and
+  several devices, whose batch is sharded, keep one chunk.
+  """
+  if jnp.dtype(dtype) != jnp.float32 or not one_cpu_device():
+    return 1
+  return max(c for c in range(1, MAX_CHUNKS + 1) if batch % c == 0)
+
+
+def one_cpu_device():
+  """Whether the backend is the CPU with one device, which holds the whole batch (chunks of a
+  batch sharded over several would each lie on some of them)."""
+  return jax.default_backend() == 'cpu' and jax.device_count() == 1
+
+
+def core(q, k, v, dtype):
+  """values(weights(q, k), v), recomputing the weights in the backward pass where
+  `recomputes`."""
   if recomputes(dtype):
     return attend_recomputing(q, k, v, dtype)
   return values(weights(q, k, dtype), v, dtype)
+
+
+def attend(q, k, v, dtype):
+  """values(weights(q, k), v) for a model computing in `dtype`: `core`, over
+  `batch_chunks` chunks of the batch."""
+  chunks = batch_chunks(q.shape[0], dtype)
+  if chunks == 1:
+    return core(q, k, v, dtype)
+  pieces = zip(*(jnp.split(x, chunks) for x in (q, k, v)))
+  return jnp.concatenate([core(*piece, dtype) for piece in pieces])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
