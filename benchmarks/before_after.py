@@ -240,6 +240,17 @@ def _bf16_result_dots(stablehlo):
              for line in stablehlo.splitlines())
 
 
+def _per_side(steps, value):
+  """{side: value(its BareStep)} for the sides in `steps` ({side: BareStep})."""
+  return {side: value(step) for side, step in steps.items()}
+
+
+def _count(steps, text):
+  """How often `text` is in each side's lowered step: before XLA's passes, since XLA:CPU
+  drops some ops (barriers) once it has compiled."""
+  return _per_side(steps, lambda step: step.lowered.as_text().count(text))
+
+
 def _gib(value):
   return '?' if value is None else f'{value:.2f}'
 
@@ -267,51 +278,28 @@ def main():
         for side, step in sides if r % 2 == 0 else sides[::-1]:
           img_s[side].append(batch / statistics.median(step.run(args.steps)))
         print(f'{model} b{batch} {dtype}: round {r + 1}/{args.rounds} done', flush=True)
+      steps = {'before': before, 'after': after}
       results.append({
           'model': model,
           'batch': batch,
           'dtype': dtype,
           'img_s': img_s,
           'ratio_per_round': [b / a for a, b in zip(img_s['before'], img_s['after'])],
-          'xla_memory_gib': {
-              'before': before.memory_gib,
-              'after': after.memory_gib
-          },
-          # The (g^T x)^T weight gradients in each step (precision.py's barrier; XLA:CPU
-          # drops barriers once it has compiled, so they are counted in the lowered step).
-          'barriers': {
-              side: step.lowered.as_text().count('optimization_barrier')
-              for side, step in (('before', before), ('after', after))
-          },
-          'compile_s': {
-              'before': before.compile_s,
-              'after': after.compile_s
-          },
+          'xla_memory_gib': _per_side(steps, lambda step: step.memory_gib),
+          'compile_s': _per_side(steps, lambda step: step.compile_s),
+          # The (g^T x)^T weight gradients in each step (precision.py's barrier).
+          'barriers': _count(steps, 'optimization_barrier'),
           # The dots in each step (attention_chunks: the core's, once per chunk).
-          'dots': {
-              side: step.lowered.as_text().count('stablehlo.dot_general')
-              for side, step in (('before', before), ('after', after))
-          },
+          'dots': _count(steps, 'stablehlo.dot_general'),
           # The XLA convolutions left in each step (conv_as_dot makes dots of some).
-          'convolutions': {
-              side: step.lowered.as_text().count('stablehlo.convolution')
-              for side, step in (('before', before), ('after', after))
-          },
+          'convolutions': _count(steps, 'stablehlo.convolution'),
           # The reduce-windows (max_pool_slices: nn.max_pool's, before only on the CPU).
-          'reduce_windows': {
-              side: step.lowered.as_text().count('stablehlo.reduce_window')
-              for side, step in (('before', before), ('after', after))
-          },
+          'reduce_windows': _count(steps, 'stablehlo.reduce_window'),
           # cuDNN's fused attention calls (fused_attention: one per block, after only).
-          'fused_attention_calls': {
-              side: step.lowered.as_text().count('cudnn$fmha')
-              for side, step in (('before', before), ('after', after))
-          },
+          'fused_attention_calls': _count(steps, 'cudnn$fmha'),
           # The dots with bfloat16 results (mixed_dots: precision.py's have float32 ones).
-          'bf16_result_dots': {
-              side: _bf16_result_dots(step.lowered.as_text())
-              for side, step in (('before', before), ('after', after))
-          }
+          'bf16_result_dots': _per_side(steps,
+                                        lambda step: _bf16_result_dots(step.lowered.as_text()))
       })
   load_end = harness.loadavg()
   rows = [[
