@@ -109,10 +109,11 @@ def batch_chunks(batch, dtype):
   XLA:CPU runs a batched dot's matrices one after another, as fast on one core as on two
   (the ViT-Ti/16 b32 logits dot: 57-75 GFLOP/s either way, where a 2048^3 dot runs at 160
   on two cores and 92 on one), and its memory-optimised schedule runs the core's dots one
-  after another too. Chunks are independent pieces, which its executor runs on both cores
-  at once, each with logits a fraction of the size. On host F's model (benchmarks/
-  README.md, sixty-fourth session) one block's core forward and backward at ViT-Ti/16 b32
-  shapes took 42-49 ms (medians) in 4 chunks against 74-81 in one, and the float32 train
+  after another too. Chunks are independent pieces, each with logits a fraction of the
+  size. On host F's model (benchmarks/README.md, sixty-fourth session) one block's core
+  forward and backward at ViT-Ti/16 b32 shapes took 42-49 ms (medians) in 4 chunks against
+  74-81 in one (89-96 against 109-138 pinned to one core), but inside the step the executor
+  runs the forward chunks one after another (sixty-fifth session), and the float32 train
   steps in 4 chunks ran at medians of 1.06x (ViT-Ti/16 b32, 6 rounds) and 1.05x (ViT-B/16
   b8, R50+ViT-B/16 b8, 3 rounds each). 8 chunks ran ViT-Ti/16 at about the same speed
   (medians 1.06-1.08x) with 0.07 GiB more peak RSS (over PyTorch's) and twice the compile
