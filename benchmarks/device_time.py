@@ -29,11 +29,17 @@ streams may overlap), so each of vit_jax's ops is charged its share of the wall 
 moment split among the ops running then (`wall_shares`); the table's 'concurrency' is their
 summed durations over those shares. PyTorch's CPU operators run one at a time; its CUDA
 kernels are counted by duration. The traced steps' wall time is printed beside.
+Then each side's dots by shape, (batch x) M x K x N: vit_jax's from the HLO (a fusion's dots
+together: YNNPACK fuses the attention core's two), PyTorch's CPU matmul operators from
+torch.profiler's input shapes (its CUDA kernels carry none): how many per step, their FLOPs,
+the time charged to them as above, and GFLOP/s over the time each ran, so that the same
+matrix product can be compared across the two sides.
 """
 import argparse
 import collections
 import glob
 import json
+import math
 import os
 import re
 import shutil
@@ -71,9 +77,11 @@ _LAYOUT_OPS = {
 }
 
 
-def hlo_kinds(hlo_text):
-  """{instruction name: kind} for every instruction of an optimised HLO module's text."""
-  bodies, lines, current = collections.defaultdict(list), {}, None
+def parse_hlo(hlo_text):
+  """({computation: [(opcode, text after ' = ')]}, {instruction: (opcode, text)},
+  {instruction: its computation}) of an optimised HLO module's text (instruction names are
+  unique in the module)."""
+  bodies, lines, where, current = collections.defaultdict(list), {}, {}, None
   for line in hlo_text.splitlines():
     if line.rstrip().endswith('{') and ' = ' not in line:
       current = line.split()[1 if line.startswith('ENTRY') else 0].lstrip('%')
@@ -83,6 +91,13 @@ def hlo_kinds(hlo_text):
       op = _OPCODE.search(m.group(2))
       lines[m.group(1)] = (op.group(1) if op else '', m.group(2))
       bodies[current].append(lines[m.group(1)])
+      where[m.group(1)] = current
+  return bodies, lines, where
+
+
+def hlo_kinds(hlo_text):
+  """{instruction name: kind} for every instruction of an optimised HLO module's text."""
+  bodies, lines, _ = parse_hlo(hlo_text)
 
   def kind(opcode, rest):
     """By what the instruction computes: an operand's name (gemm_fusion.3) says nothing. A
@@ -124,6 +139,88 @@ def hlo_kinds(hlo_text):
     return 'other'
 
   return {name: kind(*v) for name, v in lines.items()}
+
+
+_SHAPE = re.compile(r'\b[a-z]+\d*\[([\d,]*)\]')
+_DOT_OPERANDS = re.compile(r'\b(?:dot|custom-call)\(([^)]*)\)')
+
+
+def _dims(rest, name):
+  """The dimension numbers `name` of a dot (lhs_contracting_dims={1}) or of a cuBLAS call's
+  backend config ("lhs_contracting_dimensions":["1"]), as a tuple of ints."""
+  m = (re.search(name + r'_dims=\{([\d,]*)\}', rest)
+       or re.search(f'"{name}_dimensions":\\[([\\d",]*)\\]', rest))
+  return tuple(int(d) for d in m.group(1).replace('"', '').split(',') if d) if m else ()
+
+
+def _dot_shape(rest, lines):
+  """(batch, M, K, N) of one dot: the product of its batch dimensions, of the left operand's
+  free ones, of the contracted ones and of the right operand's free ones; None where the
+  operands' shapes cannot be read."""
+  operands = _DOT_OPERANDS.search(rest)
+  names = [o.split()[-1].lstrip('%') for o in operands.group(1).split(',')] if operands else []
+  if len(names) < 2 or any(n not in lines for n in names[:2]):
+    return None
+  lhs, rhs = (
+      [int(d) for d in _SHAPE.search(lines[n][1]).group(1).split(',') if d] for n in names[:2])
+  prod = lambda dims, shape: math.prod(shape[d] for d in dims)
+  lb, lc, rb, rc = (
+      _dims(rest, f'{side}_{what}') for side in ('lhs', 'rhs') for what in ('batch', 'contracting'))
+  if not lc:  # a gemm call whose dimension numbers are not in its text
+    return None
+  free = lambda shape, used: math.prod(d for i, d in enumerate(shape) if i not in used)
+  return (prod(lb, lhs), free(lhs, lb + lc), prod(lc, lhs), free(rhs, rb + rc))
+
+
+def hlo_dots(hlo_text):
+  """{instruction name: [(batch, M, K, N), ...]} for each instruction of an optimised HLO
+  module's text that runs dots: a dot, a cuBLAS gemm call, a fusion with dots in it (all of
+  them: YNNPACK fuses the attention core's two with the softmax between). A dot's FLOPs are
+  2 batch M K N. The dots inside fusions are not listed themselves."""
+  bodies, lines, where = parse_hlo(hlo_text)
+
+  def shapes(opcode, rest):
+    if opcode == 'dot' or (opcode == 'custom-call' and re.search(
+        r'custom_call_target="[^"]*(gemm|matmul)', rest, re.IGNORECASE)):
+      shape = _dot_shape(rest, lines)
+      return [shape] if shape else []
+    calls = _CALLS.search(rest) if opcode == 'fusion' else None
+    return [s for o, r in bodies.get(calls.group(1), []) for s in shapes(o, r)] if calls else []
+
+  fused = {
+      m.group(1) for body in bodies.values() for opcode, rest in body if opcode == 'fusion'
+      for m in [_CALLS.search(rest)] if m
+  }
+  found = {name: shapes(*v) for name, v in lines.items() if where[name] not in fused}
+  return {name: dots for name, dots in found.items() if dots}
+
+
+def dot_label(dots):
+  """'6304x192x768' (M x K x N) for a dot, '24 x 197x64x197' with a batch; a fusion's dots
+  joined by ' + '."""
+  return ' + '.join((f'{b} x ' if b > 1 else '') + f'{m}x{k}x{n}' for b, m, k, n in dots)
+
+
+def dot_table(durations, steps):
+  """[{dots, per_step, ms_per_step, gflops_per_s, ...}] by dot label, the most time first:
+  `durations` are (label, FLOPs, ms charged, ms running) of each traced dot op or operator.
+  GFLOP/s are of the time each ran (not its share of the wall time)."""
+  rows = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+  for label, flops, charged, running in durations:
+    row = rows[label]
+    row[0] += 1
+    row[1] += flops
+    row[2] += charged
+    row[3] += running
+  table = [{
+      'dots': label,
+      'per_step': n / steps,
+      'gflop_per_step': flops / 1e9 / steps,
+      'ms_per_step': charged / steps,
+      'running_ms_per_step': running / steps,
+      'gflops_per_s': flops / 1e6 / running if running else 0.0,
+  } for label, (n, flops, charged, running) in rows.items()]
+  return sorted(table, key=lambda r: -r['ms_per_step'])
 
 
 def trace_events(xplane_path, module):
@@ -176,7 +273,7 @@ def vit_jax_side(name, batch, dtype):
   step = bare_step.BareStep(config)
   text = step.compiled.as_text()
   module = re.search(r'HloModule ([\w.\-]+)', text).group(1)
-  kinds = hlo_kinds(text)
+  kinds, dots = hlo_kinds(text), hlo_dots(text)
   step.run(args.warmup)
   logdir = tempfile.mkdtemp(prefix='device_time_')
   jax.profiler.start_trace(logdir)
@@ -188,8 +285,11 @@ def vit_jax_side(name, batch, dtype):
   events = trace_events(path, module)
   shutil.rmtree(logdir)
   shares = wall_shares([(start, end) for _, _, start, end in events])
-  per_op, op_kind = collections.Counter(), {}
-  for (op, kernel, _, _), ns in zip(events, shares):
+  per_op, op_kind, dot_durations = collections.Counter(), {}, []
+  for (op, kernel, start, end), ns in zip(events, shares):
+    if op in dots:
+      flops = sum(2 * b * m * k * n for b, m, k, n in dots[op])
+      dot_durations.append((dot_label(dots[op]), flops, ns / 1e6, (end - start) / 1e6))
     key = op or f'kernel {kernel[:80]}'
     per_op[key] += ns / 1e6 / args.steps
     op_kind[key] = kinds[op] if op in kinds else kernel_kind(kernel)
@@ -207,6 +307,7 @@ def vit_jax_side(name, batch, dtype):
       'ms_per_step': dict(per_kind),
       'concurrency': busy / max(sum(per_kind.values()), 1e-9),
       'top': [(op, op_kind[op], ms) for op, ms in per_op.most_common(args.top)],
+      'dots': dot_table(dot_durations, args.steps),
       'machine': machine,
   }
 
@@ -252,6 +353,21 @@ def aten_kind(name):
   return next((kind for pattern, kind in _ATEN_KINDS if re.search(pattern, name.lower())), 'other')
 
 
+def torch_dot(name, input_shapes):
+  """(batch, M, K, N) of a PyTorch CPU matmul operator (torch.profiler's name and input
+  shapes), else None."""
+  operands = {
+      'aten::mm': (0, 1),
+      'aten::addmm': (1, 2),
+      'aten::bmm': (0, 1),
+      'aten::baddbmm': (1, 2)
+  }.get(name)
+  if operands is None:
+    return None
+  lhs, rhs = (input_shapes[i] for i in operands)
+  return (lhs[0] if len(lhs) == 3 else 1, lhs[-2], lhs[-1], rhs[-1])
+
+
 def torch_side(name, batch, dtype):
   """timm's step (or torch_vit.py's minimal ViT where timm does not import, on the CPU only)
   under torch.profiler: on a CUDA GPU its kernels, on the CPU each operator's self time."""
@@ -276,12 +392,12 @@ def torch_side(name, batch, dtype):
   for _ in range(args.warmup):
     step()
   activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
-  with torch.profiler.profile(activities=[activity]) as prof:
+  with torch.profiler.profile(activities=[activity], record_shapes=not cuda) as prof:
     wall = time.perf_counter()
     for _ in range(args.steps):
       step()
     wall = time.perf_counter() - wall
-  per_op = collections.Counter()
+  per_op, dot_durations = collections.Counter(), []
   if cuda:
     for e in prof.profiler.kineto_results.events():
       if e.device_type() == torch.autograd.DeviceType.CUDA:
@@ -289,6 +405,11 @@ def torch_side(name, batch, dtype):
   else:
     for e in prof.key_averages():
       per_op[e.key] += e.self_cpu_time_total / 1e3 / args.steps
+    for e in prof.key_averages(group_by_input_shape=True):
+      dot = torch_dot(e.key, e.input_shapes)
+      if dot:  # count operators of one shape, so each's time is its average
+        ms = e.self_cpu_time_total / 1e3 / e.count
+        dot_durations += [(dot_label([dot]), 2 * math.prod(dot), ms, ms)] * e.count
   classify = kernel_kind if cuda else aten_kind
   per_kind = collections.Counter()
   for op, ms in per_op.items():
@@ -301,6 +422,7 @@ def torch_side(name, batch, dtype):
       'wall_ms_per_step': 1e3 * wall / args.steps,
       'ms_per_step': dict(per_kind),
       'top': [(k[:90], classify(k), ms) for k, ms in per_op.most_common(args.top)],
+      'dots': dot_table(dot_durations, args.steps),
   }
 
 
@@ -359,6 +481,16 @@ def main():
         print(
             harness.markdown_table(['op / kernel', 'kind', 'ms/step'],
                                    [(o, k, f'{ms:.3f}') for o, k, ms in row[s]['top']]))
+      for s in sides:
+        if row[s]['dots']:
+          print(f'\ndots of {row[s]["impl"]} by shape ([batch x] M x K x N; ms/step charged '
+                'as above, GFLOP/s of the time each ran):')
+          print(
+              harness.markdown_table(
+                  ['dots', 'per step', 'GFLOP/step', 'ms/step', 'GFLOP/s'],
+                  [(d['dots'], f'{d["per_step"]:g}', f'{d["gflop_per_step"]:.3f}',
+                    f'{d["ms_per_step"]:.3f}', f'{d["gflops_per_s"]:.1f}')
+                   for d in row[s]['dots'][:args.top]]))
   harness.write_json(args.out, {
       'results': results,
       'loadavg_start': load_start,

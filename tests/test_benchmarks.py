@@ -2,6 +2,7 @@
 no script shadows a vit_jax module."""
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -330,6 +331,11 @@ def test_device_time(tmp_path):
   assert side['ms_per_step']['matmul'] > 0 and side['ms_per_step']['elementwise fusion'] > 0
   assert sum(side['ms_per_step'].values()) < side['wall_ms_per_step']
   assert side['gpu_memory'] == '' and len(side['top']) == 12 and side['concurrency'] > 0.999
+  # Its dots by shape: the attention core's batched ones among them (a chunk of one image's 2
+  # heads, TINY's 5 tokens of head size 24), every one of them timed.
+  labels = [d['dots'] for d in side['dots']]
+  assert any(label.startswith('2 x 5x24x5') for label in labels), labels
+  assert all(d['gflops_per_s'] > 0 and d['per_step'] >= 1 for d in side['dots'])
 
 
 def test_device_time_beside_pytorch_on_the_cpu(tmp_path):
@@ -489,6 +495,49 @@ def test_device_time_kinds(monkeypatch):
       'Optimizer.step#SGD.step': 'other',
   }
   assert {n: device_time.aten_kind(n) for n in operators} == operators
+
+
+def test_device_time_dots(monkeypatch):
+  # Each dot as (batch, M, K, N), read from the compiled program's HLO: a plain dot, its two
+  # gradients (a transposed operand each) and a batched dot all have their FLOPs.
+  device_time = _device_time_module(monkeypatch)
+
+  def loss(x, w, q, k):
+    return (x @ w).sum() + jnp.einsum('bqd,bkd->bqk', q, k).sum()
+
+  shapes = [(64, 32), (32, 48), (4, 16, 8), (4, 24, 8)]
+  args = [jnp.ones(s, jnp.float32) for s in shapes]
+  forward = device_time.hlo_dots(jax.jit(loss).lower(*args).compile().as_text())
+  assert sorted(d for dots in forward.values() for d in dots) == [(1, 64, 32, 48), (4, 16, 8, 24)]
+  gradients = jax.jit(jax.grad(lambda x, w: (x @ w * x[:, :1]).sum(), argnums=(0, 1)))
+  dots = device_time.hlo_dots(gradients.lower(*args[:2]).compile().as_text())
+  flops = sorted(2 * math.prod(d) for dots in dots.values() for d in dots)
+  assert flops == [2 * 64 * 32 * 48] * 3  # forward, input gradient, weight gradient
+  # XLA:GPU: a Triton gemm fusion and a cuBLAS call with its dimension numbers; a call
+  # without them is left out rather than guessed.
+  cublas = ('  %custom-call.9 = (f32[4,8]{1,0}, s8[1024]{0}) custom-call(%p0, %p1), '
+            'custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":'
+            '{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],'
+            '"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],'
+            '"rhs_batch_dimensions":[]}}}')
+  gpu = device_time.hlo_dots(GPU_HLO.replace('  %custom-call.4', cublas + '\n  %custom-call.4'))
+  assert gpu == {'gemm_fusion_dot.5': [(1, 4, 16, 8)], 'custom-call.9': [(1, 4, 16, 8)]}
+  assert device_time.dot_label([(24, 197, 64, 197),
+                                (1, 6304, 192, 768)]) == '24 x 197x64x197 + 6304x192x768'
+  # PyTorch's CPU matmul operators, by torch.profiler's input shapes (addmm: bias first).
+  assert device_time.torch_dot('aten::addmm', [[16], [10, 32], [32, 16], [], []]) == (1, 10, 32, 16)
+  assert device_time.torch_dot('aten::mm', [[16, 10], [10, 32]]) == (1, 16, 10, 32)
+  assert device_time.torch_dot('aten::bmm', [[6, 5, 8], [6, 8, 5]]) == (6, 5, 8, 5)
+  assert device_time.torch_dot('aten::add', [[6, 5], [6, 5]]) is None
+  # One row per shape: the count, FLOPs and time per step, the rate of the time each ran.
+  table = device_time.dot_table([('a', 4e9, 10.0, 20.0), ('a', 4e9, 10.0, 20.0),
+                                 ('b', 1e9, 30.0, 30.0)], steps=2)
+  assert table == [
+      dict(dots='b', per_step=0.5, gflop_per_step=0.5, ms_per_step=15.0, running_ms_per_step=15.0,
+           gflops_per_s=pytest.approx(1e9 / 1e6 / 30.0)),
+      dict(dots='a', per_step=1.0, gflop_per_step=4.0, ms_per_step=10.0, running_ms_per_step=20.0,
+           gflops_per_s=pytest.approx(8e9 / 1e6 / 40.0)),
+  ]
 
 
 def test_device_time_wall_shares(monkeypatch):
