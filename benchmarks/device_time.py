@@ -204,7 +204,8 @@ def dot_label(dots):
 def dot_table(durations, steps):
   """[{dots, per_step, ms_per_step, gflops_per_s, ...}] by dot label, the most time first:
   `durations` are (label, FLOPs, ms charged, ms running) of each traced dot op or operator.
-  GFLOP/s are of the time each ran (not its share of the wall time)."""
+  GFLOP/s over the time charged (comparable across sides: the charges add up to the wall
+  time) and over the time each ran (where thunks run at once, each runs slower than alone)."""
   rows = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
   for label, flops, charged, running in durations:
     row = rows[label]
@@ -218,6 +219,7 @@ def dot_table(durations, steps):
       'gflop_per_step': flops / 1e9 / steps,
       'ms_per_step': charged / steps,
       'running_ms_per_step': running / steps,
+      'gflops_per_s_charged': flops / 1e6 / charged if charged else 0.0,
       'gflops_per_s': flops / 1e6 / running if running else 0.0,
   } for label, (n, flops, charged, running) in rows.items()]
   return sorted(table, key=lambda r: -r['ms_per_step'])
@@ -484,13 +486,13 @@ def main():
       for s in sides:
         if row[s]['dots']:
           print(f'\ndots of {row[s]["impl"]} by shape ([batch x] M x K x N; ms/step charged '
-                'as above, GFLOP/s of the time each ran):')
+                'as above; GFLOP/s over that and over the time each ran):')
           print(
-              harness.markdown_table(
-                  ['dots', 'per step', 'GFLOP/step', 'ms/step', 'GFLOP/s'],
-                  [(d['dots'], f'{d["per_step"]:g}', f'{d["gflop_per_step"]:.3f}',
-                    f'{d["ms_per_step"]:.3f}', f'{d["gflops_per_s"]:.1f}')
-                   for d in row[s]['dots'][:args.top]]))
+              harness.markdown_table([
+                  'dots', 'per step', 'GFLOP/step', 'ms/step', 'GFLOP/s charged', 'GFLOP/s running'
+              ], [(d['dots'], f'{d["per_step"]:g}', f'{d["gflop_per_step"]:.3f}',
+                   f'{d["ms_per_step"]:.3f}', f'{d["gflops_per_s_charged"]:.1f}',
+                   f'{d["gflops_per_s"]:.1f}') for d in row[s]['dots'][:args.top]]))
   harness.write_json(args.out, {
       'results': results,
       'loadavg_start': load_start,

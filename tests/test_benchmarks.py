@@ -534,8 +534,10 @@ def test_device_time_dots(monkeypatch):
                                  ('b', 1e9, 30.0, 30.0)], steps=2)
   assert table == [
       dict(dots='b', per_step=0.5, gflop_per_step=0.5, ms_per_step=15.0, running_ms_per_step=15.0,
+           gflops_per_s_charged=pytest.approx(1e9 / 1e6 / 30.0),
            gflops_per_s=pytest.approx(1e9 / 1e6 / 30.0)),
       dict(dots='a', per_step=1.0, gflop_per_step=4.0, ms_per_step=10.0, running_ms_per_step=20.0,
+           gflops_per_s_charged=pytest.approx(8e9 / 1e6 / 20.0),
            gflops_per_s=pytest.approx(8e9 / 1e6 / 40.0)),
   ]
 
