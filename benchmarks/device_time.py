@@ -32,8 +32,8 @@ kernels are counted by duration. The traced steps' wall time is printed beside.
 Then each side's dots by shape, (batch x) M x K x N: vit_jax's from the HLO (a fusion's dots
 together: YNNPACK fuses the attention core's two), PyTorch's CPU matmul operators from
 torch.profiler's input shapes (its CUDA kernels carry none): how many per step, their FLOPs,
-the time charged to them as above, and GFLOP/s over the time each ran, so that the same
-matrix product can be compared across the two sides.
+the time charged to them as above, and GFLOP/s over that charge (which compares across the
+two sides) and over the time each ran.
 """
 import argparse
 import collections
