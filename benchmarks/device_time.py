@@ -29,6 +29,9 @@ streams may overlap), so each of vit_jax's ops is charged its share of the wall 
 moment split among the ops running then (`wall_shares`); the table's 'concurrency' is their
 summed durations over those shares. PyTorch's CPU operators run one at a time; its CUDA
 kernels are counted by duration. The traced steps' wall time is printed beside.
+Beside PyTorch, vit_jax's speed over PyTorch's from the two traced walls, and what it would
+be with vit_jax's time in one kind of work, then in every kind but the matmuls, cut to
+PyTorch's (`ratios_if`): how far work outside the dense dots could take the step.
 Then each side's dots by shape, (batch x) M x K x N: vit_jax's from the HLO (a fusion's dots
 together: YNNPACK fuses the attention core's two), PyTorch's CPU matmul operators from
 torch.profiler's input shapes (its CUDA kernels carry none): how many per step, their FLOPs,
@@ -223,6 +226,23 @@ def dot_table(durations, steps):
       'gflops_per_s': flops / 1e6 / running if running else 0.0,
   } for label, (n, flops, charged, running) in rows.items()]
   return sorted(table, key=lambda r: -r['ms_per_step'])
+
+
+def ratios_if(vit_jax, torch):
+  """[(what, vit_jax's step speed over PyTorch's)] from the two traces: as traced, then with
+  vit_jax's time in one kind of work replaced by PyTorch's (each kind where vit_jax's is
+  longer), then with every kind but the matmuls at the shorter side's time: the most that
+  work outside the dense dots could give while the matmuls take what they took. Each side's
+  kinds are its own (the hybrid's 1x1 convolutions are dots in vit_jax, convolutions in
+  PyTorch), so a kind's row is an estimate; the last one bounds what the trace can say."""
+  mine, theirs = vit_jax['ms_per_step'], torch['ms_per_step']
+  wall, target = vit_jax['wall_ms_per_step'], torch['wall_ms_per_step']
+  over = {k: mine.get(k, 0.0) - theirs.get(k, 0.0) for k in KINDS}
+  rows = [('as traced', target / wall)]
+  rows += [(f'{k} at PyTorch\'s time', target / (wall - over[k])) for k in KINDS if over[k] > 0]
+  rows.append(('every kind but matmul at the shorter time', target /
+               (wall - sum(max(over[k], 0.0) for k in KINDS if k != 'matmul'))))
+  return rows
 
 
 def trace_events(xplane_path, module):
@@ -478,6 +498,12 @@ def main():
       print(harness.markdown_table(header, table))
       print(f'vit_jax {row["vit_jax"]["host_allocator"]}; XLA_FLAGS='
             f'{row["vit_jax"]["machine"]["xla_flags"] or "(none)"}')
+      if 'torch' in row:
+        row['ratios_if'] = ratios_if(row['vit_jax'], row['torch'])
+        print('\nvit_jax / PyTorch speed from the traced walls, if vit_jax took PyTorch\'s time:')
+        print(
+            harness.markdown_table(['vit_jax\'s time', 'ratio'],
+                                   [(w, f'{r:.3f}') for w, r in row['ratios_if']]))
       for s in sides:
         print(f'\nlongest of {row[s]["impl"]}:')
         print(

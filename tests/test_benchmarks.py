@@ -351,6 +351,12 @@ def test_device_time_beside_pytorch_on_the_cpu(tmp_path):
   for kind in ('matmul', 'attention', 'convolution', 'reduction fusion', 'elementwise fusion'):
     assert side['ms_per_step'][kind] > 0, kind
   assert sum(side['ms_per_step'].values()) < side['wall_ms_per_step']
+  # The speed ratio from the traced walls, and its bound with the matmuls as they ran.
+  (first, traced), *_, (last, bound) = p['results'][0]['ratios_if']
+  assert first == 'as traced' and last == 'every kind but matmul at the shorter time'
+  assert traced == pytest.approx(side['wall_ms_per_step']
+                                 / p['results'][0]['vit_jax']['wall_ms_per_step'])
+  assert bound >= traced
 
 
 @pytest.mark.parametrize('script, flags', [('device_time', ['--torch', 'none']), ('vs_pytorch', []),
@@ -540,6 +546,28 @@ def test_device_time_dots(monkeypatch):
            gflops_per_s_charged=pytest.approx(8e9 / 1e6 / 20.0),
            gflops_per_s=pytest.approx(8e9 / 1e6 / 40.0)),
   ]
+
+
+def test_device_time_ratios_if(monkeypatch):
+  # vit_jax 100 ms (matmul 60, attention 30, elementwise 6) against PyTorch's 90 (matmul 52,
+  # attention 20, elementwise 10): vit_jax is slower in matmul and attention; the bound keeps
+  # its matmuls and cuts only the attention (its faster elementwise work stays).
+  device_time = _device_time_module(monkeypatch)
+  kinds = ('matmul', 'attention', 'elementwise fusion')
+  mine = dict(wall_ms_per_step=100.0, ms_per_step=dict(zip(kinds, (60.0, 30.0, 6.0))))
+  theirs = dict(wall_ms_per_step=90.0, ms_per_step=dict(zip(kinds, (52.0, 20.0, 10.0))))
+  rows = device_time.ratios_if(mine, theirs)
+  assert [w for w, _ in rows] == [
+      'as traced', "matmul at PyTorch's time", "attention at PyTorch's time",
+      'every kind but matmul at the shorter time'
+  ]
+  assert [r for _, r in rows] == pytest.approx([0.9, 90 / 92, 1.0, 1.0])
+  theirs['ms_per_step']['copy/layout'] = 5.0  # only PyTorch's: no row, nothing to cut
+  mine['ms_per_step']['convolution'] = 12.0
+  rows = dict(device_time.ratios_if(mine, theirs))
+  assert "copy/layout at PyTorch's time" not in rows
+  assert rows["convolution at PyTorch's time"] == pytest.approx(90 / 88)
+  assert rows['every kind but matmul at the shorter time'] == pytest.approx(90 / 78)
 
 
 def test_device_time_wall_shares(monkeypatch):
