@@ -40,6 +40,7 @@ two sides) and over the time each ran.
 """
 import argparse
 import collections
+import functools
 import glob
 import json
 import math
@@ -80,6 +81,8 @@ _LAYOUT_OPS = {
 }
 
 
+# hlo_kinds and hlo_dots read the same step's text: it is parsed once (callers only read).
+@functools.lru_cache(maxsize=1)
 def parse_hlo(hlo_text):
   """({computation: [(opcode, text after ' = ')]}, {instruction: (opcode, text)},
   {instruction: its computation}) of an optimised HLO module's text (instruction names are
