@@ -92,6 +92,12 @@ def run_loop(config, tmp):
   return steps * args.batch / (t_last - t_first), (cpu_last - cpu_first) / steps, steps, wall, own
 
 
+def cpu_over_bare(loop_cpu, bare_cpu):
+  """The loop's CPU seconds per step over the bare step's, per round, as signed percentages:
+  median (min–max)."""
+  return harness.fmt_range([lc / bc - 1 for lc, bc in zip(loop_cpu, bare_cpu)], '+.1%')
+
+
 def main():
   bare_step.setup(1, (args.dtype,))
   load_start = harness.loadavg()
@@ -185,8 +191,7 @@ def main():
               f'{r:.2f}' for _, r in own)
       ] for i, (a, b, c, lc, bc,
                 own) in enumerate(zip(loop_rates, bare_rates, ratio, loop_cpu, bare_cpu, logs))]))
-  extra = [lc / bc - 1 for lc, bc in zip(loop_cpu, bare_cpu)]
-  print(f'\nloop CPU time per step over the bare step\'s: +{harness.fmt_range(extra, ".1%")} '
+  print(f'\nloop CPU time per step over the bare step\'s: {cpu_over_bare(loop_cpu, bare_cpu)} '
         '(with the step using every core, the loop can be at most that much slower; less '
         'where it fills cores the step leaves idle)')
   print(f'\nloop / bare: median {med:.3f} (min {min(ratio):.3f}, max {max(ratio):.3f}); '

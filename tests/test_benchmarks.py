@@ -97,6 +97,12 @@ def test_loop(tmp_path):
   assert p['normal_priority_img_s_per_round'][0] > 0
 
 
+def test_loop_cpu_over_bare(monkeypatch):
+  # A loop that used less CPU than the bare step reads as a minus, not as '+-'.
+  loop = _benchmark_module(monkeypatch, 'loop')
+  assert loop.cpu_over_bare([0.9, 1.03, 2.0], [1.0, 1.0, 2.0]) == '+0.0% (-10.0%–+3.0%)'
+
+
 def test_input_speed(tmp_path):
   p = _run('input_speed', '--images', '16', '--jpeg_size', '40,48', '--batch', '4', '--batches',
            '2', '--rounds', '1', '--image_size', '32', tmp_path=tmp_path)
@@ -372,11 +378,12 @@ def test_a_bad_allocator_is_refused_in_one_line(script, flags):
       'system, or the path of a libjemalloc.so.2')
 
 
-def _device_time_module(monkeypatch):
-  monkeypatch.setattr(sys, 'argv', ['device_time.py'])
+def _benchmark_module(monkeypatch, name):
+  """benchmarks/<name>.py imported as a module, its flags at their defaults."""
+  monkeypatch.setattr(sys, 'argv', [f'{name}.py'])
   monkeypatch.syspath_prepend(os.path.join(REPO, 'benchmarks'))
-  spec = importlib.util.spec_from_file_location('device_time',
-                                                os.path.join(REPO, 'benchmarks', 'device_time.py'))
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, 'benchmarks',
+                                                                   f'{name}.py'))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -433,7 +440,7 @@ GPU_HLO = '\n'.join([
 
 
 def test_device_time_kinds(monkeypatch):
-  device_time = _device_time_module(monkeypatch)
+  device_time = _benchmark_module(monkeypatch, 'device_time')
   kinds = device_time.hlo_kinds(GPU_HLO)
   assert {
       op: kinds[op] for op in ('gemm_fusion_dot.5', 'custom-call.3', 'custom-call.4',
@@ -506,7 +513,7 @@ def test_device_time_kinds(monkeypatch):
 def test_device_time_dots(monkeypatch):
   # Each dot as (batch, M, K, N), read from the compiled program's HLO: a plain dot, its two
   # gradients (a transposed operand each) and a batched dot all have their FLOPs.
-  device_time = _device_time_module(monkeypatch)
+  device_time = _benchmark_module(monkeypatch, 'device_time')
 
   def loss(x, w, q, k):
     return (x @ w).sum() + jnp.einsum('bqd,bkd->bqk', q, k).sum()
@@ -552,7 +559,7 @@ def test_device_time_ratios_if(monkeypatch):
   # vit_jax 100 ms (matmul 60, attention 30, elementwise 6) against PyTorch's 90 (matmul 52,
   # attention 20, elementwise 10): vit_jax is slower in matmul and attention; the bound keeps
   # its matmuls and cuts only the attention (its faster elementwise work stays).
-  device_time = _device_time_module(monkeypatch)
+  device_time = _benchmark_module(monkeypatch, 'device_time')
   kinds = ('matmul', 'attention', 'elementwise fusion')
   mine = dict(wall_ms_per_step=100.0, ms_per_step=dict(zip(kinds, (60.0, 30.0, 6.0))))
   theirs = dict(wall_ms_per_step=90.0, ms_per_step=dict(zip(kinds, (52.0, 20.0, 10.0))))
@@ -572,6 +579,6 @@ def test_device_time_ratios_if(monkeypatch):
 
 def test_device_time_wall_shares(monkeypatch):
   # Two thunks at once share the time both ran; alone, a thunk has all of its time.
-  device_time = _device_time_module(monkeypatch)
+  device_time = _benchmark_module(monkeypatch, 'device_time')
   assert device_time.wall_shares([(0, 10), (5, 15), (20, 22)]) == [7.5, 7.5, 2.0]
   assert device_time.wall_shares([(0, 10), (0, 10), (0, 10)]) == pytest.approx([10 / 3] * 3)
