@@ -117,8 +117,10 @@ def batch_chunks(batch, dtype):
   steps in 4 chunks ran at medians of 1.06x (ViT-Ti/16 b32, 6 rounds) and 1.05x (ViT-B/16
   b8, R50+ViT-B/16 b8, 3 rounds each). 8 chunks ran ViT-Ti/16 at about the same speed
   (medians 1.06-1.08x) with 0.07 GiB more peak RSS (over PyTorch's) and twice the compile
-  time's increase (7.7 -> 11-15 s; 4 chunks 8-11 s). bfloat16, measured nowhere, and
-  several devices, whose batch is sharded, keep one chunk.
+  time's increase (7.7 -> 11-15 s; 4 chunks 8-11 s). On host C's model (Zen 4, sixty-eighth
+  session) the float32 chunks ran the step at a median of 0.99x (ViT-Ti/16, 10 rounds) and
+  1.02x (ViT-B/16, 4): no loss. bfloat16 keeps one chunk: there 4 chunks ran ViT-B/16 b8 at
+  0.84-0.92x. Several devices, whose batch is sharded, keep one chunk too.
   """
   if jnp.dtype(dtype) != jnp.float32 or not one_cpu_device():
     return 1
