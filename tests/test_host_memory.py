@@ -2,11 +2,13 @@
 compilation; under jemalloc, TemporariesWait holds the loop until a step's temporaries are
 freed."""
 import logging
+import math
 import os
 import subprocess
 import sys
 import time
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -156,3 +158,21 @@ def test_under_jemalloc_the_wait_ends_when_the_memory_is_freed():
   enabled, give_ups, waited_s = _wait_in_child(env)
   assert enabled and give_ups == 0
   assert 0.02 <= waited_s < 0.05  # the 30 ms the memory was held, less the thread's start
+
+
+def test_drop_traces_empties_the_trace_caches_and_keeps_the_compiled_step():
+  # The loop keeps its compiled step and drops what JAX traced and lowered to build it.
+  traced = []
+
+  def step(x):
+    traced.append(x.shape)
+    return jnp.sin(x) * 2
+
+  jitted = jax.jit(step)
+  compiled = jitted.lower(jnp.ones((4,))).compile()
+  jitted(jnp.ones((4,)))
+  assert len(traced) == 1  # lowering and the call share one trace
+  host_memory.drop_traces()
+  assert float(compiled(jnp.ones((4,)))[0]) == pytest.approx(2 * math.sin(1.0))
+  jitted(jnp.ones((4,)))
+  assert len(traced) == 2  # traced afresh: nothing was left in the caches

@@ -212,6 +212,13 @@ def test_under_jemalloc_the_loop_waits_after_every_step_and_purges_after_evaluat
     events.append('memory_analysis')
     return memory_analysis(self)
 
+  drop_traces = host_memory.drop_traces
+
+  def dropping_traces():
+    events.append('drop_traces')
+    drop_traces()
+
+  monkeypatch.setattr(host_memory, 'drop_traces', dropping_traces)
   monkeypatch.setattr(host_memory, '_jemalloc_mallctl', lambda: mallctl)
   monkeypatch.setattr(host_memory, '_allocated_bytes', allocated)
   monkeypatch.setattr(host_memory, 'MIN_TEMP_BYTES', 0)
@@ -224,6 +231,9 @@ def test_under_jemalloc_the_loop_waits_after_every_step_and_purges_after_evaluat
   start = events[:events.index('read', events.index('read') + 1)]
   assert start[-1] == b'arena.4096.purge', start
   assert 'memory_analysis' in start
+  # The traces that built the step are dropped once it is compiled, before that purge.
+  assert start.count('drop_traces') == 1
+  assert start.index('drop_traces') > len(start) - 1 - start[::-1].index('memory_analysis')
   # Then before and after the evaluations of steps 2 and 3.
   assert [e for e in events[len(start):] if e != 'read'] == [b'arena.4096.purge'] * 4
 

@@ -14,9 +14,12 @@ them only after it has signalled the step's outputs ready; a step dispatched at 
 them still taken, jemalloc maps a second extent for it, and keeps both for good (peak RSS +
 one step's temporaries: R50+ViT-B/16 b8 3.6 -> 5.7 GiB in 6 of 8 runs, even with
 synchronous dispatch; benchmarks/README.md, ninth and tenth sessions).
+
+`drop_traces`: once the step is compiled, JAX's caches of what was traced to build it.
 """
 import ctypes
 import ctypes.util
+import gc
 import logging
 import time
 
@@ -45,6 +48,17 @@ def release_freed():
     return False
   trim(0)
   return True
+
+
+def drop_traces():
+  """Empties JAX's caches of traced and lowered computations: the jaxprs of every function
+  traced so far (the state's initialisation, the step's custom VJPs, jax.numpy's own) and
+  their lowerings. Once the step is compiled the loop runs its compiled executable, which
+  keeps what it needs; the caches held 20 MiB of host memory at the bf16 ViT-Ti/16 b32
+  step's peak and 35 at R50+ViT-B/16 b8's (benchmarks/README.md, sixty-ninth session). A
+  function jitted before and called again later compiles once more."""
+  jax.clear_caches()
+  gc.collect()
 
 
 def _allocated_bytes(mallctl):

@@ -407,6 +407,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   # Every local device's temporaries are in this process's heap (CPU devices share it).
   heap_wait = host_memory.TemporariesWait(
       _temp_bytes(jitted_step) * len(mesh.local_devices), platform=jax.devices()[0].platform)
+  host_memory.drop_traces()
   # memory_analysis() in _temp_bytes leaves 50-130 MiB of freed pages that the step's
   # buffers do not reuse (benchmarks/README.md, twenty-first session).
   host_memory.release_freed()
