@@ -147,7 +147,7 @@ def make_config(model_name, batch, *, dtype='float32', remat=False, accum_steps=
 class BareStep:
   """Compiled train step on a random device-resident batch (no input pipeline)."""
 
-  def __init__(self, config, num_classes=1000, pause_s=0.0, heap_wait=True):
+  def __init__(self, config, num_classes=1000, pause_s=0.0, heap_wait=True, keep_stablehlo=False):
     self.config = config
     self.pause_s = pause_s  # idle after each step, untimed
     self.num_classes = num_classes
@@ -173,9 +173,14 @@ class BareStep:
     self.rng = jax.device_put(jax.random.PRNGKey(0), repl)
     jitted = step_lib.jit(model, tx, schedule, config, mesh, (state_sh, batch_sh, repl))
     t = time.perf_counter()
-    self.lowered = jitted.lower(self.state, self.batch, self.rng)  # before XLA's passes
-    self.compiled = self.lowered.compile()
+    # The compiled step only, as the loop keeps it (train._fitting_train_step): the lowering
+    # it was compiled from holds host memory that the loop gives back before its first step
+    # (benchmarks/README.md, sixty-ninth session). Its text, before XLA's passes, on request.
+    lowered = jitted.lower(self.state, self.batch, self.rng)
+    self.compiled = lowered.compile()
     self.compile_s = time.perf_counter() - t
+    self.stablehlo = lowered.as_text() if keep_stablehlo else None
+    del lowered, jitted
     self.flops_analytic = vflops.step_flops(config, num_classes)
     # The compiled program is per device under SPMD: scale to the whole step.
     xla = _xla_flops(self.compiled)
@@ -185,6 +190,7 @@ class BareStep:
     temp = (self.compiled.memory_analysis().temp_size_in_bytes
             * len(mesh.local_devices) if heap_wait else 0)
     self.heap_wait = host_memory.TemporariesWait(temp, platform=jax.devices()[0].platform)
+    host_memory.drop_traces()  # as the loop does
     # As the loop does after compiling and reading the memory analysis; after XLA's cost
     # analysis too, which the loop does not run: under jemalloc the freed pages of each
     # stay resident (+0.08 GiB of peak RSS for the cost analysis, +0.13 for the memory
@@ -215,7 +221,7 @@ class BareStep:
     gc.collect()
     host_memory.release_freed()
     before = harness.rss_gib()
-    self.compiled = self.lowered = None
+    self.compiled = None
     gc.collect()
     host_memory.release_freed()
     return (before - harness.rss_gib()) * 1024

@@ -248,7 +248,7 @@ def _per_side(steps, value):
 def _count(steps, text):
   """How often `text` is in each side's lowered step: before XLA's passes, since XLA:CPU
   drops some ops (barriers) once it has compiled."""
-  return _per_side(steps, lambda step: step.lowered.as_text().count(text))
+  return _per_side(steps, lambda step: step.stablehlo.count(text))
 
 
 def _gib(value):
@@ -267,9 +267,9 @@ def main():
                                      remat=args.remat,
                                      model_overrides=bare_step.overrides(args.override))
       with _after(args.change, dtype):  # first: it may refuse before anything compiles
-        after = bare_step.BareStep(config)
+        after = bare_step.BareStep(config, keep_stablehlo=True)
       with _before(args.change, dtype):
-        before = bare_step.BareStep(config)
+        before = bare_step.BareStep(config, keep_stablehlo=True)
       before.run(1)
       after.run(1)
       img_s = {'before': [], 'after': []}
@@ -298,8 +298,7 @@ def main():
           # cuDNN's fused attention calls (fused_attention: one per block, after only).
           'fused_attention_calls': _count(steps, 'cudnn$fmha'),
           # The dots with bfloat16 results (mixed_dots: precision.py's have float32 ones).
-          'bf16_result_dots': _per_side(steps,
-                                        lambda step: _bf16_result_dots(step.lowered.as_text()))
+          'bf16_result_dots': _per_side(steps, lambda step: _bf16_result_dots(step.stablehlo))
       })
   load_end = harness.loadavg()
   rows = [[

@@ -1,5 +1,6 @@
 """Smoke test: each benchmark script runs end to end with tiny settings and writes its JSON;
 no script shadows a vit_jax module."""
+import gc
 import importlib.util
 import json
 import math
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from tests.conftest import harmless_preload
+from vit_jax import host_memory
 from vit_jax.models import accelerator
 from vit_jax.models import attention
 
@@ -101,6 +103,39 @@ def test_loop_cpu_over_bare(monkeypatch):
   # A loop that used less CPU than the bare step reads as a minus, not as '+-'.
   loop = _benchmark_module(monkeypatch, 'loop')
   assert loop.cpu_over_bare([0.9, 1.03, 2.0], [1.0, 1.0, 2.0]) == '+0.0% (-10.0%–+3.0%)'
+
+
+def test_bare_step_keeps_only_the_compiled_step(monkeypatch):
+  # As the loop does: what built the step (its lowering, JAX's MeshComputation with the
+  # StableHLO module, and JAX's traces) is given back once compiled: held, it adds to the
+  # peak RSS set beside PyTorch's. The lowering's text only on request.
+  bare_step = _benchmark_module(monkeypatch, 'bare_step')
+  drops = []
+  drop_traces = host_memory.drop_traces
+  monkeypatch.setattr(host_memory, 'drop_traces', lambda: drops.append(1) or drop_traces())
+  config = bare_step.make_config(
+      'ViT-Ti_16', 2, image_size=32, model_overrides={
+          'num_layers': 1,
+          'hidden_size': 48,
+          'mlp_dim': 96,
+          'num_heads': 2
+      })
+
+  def lowerings():
+    gc.collect()
+    return [
+        len(o.as_text()) for o in gc.get_objects()
+        if type(o).__name__ in ('Lowered', 'MeshComputation')
+    ]
+
+  before = lowerings()
+  kept = bare_step.BareStep(config, heap_wait=False, keep_stablehlo=True)
+  assert 'stablehlo.dot_general' in kept.stablehlo
+  step = bare_step.BareStep(config, heap_wait=False)
+  assert step.stablehlo is None and step.run(1)[0] > 0
+  # Nothing as large as the step's module is left (JAX's own small ones may come and go).
+  assert max(lowerings(), default=0) < len(kept.stablehlo) / 4, (before, lowerings())
+  assert len(drops) == 2
 
 
 def test_input_speed(tmp_path):
