@@ -1,6 +1,6 @@
 """vit_jax.host_memory: release_freed hands freed heap pages back to the OS (glibc), as after a
 compilation; under jemalloc, TemporariesWait holds the loop until a step's temporaries are
-freed."""
+freed; drop_traces empties JAX's trace caches and leaves a compiled step runnable."""
 import logging
 import math
 import os
