@@ -461,6 +461,16 @@ def test_a_config_field_given_as_a_flag_names_the_config_form(tmp_path):
       '--config.batch_size=... (see --help)'), proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize('second', ['--config=quikstart', '--config quickstart'])
+def test_a_second_config_flag_is_one_line(tmp_path, second):
+  # absl would load the last one and leave the first's overrides on it: refused instead.
+  proc = _main(['--config=quickstart', f'--workdir={tmp_path / "w"}', *second.split()])
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f"vit-train: --config is given more than once ('quickstart', '{second[9:]}'): give one "
+      'config and set its fields with --config.FIELD=VALUE (see --help)'), proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize('override,expected', [
     ('batch_size=abc', 'an integer'),
     ('batch_size=1.5', 'an integer'),

@@ -84,13 +84,20 @@ def initialize_distributed():
 
 
 def _config_value_index(argv):
-  """Index of the --config value in argv ('--config=V' or '--config V'), or None."""
-  for i, arg in enumerate(argv):
-    if arg.startswith(('--config=', '-config=')):
-      return i
-    if arg in ('--config', '-config') and i + 1 < len(argv):
-      return i + 1
-  return None
+  """Index of the --config value in argv ('--config=V' or '--config V'), or None; a second
+  --config is refused (absl would take the last, on top of the first's overrides)."""
+  found = [i for i, arg in enumerate(argv) if arg.startswith(('--config=', '-config='))]
+  found += [i + 1 for i, arg in enumerate(argv[:-1]) if arg in ('--config', '-config')]
+  if len(found) > 1:
+    values = ', '.join(repr(_flag_value(argv[i])) for i in sorted(found))
+    raise ValueError(f'--config is given more than once ({values}): give one config and '
+                     'set its fields with --config.FIELD=VALUE')
+  return found[0] if found else None
+
+
+def _flag_value(arg):
+  """V of '--config=V', or the argument itself (the value after '--config')."""
+  return arg.partition('=')[2] if arg.startswith('-') else arg
 
 
 def parse_flags(argv):
@@ -101,8 +108,8 @@ def parse_flags(argv):
   try:
     i = _config_value_index(argv)
     if i is not None:
-      prefix, eq, value = argv[i].partition('=') if argv[i].startswith('-') else ('', '', argv[i])
-      argv[i] = prefix + eq + configs.resolve(value)
+      value = _flag_value(argv[i])
+      argv[i] = argv[i][:len(argv[i]) - len(value)] + configs.resolve(value)
       config = configs.load(value)
       argv, model_fields = configs.split_model_fields(config, argv)  # added after parsing
       sys.argv[:] = argv  # the config flag reads its --config.x overrides from sys.argv
