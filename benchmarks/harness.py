@@ -91,11 +91,13 @@ def positive_ints(text):
 
 
 def add_model_args(parser, dtypes='float32', steps=2):
-  """The flags every model benchmark takes: models and batches, dtypes, size, timing, overrides."""
+  """The flags every model benchmark takes: models and batches, dtypes (not where dtypes is
+  None: the script fixes them), size, timing, overrides."""
   parser.add_argument('--models', default='ViT-Ti_16,ViT-B_16,R50+ViT-B_16')
   parser.add_argument('--batch', type=positive_ints, default='32,8,8',
                       help='one per model, or one for all')
-  parser.add_argument('--dtypes', default=dtypes)
+  if dtypes is not None:
+    parser.add_argument('--dtypes', default=dtypes)
   parser.add_argument('--image_size', type=positive_int, default=224)
   parser.add_argument('--steps', type=positive_int, default=steps,
                       help='timed steps per side per round')

@@ -176,6 +176,19 @@ def test_cpu_devices(tmp_path):
   assert len(r['ratio_per_round']) == 1 and r['ratio_per_round'][0] > 0
 
 
+def test_bf16_over_f32(tmp_path):
+  p = _run('bf16_over_f32', '--models', 'ViT-Ti_16', '--batch', '2', '--steps', '1', '--rounds',
+           '2', *TINY, tmp_path=tmp_path)
+  r = p['results'][0]
+  # Each dtype in its own process, under its own flags: the fixed table's differ.
+  assert 'ynn_fusion_type' in r['xla_flags']['float32']
+  assert 'ynn_fusion_type' not in r['xla_flags']['bfloat16']
+  ratios = [b / f for f, b in zip(r['img_s']['float32'], r['img_s']['bfloat16'])]
+  assert r['ratio_per_round'] == ratios and len(ratios) == 2
+  assert r['target_met'] == (r['ratio_median'] >= p['target'] == 1.6)
+  assert min(r['mfu']['bfloat16']) > 0 and min(r['peak_rss_gib']['float32']) > 0
+
+
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_before_after_ordered_dots(tmp_path, dtype):
   # 64 images of 5 tokens: the MLP output layer's weight gradient is taken as (g^T x)^T.
