@@ -6,6 +6,7 @@ written by the test.
 import glob
 import logging
 import os
+import re
 import subprocess
 import sys
 import types
@@ -444,6 +445,13 @@ def test_quickstart_command_end_to_end_shortened(idx_dir, tmp_path):
           '145,290 parameters; ') in log and 'Compiled the train step' in log
   assert 'orbax' not in log  # library chatter is filtered out of the readable log
   assert proc.stderr.count('XLA:CPU flags for float32') == 1 and 'XLA:CPU flags for' in log
+  # The CPU peak is timed before and after compiling; MFU takes the better (device_peaks).
+  first = re.search(r'parameters; .* per step; peak ([\d.]+) GFLOP/s per device \(measured\)', log)
+  again = re.search(
+      r'peak ([\d.]+) GFLOP/s per device, timed again after compiling '
+      r'\(([\d.]+) GFLOP/s before\): MFU takes the better', log)
+  assert first and again and again.group(2) == first.group(1), log[:3000]
+  assert float(again.group(1)) >= float(first.group(1))
   # The CPU flags the run started with are kept for its resumption (rundir.recorded_cpu_flags).
   assert rundir.recorded_cpu_flags(workdir) == xla_cpu_flags.FLAGS_BY_DTYPE['float32']
   assert rundir.recorded_cpu_flags(str(tmp_path / 'new')) is None

@@ -107,6 +107,15 @@ def measure_cpu_peak(dtype):
   return 2 * n**3 / min(times)
 
 
+def better_cpu_peak(dtype, earlier):
+  """The better of `earlier` (resolve_peak's measurement, per device) and the same matmul
+  timed again now. A shared host's speed swings by a fifth or more for seconds at a time: one
+  window timed in a slow spell put a float32 ViT-B/16 step's MFU at 101-109% (benchmarks/
+  README.md, seventieth session); two windows apart (the loop's: before and after compiling)
+  both fall in one less often, and the best of them is nearer what the cores can do."""
+  return max(earlier, measure_cpu_peak.__wrapped__(dtype) / jax.local_device_count())
+
+
 # No device computes under a GFLOP/s: a smaller given peak is a unit slip (TFLOP/s typed).
 _MIN_GIVEN_PEAK = 1e9
 

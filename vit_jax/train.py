@@ -404,6 +404,11 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                     state), abstract_batch, jax.ShapeDtypeStruct((2,), jnp.uint32)))
   build_seconds = time.perf_counter() - t_build  # ahead-of-time compilation, if any
+  if peak_source == 'measured' and flops_per_step:  # (no MFU without the step's FLOPs)
+    earlier, peak = peak, device_peaks.better_cpu_peak(config.dtype, peak)
+    logging.info(
+        'peak %s per device, timed again after compiling (%s before): MFU takes the '
+        'better', chrono_lib.rate_text(peak), chrono_lib.rate_text(earlier))
   # Every local device's temporaries are in this process's heap (CPU devices share it).
   heap_wait = host_memory.TemporariesWait(
       _temp_bytes(jitted_step) * len(mesh.local_devices), platform=jax.devices()[0].platform)
