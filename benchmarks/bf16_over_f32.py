@@ -47,7 +47,6 @@ def main():
       row['ratio_median'] = harness.summary(row['ratio_per_round'])['median']
       row['target_met'] = row['ratio_median'] >= TARGET
       results.append(row)
-  load_end = harness.loadavg()
   rows = [[
       x['model'], x['batch'],
       harness.fmt_range(x['img_s']['float32']),
@@ -69,19 +68,8 @@ def main():
   if results:
     for dtype in SIDES:
       print(f'XLA_FLAGS {dtype}: {results[-1]["xla_flags"][dtype]!r}')
-  print(f'{harness.cores()} cores; LD_PRELOAD {env.get("LD_PRELOAD", "")!r}')
-  print(f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
-  harness.write_json(
-      args.out, {
-          'benchmark': 'bf16_over_f32',
-          'args': vars(args),
-          'target': TARGET,
-          'machine': machine,
-          'loadavg_start': load_start,
-          'loadavg_end': load_end,
-          'ld_preload': env.get('LD_PRELOAD', ''),
-          'results': results
-      })
+  harness.end_of_processes_run('bf16_over_f32', args, env, load_start, results, target=TARGET,
+                               machine=machine)
 
 
 if __name__ == '__main__':

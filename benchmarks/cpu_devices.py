@@ -59,7 +59,6 @@ def main():
         one, split = row['img_s'][1], row['img_s'][args.devices]
         row['ratio_per_round'] = [y / x for x, y in zip(one, split)]
         results.append(row)
-  load_end = harness.loadavg()
   n = args.devices
   rows = [[
       x['model'], x['batch'], x['dtype'],
@@ -74,18 +73,9 @@ def main():
           'model', 'batch', 'dtype', 'img/s 1 device', f'img/s {n} devices', f'{n} / 1 per pair',
           'peak RSS GiB 1', f'peak RSS GiB {n}'
       ], rows))
-  print(f'\n{harness.cores()} cores; XLA_FLAGS {results[-1]["xla_flags"] if results else ""!r}; '
-        f'LD_PRELOAD {env.get("LD_PRELOAD", "")!r}')
-  print(f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
-  harness.write_json(
-      args.out, {
-          'benchmark': 'cpu_devices',
-          'args': vars(args),
-          'loadavg_start': load_start,
-          'loadavg_end': load_end,
-          'ld_preload': env.get('LD_PRELOAD', ''),
-          'results': results
-      })
+  if results:
+    print(f'\nXLA_FLAGS {results[-1]["xla_flags"]!r}')
+  harness.end_of_processes_run('cpu_devices', args, env, load_start, results)
 
 
 if __name__ == '__main__':

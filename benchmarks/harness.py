@@ -163,6 +163,25 @@ def train_step_process(args, model, batch, dtype, env, workdir, extra=()):
     return json.load(f)
 
 
+def end_of_processes_run(benchmark, args, env, load_start, results, **fields):
+  """What a benchmark whose sides ran as `train_step.py` processes under `env` prints last
+  (the cores, the preloaded allocator, the load average over the run) and writes to --out:
+  its name, args, `fields`, those and its `results`."""
+  load_end = loadavg()
+  print(f'{cores()} cores; LD_PRELOAD {env.get("LD_PRELOAD", "")!r}')
+  print(f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
+  write_json(
+      args.out, {
+          'benchmark': benchmark,
+          'args': vars(args),
+          'loadavg_start': load_start,
+          'loadavg_end': load_end,
+          'ld_preload': env.get('LD_PRELOAD', ''),
+          'results': results,
+          **fields
+      })
+
+
 def model_batches(args):
   """[(model, batch), ...] from --models and --batch (one batch for all, or one per model)."""
   models = args.models.split(',')
