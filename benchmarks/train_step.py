@@ -12,7 +12,9 @@ jitted with the loop's shardings and donation, on a random batch already on the 
 Configurations (model x dtype) are timed interleaved, round after round (A B A B ...).
 MFU divides by the device's peak as the loop's does (vit_jax.device_peaks: the TPU/GPU
 table, --peak FLOP/s per device, or on CPU a jitted matmul, f32 or bf16 inputs with f32
-accumulation, re-measured each round so that MFU is against the same round's peak).
+accumulation, timed again each round: MFU is against the best timing so far, as the loop
+takes the better of its two, since one timing in a shared host's slow spell can put MFU
+over 100%).
 Compilation and one warm-up step per configuration are excluded from the timings.
 The process runs under the host allocator vit-train preloads (--allocator, as vs_pytorch.py;
 by default VIT_JAX_HOST_ALLOCATOR's choice, else auto). Under jemalloc each step waits for
@@ -75,7 +77,8 @@ def main():
   times = [[] for _ in steps]  # per config, per round: list of step times
   for r in range(args.rounds):
     for dt in dtypes:
-      peak, sources[dt] = bare_step.peak_per_device(dt, args.peak, remeasure=True)
+      peak, sources[dt] = bare_step.peak_per_device(
+          dt, args.peak, remeasure=True, earlier=max(filter(None, peaks[dt]), default=0.0))
       peaks[dt].append(peak)
     for i, s in enumerate(steps):
       times[i].append(s.run(args.steps))
