@@ -17,6 +17,8 @@ import pytest
 
 from vit_jax.configs import quickstart
 from vit_jax import checkpoint
+from vit_jax import chrono as chrono_lib
+from vit_jax import device_peaks
 from vit_jax import flops
 from vit_jax import host_memory
 from vit_jax import models
@@ -422,6 +424,29 @@ def test_cpu_devices_come_from_the_config_unless_the_environment_sets_them():
                r'\(1: the CPU is one device\)$')
     with pytest.raises(ValueError, match=message):
       sharding.cpu_devices({'cpu_devices': bad}, {})
+
+
+def test_an_mfu_over_100_percent_times_the_cpu_peak_again(monkeypatch):
+  rates = []  # the matmul's whole-process FLOP/s, one per timing
+  monkeypatch.setattr(device_peaks.measure_cpu_peak, '__wrapped__', lambda dtype: rates.pop(0))
+  n = jax.local_device_count()
+  ticks = iter(range(1000))
+  chrono = chrono_lib.Chrono(total_steps=10, global_batch=1, num_train_examples=0, num_devices=1,
+                             flops_per_step=1.0, peak_flops_per_device=1e11,
+                             clock=lambda: next(ticks))
+  check = train._CpuPeakCheck(chrono, 'float32')
+  assert check.checked({'mfu': 0.5}) == {'mfu': 0.5}  # not timed: nothing to pop
+  rates.append(2e11 * n)
+  speed = check.checked({'mfu': 1.5, 'img_per_sec_per_core': 7.0})
+  assert speed == {'mfu': pytest.approx(0.75), 'img_per_sec_per_core': 7.0}
+  assert chrono.peak_flops_per_device == pytest.approx(2e11) and not check.warned
+  assert chrono._paused_since_last > 0  # the timing is not training time
+  rates.append(1e11 * n)  # slower again: the better stays, and MFU still reads over
+  assert check.checked({'mfu': 1.2}) == {'mfu': pytest.approx(1.2)} and check.warned
+  rates.extend([9e11 * n] * 10)
+  for _ in range(10):
+    check.checked({'mfu': 1.2})
+  assert len(rates) == 10 - (train._CpuPeakCheck.RETIMES - 2)  # at most RETIMES a run
 
 
 def test_quickstart_command_end_to_end_shortened(idx_dir, tmp_path):
