@@ -8,6 +8,7 @@ the loop reports it), XLA flags and peak RSS are beside it.
 
   python benchmarks/bf16_over_f32.py --out /tmp/bf16_over_f32.json   # ~25 min on 2 cores
   python benchmarks/bf16_over_f32.py --models ViT-Ti_16 --batch 32 --rounds 5
+  python benchmarks/bf16_over_f32.py --models ViT-Ti_16 --batch 32 --devices 2  # both split
 """
 import argparse
 import tempfile
@@ -20,6 +21,9 @@ SIDES = ('float32', 'bfloat16')
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
 harness.add_model_args(parser, dtypes=None, steps=3)
 harness.add_allocator_arg(parser)
+parser.add_argument(
+    '--devices', type=harness.positive_int, default=1,
+    help="CPU devices of both sides, as config.cpu_devices (train_step.py's --mesh)")
 parser.add_argument('--out', default='')
 args = parser.parse_args()
 
@@ -30,17 +34,20 @@ def main():
   results, machine = [], {}
   with tempfile.TemporaryDirectory() as workdir:
     for model, batch in harness.model_batches(args):
-      row = {'model': model, 'batch': batch, 'xla_flags': {}}
+      harness.check_batch_splits(batch, args.devices)
+      row = {'model': model, 'batch': batch, 'devices': args.devices, 'xla_flags': {}}
       for key in ('img_s', 'mfu', 'peak_rss_gib'):
         row[key] = {dtype: [] for dtype in SIDES}
       for r in range(args.rounds):
         for dtype in SIDES:
-          payload = harness.train_step_process(args, model, batch, dtype, env, workdir)
+          payload = harness.train_step_process(args, model, batch, dtype, env, workdir,
+                                               ['--mesh', str(args.devices)])
           step = payload['results'][0]
           row['img_s'][dtype].append(step['img_s_median'])
           row['mfu'][dtype].append(step['mfu_per_round'][0])
           row['peak_rss_gib'][dtype].append(payload['peak_rss_gib'])
           row['xla_flags'][dtype] = payload['machine']['xla_flags']
+          row['device_count'] = payload['machine']['device_count']
           machine = payload['machine']
         print(f'{model} b{batch}: round {r + 1}/{args.rounds} done', flush=True)
       row['ratio_per_round'] = [b / f for f, b in zip(*(row['img_s'][d] for d in SIDES))]
@@ -68,6 +75,7 @@ def main():
   if results:
     for dtype in SIDES:
       print(f'XLA_FLAGS {dtype}: {results[-1]["xla_flags"][dtype]!r}')
+    print(f'devices per side: {results[-1]["device_count"]}')
   harness.end_of_processes_run('bf16_over_f32', args, env, load_start, results, target=TARGET,
                                machine=machine)
 

@@ -41,9 +41,7 @@ def main():
   results = []
   with tempfile.TemporaryDirectory() as workdir:
     for model, batch in harness.model_batches(args):
-      if batch % args.devices:
-        raise SystemExit(f'--batch {batch} does not split over {args.devices} devices: give a '
-                         'multiple of --devices')
+      harness.check_batch_splits(batch, args.devices)
       for dtype in args.dtypes.split(','):
         row = {'model': model, 'batch': batch, 'dtype': dtype}
         for key in ('img_s', 'peak_rss_gib', 'device_count'):

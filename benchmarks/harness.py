@@ -194,6 +194,13 @@ def model_batches(args):
   return list(zip(models, batches))
 
 
+def check_batch_splits(batch, devices):
+  """Exits with one line where `batch` does not split evenly over `devices` devices."""
+  if batch % devices:
+    raise SystemExit(f'--batch {batch} does not split over {devices} devices: give a '
+                     'multiple of --devices')
+
+
 def torch_sgd_step(model, batch, image_size, bf16, compile_model=False):
   """PyTorch's side of the step on a random batch on the model's device: forward (under
   torch.autocast for bf16), cross-entropy, backward, clip_grad_norm_(1.0), SGD momentum 0.9;

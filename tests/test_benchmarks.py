@@ -181,8 +181,9 @@ def test_cpu_devices(tmp_path):
 
 def test_bf16_over_f32(tmp_path):
   p = _run('bf16_over_f32', '--models', 'ViT-Ti_16', '--batch', '2', '--steps', '1', '--rounds',
-           '2', *TINY, tmp_path=tmp_path)
+           '2', '--devices', '2', *TINY, tmp_path=tmp_path)
   r = p['results'][0]
+  assert r['device_count'] == 2  # both sides on the host split in two, as asked
   # Each dtype in its own process, under its own flags: the fixed table's differ.
   assert 'ynn_fusion_type' in r['xla_flags']['float32']
   assert 'ynn_fusion_type' not in r['xla_flags']['bfloat16']
