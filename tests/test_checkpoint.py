@@ -144,7 +144,21 @@ def test_round_trip_writes_the_published_layout(tmp_path, kind):
 def test_pickled_file_is_refused(tmp_path):
   path = tmp_path / 'evil.npz'
   np.savez(path, head=np.array([{'a': 1}], dtype=object))
-  with pytest.raises(ValueError, match='pickled'):
+  with pytest.raises(checkpoint.UnreadableFileError, match='holds pickled'):
+    checkpoint.load_npz(str(path))
+
+
+@pytest.mark.parametrize('value,says', [
+    (np.array(['x', 'y']), r'holds head/bias as <U1, not floating-point: re-export it'),
+    (np.array([1 + 2j], np.complex64), r'holds head/bias as complex64, not floating-point'),
+    (np.array([1, 2], np.int32), r'holds head/bias as int32, not floating-point'),
+    (np.array([0.5, np.nan], np.float32), r'holds NaN or infinite values in head/bias: it is'),
+    (np.array([np.inf], np.float16), r'holds NaN or infinite values in head/bias'),
+])
+def test_parameters_that_are_not_finite_floats_are_refused(tmp_path, value, says):
+  path = tmp_path / 'odd.npz'
+  np.savez(path, **{'head/kernel': np.ones((2, 2), np.float32), 'head/bias': value})
+  with pytest.raises(checkpoint.UnreadableFileError, match=says):
     checkpoint.load_npz(str(path))
 
 

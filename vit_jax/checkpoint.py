@@ -68,17 +68,30 @@ def _read_npz(path):
   data.seek(0)
   try:
     with np.load(data, allow_pickle=False) as npz:
-      return {k: npz[k] for k in npz.files}
+      arrays = {k: npz[k] for k in npz.files}
   except ValueError as e:
     if 'allow_pickle' in str(e) or 'Object arrays' in str(e):
-      raise ValueError(
-          f'{path} holds pickled (object) arrays, which are never loaded: re-export it '
-          'with numeric arrays only (e.g. checkpoint.save_npz)') from None
+      raise UnreadableFileError(
+          path, 'holds pickled (object) arrays, which are never loaded',
+          're-export it with numeric arrays only (e.g. '
+          'checkpoint.save_npz)') from None
     raise UnreadableFileError(path, f'is not a readable .npz file ({e})',
                               'check the path and download') from None
   except (zipfile.BadZipFile, EOFError, OSError, zlib.error) as e:  # damaged after writing
     raise UnreadableFileError(path, f'is damaged ({errors.one_line(e)})',
                               'download or export it again') from None
+  # Parameters are floating-point numbers: anything else would be cast silently (or fail
+  # deep in the caller), and a NaN would surface only as a diverged first step.
+  for key, value in arrays.items():
+    if value.dtype.kind != 'f':
+      raise UnreadableFileError(path, f'holds {key} as {value.dtype}, not floating-point',
+                                're-export it with float arrays (e.g. checkpoint.save_npz)')
+    if not np.isfinite(value).all():
+      raise UnreadableFileError(
+          path, f'holds NaN or infinite values in {key}',
+          'it is damaged or from a diverged run: download or export '
+          'it again')
+  return arrays
 
 
 def _is_bit(flat):
