@@ -160,6 +160,25 @@ def test_a_damaged_config_json_stops_a_resume_with_another_config(good, tmp_path
   assert _read(run / 'final.npz') == final
 
 
+def test_a_lost_config_json_stops_a_resume_until_resume_changes_star(good, tmp_path):
+  """Checkpoints without config.json had resumed with no check at all, then recorded the new
+  config as the whole run's."""
+  run = _copy(good, tmp_path)
+  config, final = _read(run / 'config.json'), _read(run / 'final.npz')
+  os.remove(run / 'config.json')
+  rc, err, last = _cli(tmp_path, 'run', '--config.base_lr=0.01', '--config.total_steps=40')
+  assert rc == 1, err[-3000:]
+  assert re.match(
+      r"vit_jax: \S+/config.json is missing, so this config cannot be checked against the "
+      r"run's: restore the file, or pass --config.resume_changes='\*'", last), last
+  assert not (run / 'config.json').exists() and _steps(run) == ['10', '20', '30']
+  rc, err, _ = _cli(tmp_path, 'run', "--config.resume_changes=*")
+  assert rc == 0, err[-3000:]
+  assert 'config.json is missing: written again from this config' in err
+  assert _read(run / 'final.npz') == final
+  assert json.loads(_read(run / 'config.json'))['base_lr'] == json.loads(config)['base_lr']
+
+
 @pytest.mark.parametrize('damage', ['cut short', 'without the model field'])
 def test_resume_changes_star_writes_a_damaged_config_json_again(good, tmp_path, damage):
   """vit-evaluate's advice for a damaged config.json (checkpoint.load_run) works: the run's
@@ -671,6 +690,13 @@ def test_a_pretrained_path_that_cannot_be_read_is_one_line(tmp_path):
   assert rc == 1 and 'Traceback' not in err, err[-3000:]
   assert last.startswith('vit_jax: pretrained_path ') and last.endswith(
       'damaged.npz is not a readable .npz (zip) file: check the path and download'), last
+  # Pickled (object) arrays: refused unread, and one line (had been a traceback).
+  np.savez(tmp_path / 'pickled.npz', a=np.array([{'x': 1}], dtype=object))
+  rc, err, last = _cli(tmp_path, 'run', '--config.pretrained_path=pickled.npz')
+  assert rc == 1 and 'Traceback' not in err, err[-3000:]
+  assert last == (f'vit_jax: pretrained_path {tmp_path / "pickled.npz"} holds pickled (object) '
+                  'arrays, which are never loaded: re-export it with numeric arrays only (e.g. '
+                  'checkpoint.save_npz)'), last
   # Readable, of another model: had been a traceback (in-process: the CLI prints the same
   # ConfigError as above).
   other = tmp_path / 'other.npz'
@@ -682,6 +708,24 @@ def test_a_pretrained_path_that_cannot_be_read_is_one_line(tmp_path):
       'Transformer/encoder_norm/bias (and 20 more) '
       'is not in the checkpoint: the checkpoint is of another architecture (e.g. classifier '
       'token vs gap, representation_size); pick the model matching the file')
+
+
+@pytest.mark.parametrize('bad', ['strings', 'nan'])
+def test_a_pretrained_file_of_non_numbers_is_one_line(good, tmp_path, bad):
+  """A parameter of strings had been a traceback deep in load_pretrained, and a NaN one a
+  'training diverged' line that blamed the learning rate."""
+  with np.load(good / 'final.npz', allow_pickle=False) as npz:
+    flat = dict(npz)
+  key = 'Transformer/encoder_norm/scale'
+  flat[key] = np.full(flat[key].shape, 'x') if bad == 'strings' else flat[key] * np.nan
+  path = tmp_path / 'bad.npz'
+  np.savez(path, **flat)
+  with pytest.raises(train.ConfigError) as e:
+    train.train_and_evaluate(_config(pretrained_path=str(path)), str(tmp_path / 'run'))
+  reason = (f'holds {key} as <U1, not floating-point: re-export it with float arrays'
+            if bad == 'strings' else f'holds NaN or infinite values in {key}: it is damaged or '
+            'from a diverged run')
+  assert str(e.value).startswith(f'pretrained_path {path} {reason}'), str(e.value)
 
 
 def test_bad_value_is_one_line_from_the_cli(tmp_path):

@@ -127,32 +127,34 @@ def check_resume_config(config, workdir):
   """Refuses (ConfigError) a config whose result-changing fields differ from the one of
   the run in `workdir`, unless config.resume_changes names them ('*': any)."""
   path = os.path.join(workdir, 'config.json')
-  if not tf.io.gfile.exists(path) or not _has_results(workdir):
+  if not _has_results(workdir):
     return
-  try:
-    with tf.io.gfile.GFile(path) as f:
-      old = _flatten(json.loads(f.read()))
-  except (ValueError, OSError, tf.errors.OpError) as e:
-    old = e
+  # The loop writes config.json before its first save, so results without it mean the file
+  # was lost: resuming would check nothing and then record this config as the run's.
+  unreadable = None if tf.io.gfile.exists(path) else 'is missing'
+  if not unreadable:
+    try:
+      with tf.io.gfile.GFile(path) as f:
+        old = _flatten(json.loads(f.read()))
+    except (ValueError, OSError, tf.errors.OpError) as e:
+      unreadable = f'cannot be read ({errors.one_line(e)})'
   allowed = [x.strip() for x in str(config.get('resume_changes', '')).split(',') if x.strip()]
   new = _flatten(json.loads(config.to_json_best_effort()))
   if '*' in allowed:
-    # A finished run started again writes nothing: without this a damaged file, or one that
-    # lacks fields (edited, or written by another version), stays so.
-    lacking = [] if isinstance(old, Exception) else sorted(set(new) - set(old))
-    if isinstance(old, Exception) or lacking:
-      why = (f'cannot be read ({errors.one_line(old)})' if isinstance(old, Exception) else
-             f'has no field {lacking[0]!r} (and {len(lacking) - 1} more)')
+    # A finished run started again writes nothing: without this a lost or damaged file, or
+    # one that lacks fields (edited, or written by another version), stays so.
+    lacking = [] if unreadable else sorted(set(new) - set(old))
+    if unreadable or lacking:
+      why = unreadable or f'has no field {lacking[0]!r} (and {len(lacking) - 1} more)'
       logging.warning(
           '%s %s: written again from this config, which resume_changes=\'*\' '
           'accepts as the run\'s', path, why)
       write_config(config, workdir)
     return
-  if isinstance(old, Exception):
+  if unreadable:
     raise errors.ConfigError(
-        f'{path} cannot be read ({errors.one_line(old)}), so this config cannot be checked '
-        'against the run\'s: restore the file, or pass --config.resume_changes=\'*\' to resume '
-        'with this config') from None
+        f'{path} {unreadable}, so this config cannot be checked against the run\'s: restore '
+        'the file, or pass --config.resume_changes=\'*\' to resume with this config') from None
   # A mistyped name would let nothing through and then be named in the refusal's own fix.
   unknown = [a for a in allowed if not any(k == a or k.startswith(a + '.') for k in {*old, *new})]
   if unknown:
