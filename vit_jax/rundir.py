@@ -13,10 +13,11 @@ import tensorflow as tf
 from vit_jax import errors
 from vit_jax import paths
 
-# Config fields that do not change the trained parameters: they may differ from the
-# workdir's config.json when a run resumes. Every other field must match, unless it
-# is named in config.resume_changes. (accum_steps: the same mean gradient; mesh_data,
-# cpu_devices, fsdp, remat: the same step on another layout; data_dir: the same data, moved.)
+# Config fields that do not change what is trained: they may differ from the workdir's
+# config.json when a run resumes. Every other field must match, unless it is named in
+# config.resume_changes. (accum_steps: the same mean gradient; mesh_data, cpu_devices, fsdp,
+# remat: the same step on another layout; both sum in another order, so the parameters
+# agree to float rounding, not bit for bit. data_dir: the same data, moved.)
 _FREE_FIELDS = ('log_every_steps', 'eval_every_steps', 'checkpoint_every_steps', 'keep_checkpoints',
                 'prefetch', 'eval_batch_size', 'eval_split', 'mesh_data', 'cpu_devices', 'fsdp',
                 'remat', 'accum_steps', 'data_dir', 'on_nonfinite', 'resume_changes', 'lr_grid',
