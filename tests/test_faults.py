@@ -327,6 +327,22 @@ def test_damaged_checkpoints_fall_back_to_an_intact_one(good, tmp_path):
       np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+def test_when_every_checkpoint_is_damaged_the_run_says_it_starts_again(good, tmp_path):
+  run = _copy(good, tmp_path)
+  for step in ('10', '20', '30'):
+    shutil.rmtree(run / 'checkpoints' / step / 'default')
+  os.remove(run / 'final.npz')
+  rc, err, last = _cli(tmp_path, 'run')
+  assert rc == 0, err[-3000:]
+  assert re.search(
+      r'No checkpoint in \S+ can be restored \(steps 30, 20, 10 are damaged\): '
+      'training starts again from step 0', err), err[-3000:]
+  assert 'Resuming' not in err
+  with np.load(good / 'final.npz') as a, np.load(run / 'final.npz') as b:
+    for k in a.files:  # the same run from step 0 again
+      np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
 def test_a_checkpoint_without_its_metadata_file_falls_back(good, tmp_path):
   # The step's metadata file holds the checksums and where each array is in the packed
   # buffers (vit_jax/packed_state.py): without it, the step is damaged, not another model's.

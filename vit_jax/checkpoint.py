@@ -611,12 +611,14 @@ def restore_train_state(manager, abstract_state, *, move_bad=True):
 
   A damaged step (truncated files, missing metadata, arrays whose checksums differ from
   those saved with them) is moved aside as `<step>.corrupt-<time>` with a one-line
-  warning, and the previous step is tried.
+  warning, and the previous step is tried; when none is left, a warning says that the run
+  starts again.
   Checkpoints of another model raise DifferentModelError naming a parameter.
   """
   directory = str(manager.directory)
   moved = False
-  for step in sorted(manager.all_steps(), reverse=True):
+  damaged = sorted(manager.all_steps(), reverse=True)
+  for step in damaged:
     error = None
     try:
       custom_metadata = _custom_metadata(manager, step)  # read once: layout and checksums
@@ -643,6 +645,10 @@ def restore_train_state(manager, abstract_state, *, move_bad=True):
     logging.warning(
         'Checkpoint of step %d in %s cannot be restored (%s): %s; trying the '
         'previous one', step, directory, error, where)
+  if damaged:
+    logging.warning(
+        'No checkpoint in %s can be restored (steps %s are damaged): training starts again '
+        'from step 0', directory, ', '.join(map(str, damaged)))
   manager.reload()
   return None
 
