@@ -26,6 +26,7 @@ from vit_jax import errors
 
 PACKAGED = ('quickstart', 'finetune', 'pretrain', 'table2', 'masked_patches')
 EXAMPLES = '--config=quickstart, --config=finetune:ViT-B_16,cifar10 or a file path'
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def bad_argument(name, arg, usage):
@@ -50,7 +51,7 @@ def resolve(spec):
   if os.path.isfile(os.path.expanduser(path)):
     return os.path.expanduser(path) + sep + arg
   if path in PACKAGED:
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), f'{path}.py') + sep + arg
+    return os.path.join(_PACKAGE_DIR, f'{path}.py') + sep + arg
   where = '' if os.path.isabs(path) else f' (relative to {os.getcwd()})'
   raise ConfigNotFoundError(f'--config {spec!r}: no config file {path}{where}, and '
                             f'{path!r} is not a packaged config ({", ".join(PACKAGED)}): '
@@ -72,7 +73,14 @@ def load(spec, overrides=()):
   if not callable(getattr(module, 'get_config', None)):
     raise ValueError(f'{path} defines no get_config(): a config file returns its ConfigDict '
                      'from get_config()')
-  config = module.get_config(arg) if arg else module.get_config()
+  try:
+    config = module.get_config(arg) if arg else module.get_config()
+  except (TypeError, ValueError) as e:
+    if os.path.dirname(os.path.abspath(path)) == _PACKAGE_DIR:
+      raise  # the packaged configs' own errors name their fix
+    call = f'get_config({arg!r})' if arg else 'get_config()'
+    raise ValueError(f'{path}: {call} failed ({errors.one_line(e)}): fix the config file or '
+                     "the argument after ':' in --config") from None
   _check_complete(config, path)
   overrides, model_fields = split_model_fields(config, overrides)
   check_override_names(config, overrides)

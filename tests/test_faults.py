@@ -890,7 +890,8 @@ def _make_folder(root, empty_class):
     (dict(pp=dict(eval_crop='center')),
      r"pp.eval_crop 'center' is unknown: set --config.pp.eval_crop to one of"),
     (dict(pp=dict(inception_min_area=2.0)), r'pp.inception_min_area 2.0 is a fraction .* \(0, 1\]'),
-    (dict(eval_batch_size=0), r'eval_batch_size 0 is not a positive multiple of the 8 devices'),
+    (dict(eval_batch_size=0), r'eval_batch_size 0 must be > 0: set --config.eval_batch_size$'),
+    (dict(eval_batch_size=4), r'eval_batch_size 4 is not a multiple of the 8 devices'),
     (dict(label_smoothing=1.0), r'label_smoothing 1.0 is a fraction .* in \[0, 1\)'),
     (dict(model=dict(dropout_rate=2.0)), r'model.dropout_rate 2.0 is a probability: set '
      r'--config.model.dropout_rate to a value in \[0, 1\)'),
@@ -949,16 +950,25 @@ def test_a_relative_folder_dataset_is_recorded_as_an_absolute_path(tmp_path, mon
     assert json.load(f)['dataset'] == f'folder:{tmp_path}/images'
 
 
-@pytest.mark.parametrize('text,message', [
-    ('def get_config(:\n', r'my.py:1: invalid syntax: fix the config file'),
-    ('import no_such_module\n', r"my.py: No module named 'no_such_module': fix the import"),
-    ('import ml_collections\ndef get_config():\n  c = ml_collections.ConfigDict()\n'
-     '  c.batch_size = 8\n  return c\n', r'my.py: the config lacks \w+, .* and \d+ more: start '
-     r'from vit_jax.configs.common.get_config\(\)'),
-])
-def test_a_broken_config_file_is_one_line(tmp_path, text, message):
+@pytest.mark.parametrize(
+    'text,spec,message',
+    [
+        ('def get_config(:\n', 'my.py', r'my.py:1: invalid syntax: fix the config file'),
+        ('import no_such_module\n', 'my.py',
+         r"my.py: No module named 'no_such_module': fix the import"),
+        ('import ml_collections\ndef get_config():\n  c = ml_collections.ConfigDict()\n'
+         '  c.batch_size = 8\n  return c\n', 'my.py', r'my.py: the config lacks \w+, .* and \d+ '
+         r'more: start from vit_jax.configs.common.get_config\(\)'),
+        # The file's own errors had been bare ("invalid literal for int() ..."), naming no file.
+        ('def get_config(arg):\n  return int(arg)\n', 'my.py',
+         r"my.py: get_config\(\) failed \(get_config\(\) missing 1 required positional argument: "
+         r"'arg'\): fix the config file or the argument after ':' in --config"),
+        ('def get_config(arg):\n  return int(arg)\n', 'my.py:abc',
+         r"my.py: get_config\('abc'\) failed \(invalid literal for int\(\) with base 10: 'abc'\)"),
+    ])
+def test_a_broken_config_file_is_one_line(tmp_path, text, spec, message):
   (tmp_path / 'my.py').write_text(text)
-  proc = subprocess.run([sys.executable, '-m', 'vit_jax.main', '--config=my.py', '--workdir=w'],
+  proc = subprocess.run([sys.executable, '-m', 'vit_jax.main', f'--config={spec}', '--workdir=w'],
                         cwd=tmp_path, env=_env(1), capture_output=True, text=True, timeout=120)
   last = proc.stderr.strip().splitlines()[-1]
   assert proc.returncode == 1 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]

@@ -113,8 +113,11 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
   if config.prefetch < 0:
     raise ValueError(f'prefetch {config.prefetch} is negative: set --config.prefetch to the '
                      'batches to keep in flight to the devices (0 or more)')
-  if config.eval_batch_size <= 0 or config.eval_batch_size % n_dev:
-    raise ValueError(f'eval_batch_size {config.eval_batch_size} is not a positive multiple of '
+  if config.eval_batch_size <= 0:  # (before the devices are known: validate_before_devices)
+    raise ValueError(f'eval_batch_size {config.eval_batch_size} must be > 0: set '
+                     '--config.eval_batch_size')
+  if config.eval_batch_size % n_dev:
+    raise ValueError(f'eval_batch_size {config.eval_batch_size} is not a multiple of '
                      f'the {n_dev} devices: set --config.eval_batch_size{or_split}')
   if config.vtab_task and config.vtab_task not in vtab.VTAB:
     raise ValueError(f'vtab_task {config.vtab_task!r} is not a VTAB-1k task: set '
