@@ -73,8 +73,7 @@ def _read_npz(path):
     if 'allow_pickle' in str(e) or 'Object arrays' in str(e):
       raise UnreadableFileError(
           path, 'holds pickled (object) arrays, which are never loaded',
-          're-export it with numeric arrays only (e.g. '
-          'checkpoint.save_npz)') from None
+          're-export it with numeric arrays only (e.g. checkpoint.save_npz)') from None
     raise UnreadableFileError(path, f'is not a readable .npz file ({e})',
                               'check the path and download') from None
   except (zipfile.BadZipFile, EOFError, OSError, zlib.error) as e:  # damaged after writing
@@ -89,8 +88,8 @@ def _read_npz(path):
     if not np.isfinite(value).all():
       raise UnreadableFileError(
           path, f'holds NaN or infinite values in {key}',
-          'it is damaged or from a diverged run: download or export '
-          'it again')
+          'it is damaged or from a diverged run: download or export it '
+          'again')
   return arrays
 
 
@@ -617,8 +616,8 @@ def restore_train_state(manager, abstract_state, *, move_bad=True):
   """
   directory = str(manager.directory)
   moved = False
-  damaged = sorted(manager.all_steps(), reverse=True)
-  for step in damaged:
+  steps = sorted(manager.all_steps(), reverse=True)
+  for step in steps:
     error = None
     try:
       custom_metadata = _custom_metadata(manager, step)  # read once: layout and checksums
@@ -645,10 +644,10 @@ def restore_train_state(manager, abstract_state, *, move_bad=True):
     logging.warning(
         'Checkpoint of step %d in %s cannot be restored (%s): %s; trying the '
         'previous one', step, directory, error, where)
-  if damaged:
+  if steps:  # (each one returned above, had it been intact)
     logging.warning(
         'No checkpoint in %s can be restored (steps %s are damaged): training starts again '
-        'from step 0', directory, ', '.join(map(str, damaged)))
+        'from step 0', directory, ', '.join(map(str, steps)))
   manager.reload()
   return None
 
