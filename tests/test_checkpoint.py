@@ -5,6 +5,7 @@ BiT's TF naming written out here, filled with random numbers: nothing is downloa
 """
 import logging
 import os
+import zipfile
 
 import flax
 import jax
@@ -166,6 +167,16 @@ def test_an_npz_without_arrays_is_called_empty_not_pickled(tmp_path):
   path = tmp_path / 'empty.npz'
   np.savez(path)
   with pytest.raises(checkpoint.UnreadableFileError, match=r'empty.npz holds no arrays: check'):
+    checkpoint.load_npz(str(path))
+
+
+def test_a_zip_member_that_is_no_array_is_refused(tmp_path):
+  """np.load hands such a member back as bytes: readers had failed on its missing .shape."""
+  path = tmp_path / 'odd.npz'
+  with zipfile.ZipFile(path, 'w') as z:
+    z.writestr('head/kernel.npy', b'garbage')
+  with pytest.raises(checkpoint.UnreadableFileError, match=r'holds head/kernel, which is '
+                     'not an array: check the path'):
     checkpoint.load_npz(str(path))
 
 

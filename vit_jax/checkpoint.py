@@ -82,6 +82,9 @@ def _read_npz(path):
   # Parameters are floating-point numbers: anything else would be cast silently (or fail
   # deep in the caller), and a NaN would surface only as a diverged first step.
   for key, value in arrays.items():
+    if not isinstance(value, np.ndarray):  # a zip member that is no .npy: np.load's bytes
+      raise UnreadableFileError(path, f'holds {key}, which is not an array',
+                                'check the path and download or export it again')
     if value.dtype.kind != 'f':
       raise UnreadableFileError(path, f'holds {key} as {value.dtype}, not floating-point',
                                 're-export it with float arrays (e.g. checkpoint.save_npz)')
