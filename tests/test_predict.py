@@ -226,6 +226,19 @@ def test_a_damaged_class_names_file_is_one_line(program, tmp_path):
   ]), out.stderr[-3000:]
 
 
+def test_class_names_of_another_head_are_one_line(tmp_path):
+  """A final.npz whose head is not the recorded classes' had been predicted with bare class
+  numbers, exit 0."""
+  write_run(str(tmp_path / 'run'))  # a 10-class head
+  (tmp_path / 'run' / 'class_names.txt').write_text('cat\ndog\n')
+  save_random(str(tmp_path / 'cat.png'))
+  out = shell(['vit-predict', '--workdir', 'run', 'cat.png'], tmp_path)
+  assert (out.returncode, out.stderr.strip().splitlines()[-1:]) == (1, [
+      'vit-predict: run/class_names.txt names 2 classes but final.npz has a 10-class head, so '
+      'they are of different runs: run vit-train again with the same --workdir, or pass --labels'
+  ]), out.stderr[-3000:]
+
+
 def test_model_flags_beside_a_workdir_are_refused_not_ignored(home):
   # The run's config.json names its model and resolution: these flags had been dropped silently.
   out = shell([

@@ -12,6 +12,7 @@ Results are printed batch by batch; a file that cannot be read is warned about a
 skipped, and the exit status is then 1.
 """
 import functools
+import os
 import sys
 
 from absl import flags
@@ -59,7 +60,12 @@ def class_names(run_config, labels_file, num_classes, workdir=None):
   # pylint: enable=g-import-not-at-top,unused-import
   recorded = rundir.recorded_class_names(paths.resolve(workdir)) if workdir else None
   if recorded is not None:
-    return recorded if len(recorded) == num_classes else None
+    if len(recorded) != num_classes:  # vit-train records them only for its own head
+      raise ValueError(
+          f'{os.path.join(workdir, rundir.CLASS_NAMES_FILE)} names {len(recorded)} classes but '
+          f'final.npz has a {num_classes}-class head, so they are of different runs: run '
+          'vit-train again with the same --workdir, or pass --labels')
+    return recorded
   names = input_pipeline.class_names(run_config)
   return list(names) if len(names) == num_classes else None
 
