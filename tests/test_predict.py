@@ -212,6 +212,26 @@ def test_another_runs_final_npz_in_the_workdir_is_one_line(program, tmp_path):
 
 
 @pytest.mark.parametrize('program', ['vit-predict', 'vit-evaluate'])
+def test_a_head_kernel_that_disagrees_with_its_bias_is_blamed_on_the_file(program, tmp_path):
+  """The head's size is read from its kernel: a kernel cut to 5 classes beside the run's
+  10-class bias had been reported as 'head/bias: file (10,) vs model (5,)', the right array."""
+  write_run(str(tmp_path / 'run'))
+  final = tmp_path / 'run' / 'final.npz'
+  with np.load(final, allow_pickle=False) as npz:
+    flat = dict(npz)
+  flat['head/kernel'] = flat['head/kernel'][:, :5]
+  np.savez(final, **flat)
+  save_random(str(tmp_path / 'cat.png'))
+  argv = ['cat.png'] if program == 'vit-predict' else ['--shots', '1', '--seeds', '0']
+  out = shell([program, '--workdir', 'run', *argv], tmp_path)
+  assert (out.returncode, out.stderr.strip().splitlines()[-1:]) == (1, [
+      f'{program}: {final} holds head/kernel (32, 5) and head/bias (10,), which disagree on '
+      "the layer's size: run vit-train again with the same --workdir to write it again from "
+      'the last checkpoint'
+  ]), out.stderr[-3000:]
+
+
+@pytest.mark.parametrize('program', ['vit-predict', 'vit-evaluate'])
 def test_a_damaged_class_names_file_is_one_line(program, tmp_path):
   """A class_names.txt that is not UTF-8: "'utf-8' codec can't decode byte 0xff ...", which
   named neither the file nor the fix."""

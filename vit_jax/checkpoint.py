@@ -158,7 +158,23 @@ def load_npz(path):
       if _GN_NAME.search(key):
         value = value.reshape(-1)  # hybrid GroupNorm params are stored as (1, 1, 1, C)
       out[key] = value
+  _check_kernels_fit_biases(path, out)
   return flax.traverse_util.unflatten_dict(out, sep='/')
+
+
+def _check_kernels_fit_biases(path, flat):
+  """Refuses a layer whose kernel and bias disagree on its output size.
+
+  The head's size is read from its kernel: without this a damaged or spliced file would
+  blame its bias (the array that is right) against a model built from the kernel.
+  """
+  for key, bias in flat.items():
+    kernel = flat.get(key[:-len('bias')] + 'kernel') if key.endswith('/bias') else None
+    if kernel is not None and kernel.shape[kernel.ndim - bias.ndim:] != bias.shape:
+      raise UnreadableFileError(
+          path, f'holds {key[:-len("bias")]}kernel {kernel.shape} and {key} {bias.shape}, '
+          'which disagree on the layer\'s size', 'it is damaged or pieced together from two '
+          'files: download or export it again')
 
 
 def save_npz(path, params):
