@@ -469,6 +469,10 @@ def main(argv=None, runner=run_local, out=None):
     if given and not args.tpu:  # else the sweep would run on this machine instead
       raise SweepError(f'{" and ".join(given)} only with --tpu: add --tpu NAME to run on that TPU '
                        f'VM, or drop {"them" if len(given) > 1 else "it"} to run here')
+    if args.tpu:  # vit-tpu's checks of the TPU VM's flags
+      tpu_vm.check_name(args.tpu, '--tpu')
+    if args.zone:
+      args.zone = tpu_vm.zone_flag(args.zone)
     try:
       paths.resolve_folder_flag(args.workdir, example='workdirs/sweep')
     except ValueError as e:

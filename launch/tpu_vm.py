@@ -97,13 +97,62 @@ def _parse_type(accelerator_type):
   return (m.group(1), int(m.group(2))) if m else (None, None)
 
 
+_CORE_GENERATIONS = ('v2', 'v3', 'v4', 'v5p')  # sized in TensorCores: 8 per host
+_CHIP_GENERATIONS = ('v5litepod', 'v5e', 'v6e')  # in chips: 1, 4 or 8 on one host, then 4 per host
+
+
 def _known_size(generation, n):
   """Whether `n` is a slice size of `generation` (cores for v2-v4/v5p, chips for v5e/v6e)."""
-  if generation in ('v2', 'v3', 'v4', 'v5p'):  # TensorCores: 8 per host
+  if generation in _CORE_GENERATIONS:
     return n >= 8 and n % 8 == 0
-  if generation in ('v5litepod', 'v5e', 'v6e'):  # chips: 1, 4 or 8 on one host, then 4 per host
+  if generation in _CHIP_GENERATIONS:
     return n in (1, 4) or n % 8 == 0
   return False
+
+
+def accelerator_type_flag(text):
+  """(--accelerator_type as Cloud TPU names it, warnings): lower case, v5e-N as v5litepod-N.
+
+  LaunchError for one not of the form v<generation>-<size> (tpu-v4, v4), or of a size its
+  generation has not (v4-9); a well-formed type of another generation (v9-8) is only
+  warned about, since Cloud TPU may have it by now.
+  """
+  accelerator_type = text.lower()
+  generation, n = _parse_type(accelerator_type)
+  if generation is None:
+    raise LaunchError(f'--accelerator_type {text} is not a TPU type: write it as '
+                      'v<generation>-<size>, e.g. v4-8 or v5litepod-16 (gcloud compute tpus '
+                      'accelerator-types list --zone ZONE)')
+  if n == 0:
+    raise LaunchError(f'--accelerator_type {text} has no cores: pass a slice size, e.g. '
+                      f'{generation}-8')
+  if generation in _CORE_GENERATIONS + _CHIP_GENERATIONS and not _known_size(generation, n):
+    sizes = ('a multiple of 8 TensorCores'
+             if generation in _CORE_GENERATIONS else '1, 4 or a multiple of 8 chips')
+    raise LaunchError(f'--accelerator_type {text}: a {generation} slice has {sizes}: pick one, '
+                      f'e.g. {generation}-8 or {generation}-32')
+  warnings = []
+  if generation == 'v5e':
+    accelerator_type = f'v5litepod-{n}'
+    warnings.append(f'v5e-{n} is called {accelerator_type} by Cloud TPU: using '
+                    f'--accelerator_type {accelerator_type}')
+  return accelerator_type, warnings + [w for w in (type_warning(accelerator_type),) if w]
+
+
+def zone_flag(text):
+  """--zone in lower case; LaunchError for one not of the form <region>-<letter>."""
+  zone = text.lower()
+  if not re.fullmatch(r'[a-z]+-[a-z]+\d+-[a-z]', zone):
+    raise LaunchError(f'--zone {text} is not a zone: write it as <region>-<letter>, e.g. '
+                      'us-central2-b or europe-west4-a (gcloud compute tpus locations list)')
+  return zone
+
+
+def check_name(name, flag='--name'):
+  """LaunchError for a TPU VM name Cloud TPU refuses."""
+  if not re.fullmatch(r'[a-z]([-a-z0-9]{0,61}[a-z0-9])?', name):
+    raise LaunchError(f'{flag} {name!r}: use lowercase letters, digits and hyphens, starting '
+                      'with a letter')
 
 
 def type_warning(accelerator_type):
@@ -121,7 +170,7 @@ def num_hosts(accelerator_type):
   generation, n = _parse_type(accelerator_type)
   if generation is None or not _known_size(generation, n):
     return None
-  if generation in ('v5litepod', 'v5e', 'v6e'):  # Counted in chips: 8 on one host, else 4 per host.
+  if generation in _CHIP_GENERATIONS:  # Counted in chips: 8 on one host, else 4 per host.
     return 1 if n <= 8 else n // 4
   return max(1, n // 8)  # Counted in TensorCores: 8 per host.
 
@@ -784,19 +833,13 @@ def build_commands(action, args):
   if action not in ACTIONS:
     raise LaunchError(f'unknown action {action!r}: use one of {", ".join(ACTIONS)}')
   _require(args, action, 'name', 'zone')
-  if not re.fullmatch(r'[a-z]([-a-z0-9]{0,61}[a-z0-9])?', args.name):
-    raise LaunchError(f'--name {args.name!r}: use lowercase letters, digits and hyphens, '
-                      'starting with a letter')
+  check_name(args.name)
   if action in ('create', 'all', 'preflight', 'resume', 'watch'):
     _require(args, action, 'accelerator_type')
-  if args.accelerator_type and _parse_type(args.accelerator_type)[1] == 0:
-    raise LaunchError(f'--accelerator_type {args.accelerator_type} has no cores: pass a slice '
-                      'size, e.g. v4-8')
   if args.accelerator_type:
-    for warning in (type_warning(args.accelerator_type),
-                    zone_warning(args.accelerator_type, args.zone)):
-      if warning:
-        args.warnings.append(warning)
+    warning = zone_warning(args.accelerator_type, args.zone)
+    if warning:
+      args.warnings.append(warning)
   if action == 'preflight':
     return preflight_steps(args)
   if action in ('all', 'resume', 'watch'):
@@ -878,11 +921,11 @@ def parse_args(argv):
                         '--config.base_lr=0.01')
   args.overrides = rest
   args.warnings = []
-  m = re.fullmatch(r'v5e-(\d+)', args.accelerator_type or '')
-  if m:
-    args.accelerator_type = f'v5litepod-{m.group(1)}'
-    args.warnings.append(f'v5e-{m.group(1)} is called {args.accelerator_type} by Cloud TPU: '
-                         f'using --accelerator_type {args.accelerator_type}')
+  if args.accelerator_type:
+    args.accelerator_type, warnings = accelerator_type_flag(args.accelerator_type)
+    args.warnings += warnings
+  if args.zone:
+    args.zone = zone_flag(args.zone)
   args.worker = args.worker or ('0' if args.action == 'logs' else 'all')
   if args.worker != 'all' and not args.worker.isdigit():
     raise LaunchError(f'--worker {args.worker!r}: use a worker index (0, 1, ...) or all')

@@ -112,10 +112,11 @@ def test_an_unknown_accelerator_type_is_warned_about():
   for known in ('v2-8', 'v3-2048', 'v4-8', 'v4-24', 'v5p-128', 'v5litepod-1', 'v5litepod-4',
                 'v6e-256'):
     assert tpu_vm.type_warning(known) is None, known
-  a = args('create', '--accelerator_type', 'v4-9')
+  # Well-formed, of a generation this tool does not know: Cloud TPU may have it by now.
+  a = args('create', '--accelerator_type', 'v9-8', '--runtime_version', 'tpu-ubuntu2204-base')
   tpu_vm.build_commands('create', a)
   assert [w for w in a.warnings if 'not a TPU type' in w] == [
-      '--accelerator_type v4-9 is not a TPU type this tool knows (v2, v3, v4, v5litepod, v5p, '
+      '--accelerator_type v9-8 is not a TPU type this tool knows (v2, v3, v4, v5litepod, v5p, '
       'v6e; e.g. v4-8, v5litepod-16): check it with gcloud compute tpus accelerator-types list '
       '--zone ZONE; its devices and hosts are not checked'
   ]
@@ -414,32 +415,33 @@ def test_execute_stops_at_the_first_failure(capsys):
 
 
 @pytest.mark.parametrize('argv,message', [
-    (['create', '--name', 'vit', '--zone', 'z'], 'create needs --accelerator_type'),
-    (['create', '--zone', 'z', '--accelerator_type', 'v3-8'], 'create needs --name'),
+    (['create', '--name', 'vit', '--zone', ZONE], 'create needs --accelerator_type'),
+    (['create', '--zone', ZONE, '--accelerator_type', 'v3-8'], 'create needs --name'),
     (['run', '--name', 'vit'], 'run needs --zone'),
-    (['boot', '--name', 'vit', '--zone', 'z'], 'unknown action'),
-    (['delete', '--name', 'My_TPU', '--zone', 'z'], 'lowercase letters'),
+    (['boot', '--name', 'vit', '--zone', ZONE], 'unknown action'),
+    (['delete', '--name', 'My_TPU', '--zone', ZONE], 'lowercase letters'),
     ([
-        'create', '--name', 'vit', '--zone', 'z', '--accelerator_type', 'v3-8', '--spot',
+        'create', '--name', 'vit', '--zone', ZONE, '--accelerator_type', 'v3-8', '--spot',
         '--preemptible'
     ], 'exclude each other'),
     ([
-        'create', '--name', 'vit', '--zone', 'z', '--accelerator_type', 'v3-8', '--api', 'queued',
+        'create', '--name', 'vit', '--zone', ZONE, '--accelerator_type', 'v3-8', '--api', 'queued',
         '--preemptible'
     ], 'use --spot, or --api=node'),
-    (['create', '--name', 'vit', '--zone', 'z', '--accelerator_type', 'x9-8'], '--runtime_version'),
-    (['create', '--name', 'vit', '--zone', 'z', '--accelerator_type', 'v3-8', '--api', 'tpu'
+    (['create', '--name', 'vit', '--zone', ZONE, '--accelerator_type', 'v9-8'
+     ], 'no default runtime for v9-8: pass --runtime_version'),
+    (['create', '--name', 'vit', '--zone', ZONE, '--accelerator_type', 'v3-8', '--api', 'tpu'
      ], "invalid choice: 'tpu'"),
-    (['run', '--name', 'vit', '--zone', 'z', '--config=c', '--workdir=gs://b', '--lr=1'
+    (['run', '--name', 'vit', '--zone', ZONE, '--config=c', '--workdir=gs://b', '--lr=1'
      ], 'unknown argument'),
-    (['run', '--name', 'vit', '--zone', 'z', '--config=quickstart:x', '--workdir=gs://b'
+    (['run', '--name', 'vit', '--zone', ZONE, '--config=quickstart:x', '--workdir=gs://b'
      ], "--config 'quickstart:x'"),
-    (['logs', '--name', 'vit', '--zone', 'z', '--worker', 'first'], 'worker index'),
-    (['logs', '--name', 'vit', '--zone', 'z', '--worker', '4', '--accelerator_type', 'v4-32'
+    (['logs', '--name', 'vit', '--zone', ZONE, '--worker', 'first'], 'worker index'),
+    (['logs', '--name', 'vit', '--zone', ZONE, '--worker', '4', '--accelerator_type', 'v4-32'
      ], '--worker 4: v4-32 has 4 hosts, workers 0-3: use one of them, or all'),
-    (['logs', '--name', 'vit', '--zone', 'z', '--lines', 'many'], 'invalid int'),
-    (['watch', '--name', 'vit', '--zone', 'z', '--poll', '0'], '--poll must be > 0'),
-    (['watch', '--name', 'vit', '--zone', 'z', '--config=c', '--workdir=gs://b'
+    (['logs', '--name', 'vit', '--zone', ZONE, '--lines', 'many'], 'invalid int'),
+    (['watch', '--name', 'vit', '--zone', ZONE, '--poll', '0'], '--poll must be > 0'),
+    (['watch', '--name', 'vit', '--zone', ZONE, '--config=c', '--workdir=gs://b'
      ], 'watch needs --accelerator_type'),
 ])
 def test_bad_arguments_give_one_line(argv, message, capsys):
@@ -730,3 +732,38 @@ def test_a_failed_delete_names_the_list_commands(fake_gcloud, tmp_path):
     line = _error_line(p)
     assert (f'fix it and delete again; if it says NOT_FOUND, there is no {what} vit in zone '
             f'{ZONE}: ') in line and listing in line, line
+
+
+@pytest.mark.parametrize('argv,message', [
+    (('--accelerator_type', 'tpu-v4'), '--accelerator_type tpu-v4 is not a TPU type: write it '
+     'as v<generation>-<size>, e.g. v4-8 or v5litepod-16 (gcloud compute tpus accelerator-types '
+     'list --zone ZONE)'),
+    (('--accelerator_type', 'v4', '--runtime_version', 'tpu-ubuntu2204-base'),
+     '--accelerator_type v4 is not a TPU type: write it as v<generation>-<size>, e.g. v4-8 or '
+     'v5litepod-16 (gcloud compute tpus accelerator-types list --zone ZONE)'),
+    (('--accelerator_type', 'v4-9'), '--accelerator_type v4-9: a v4 slice has a multiple of 8 '
+     'TensorCores: pick one, e.g. v4-8 or v4-32'),
+    (('--accelerator_type', 'v6e-6'), '--accelerator_type v6e-6: a v6e slice has 1, 4 or a '
+     'multiple of 8 chips: pick one, e.g. v6e-8 or v6e-32'),
+    (('--accelerator_type', 'v4-8', '--zone', 'us-central2-bb'), '--zone us-central2-bb is not a '
+     'zone: write it as <region>-<letter>, e.g. us-central2-b or europe-west4-a (gcloud compute '
+     'tpus locations list)'),
+])
+def test_a_malformed_accelerator_type_or_zone_is_refused(tmp_path, argv, message):
+  """tpu-v4 was blamed on the runtime ('no default runtime for tpu-v4: pass
+  --runtime_version'); v4 (given a runtime), v4-9 and a zone us-central2-bb were only warned
+  about, and passed on to gcloud."""
+  p = vit_tpu(tmp_path, 'create', '--name', NAME, '--zone', 'us-central2-b', *argv, '--dry-run')
+  assert _error_line(p) == p.stderr.splitlines()[-1] == f'vit-tpu: error: {message}'
+  assert p.stdout == ''
+
+
+def test_an_accelerator_type_and_zone_in_upper_case_are_lowered(tmp_path):
+  """V4-8 was refused as 'no default runtime for V4-8'; Cloud TPU names are lower case."""
+  p = vit_tpu(tmp_path, 'create', '--name', NAME, '--zone', 'US-CENTRAL2-B', '--accelerator_type',
+              'V4-8', '--dry-run')
+  assert p.returncode == 0 and p.stderr == '', p.stderr
+  assert p.stdout.splitlines()[0] == shlex.join(GCLOUD + [
+      'create', NAME, '--zone', 'us-central2-b', '--accelerator-type', 'v4-8', '--version',
+      'tpu-ubuntu2204-base'
+  ])

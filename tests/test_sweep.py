@@ -154,13 +154,13 @@ def test_a_workdir_that_is_a_file_stops_the_sweep_at_once(tmp_path, dry_run):
 def test_tpu_sweep_chains_the_points(capsys):
   sweep.main([
       '--config=configs/finetune.py:R50+ViT-B_16,cifar10', '--workdir=gs://b/sw', '--sweep',
-      'config.base_lr=[0.01,0.03]', '--tpu', 'vit', '--zone', 'z', '--dry-run'
+      'config.base_lr=[0.01,0.03]', '--tpu', 'vit', '--zone', 'us-central2-b', '--dry-run'
   ])
   [line] = capsys.readouterr().out.splitlines()
   cmd = shlex.split(line)
   assert cmd[:-1] == [
-      'gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'vit', '--zone', 'z', '--worker=all',
-      '--command'
+      'gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'vit', '--zone', 'us-central2-b',
+      '--worker=all', '--command'
   ]
   words = shlex.split(cmd[-1])
   body = shlex.split(words[words.index('-c') + 1])
@@ -173,8 +173,10 @@ def test_tpu_sweep_chains_the_points(capsys):
     assert body[i - 4:i + 2] == argv
     assert f'$HOME/vit_jax_logs/sweep-base_lr={lr}.log' in body
   with pytest.raises(SystemExit, match='--tpu needs --workdir=gs://'):
-    sweep.main(
-        [f'--config={FINETUNE}', '--workdir=/tmp/sw', '--tpu', 'vit', '--zone', 'z', '--dry-run'])
+    sweep.main([
+        f'--config={FINETUNE}', '--workdir=/tmp/sw', '--tpu', 'vit', '--zone', 'us-central2-b',
+        '--dry-run'
+    ])
 
 
 @pytest.mark.parametrize(
@@ -188,10 +190,10 @@ def test_tpu_sweep_chains_the_points(capsys):
         ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.base_lr=0.1'], 'both --set and'),
         ([f'--config={FINETUNE}', '--workdir=w', '--tpu', 'vit'], '--tpu needs --zone'),
         # Without --tpu the points would train on this machine.
-        ([f'--config={FINETUNE}', '--workdir=w', '--zone', 'z'
+        ([f'--config={FINETUNE}', '--workdir=w', '--zone', 'us-central2-b'
          ], 'vit-sweep: error: --zone only with --tpu: add --tpu NAME to run on that TPU VM, or '
          'drop it to run here'),
-        ([f'--config={FINETUNE}', '--workdir=w', '--zone', 'z', '--project', 'p'
+        ([f'--config={FINETUNE}', '--workdir=w', '--zone', 'us-central2-b', '--project', 'p'
          ], '--zone and --project only with --tpu: add --tpu NAME to run on that TPU VM, or drop '
          'them to run here'),
         # Values are checked before any point trains (vit-train refused them only at its point).
@@ -414,7 +416,7 @@ def test_real_local_sweep(tmp_path, monkeypatch, capsys):
     (['--bogus', '--dry-run'], 'unrecognized arguments: --bogus'),
     (['--summarize-only'], 'nothing to summarize in sw: it does not exist; run without '
      '--summarize-only first'),
-    (['--config=my.py', '--workdir=gs://b/sw', '--tpu=vit', '--zone=z', '--dry-run'
+    (['--config=my.py', '--workdir=gs://b/sw', '--tpu=vit', '--zone=us-central2-b', '--dry-run'
      ], "--config 'my.py' is a file outside"),
 ])
 def test_bad_arguments_from_the_command_line(tmp_path, argv, message):
@@ -429,13 +431,28 @@ def test_bad_arguments_from_the_command_line(tmp_path, argv, message):
   assert 'Traceback' not in p.stderr and os.listdir(tmp_path) == ['my.py']
 
 
+@pytest.mark.parametrize('flags,message', [
+    (('--tpu', 'vit', '--zone', 'us-central2-bb'), '--zone us-central2-bb is not a zone: write '
+     'it as <region>-<letter>, e.g. us-central2-b or europe-west4-a (gcloud compute tpus '
+     'locations list)'),
+    (('--tpu', 'My_TPU', '--zone', 'us-central2-b'), "--tpu 'My_TPU': use lowercase letters, "
+     'digits and hyphens, starting with a letter'),
+])
+def test_the_tpu_flags_are_checked_as_vit_tpu_checks_them(tmp_path, flags, message):
+  """A zone or TPU VM name that vit-tpu refuses went into the dry run's ssh command."""
+  p = console_script('vit-sweep', tmp_path, '--config=finetune:ViT-B_16,cifar10,dev',
+                     '--workdir=gs://b/sw', *flags, '--dry-run')
+  assert p.returncode == 1 and p.stdout == '', p.stdout + p.stderr
+  assert p.stderr.splitlines()[-1] == f'vit-sweep: error: {message}', p.stderr
+
+
 def test_tpu_sweep_names_a_config_file_as_the_workers_see_it(tmp_path, capsys, monkeypatch):
   """The workers run from their copy of the repository: a config file of it, given from
   another directory, is passed by its path there."""
   monkeypatch.chdir(tmp_path)
   sweep.main([
-      f'--config={REPO}/{FINETUNE}', '--workdir=gs://b/sw', '--tpu', 'vit', '--zone', 'z',
-      '--dry-run'
+      f'--config={REPO}/{FINETUNE}', '--workdir=gs://b/sw', '--tpu', 'vit', '--zone',
+      'us-central2-b', '--dry-run'
   ])
   out = capsys.readouterr().out
   assert f'--config={FINETUNE}' in out and REPO not in out
