@@ -109,6 +109,6 @@ def get_config():
   c.eval_every_steps = 1000  # Evaluation on eval_split; 0 only at the end.
   c.checkpoint_every_steps = 1000  # Orbax checkpoint period; 0 only at the end (and on a signal).
   c.keep_checkpoints = 3  # Checkpoints kept on disk (1 or more; -1 keeps all).
-  c.on_nonfinite = 'stop'  # Non-finite loss or gradient: 'stop' (exit 1, never saved) or 'skip'.
+  c.on_nonfinite = 'stop'  # Non-finite loss/gradient/update: 'stop' (exit 1, never saved) or 'skip'.
   c.resume_changes = ''  # Fields allowed to differ from the workdir's run: 'base_lr,model', '*'.
   return c

@@ -114,6 +114,37 @@ def test_divergence_stops_at_once_and_saves_nothing(tmp_path):
   assert err.count('training diverged') == 1
 
 
+def test_an_update_that_overflows_is_never_saved(tmp_path):
+  """A finite gradient times lr 1e30 is an inf update: the guard had looked at the loss and
+  the gradient only, so step 2's inf parameters were checkpointed (and would have pushed the
+  good step 1 out), and the resume diverged at once."""
+  small = ['--config.checkpoint_every_steps=1', '--config.keep_checkpoints=1']
+  rc, err, last = _cli(tmp_path, 'run', *small, '--config.base_lr=1e30')
+  assert rc == 1, err[-3000:]
+  assert re.fullmatch(
+      r'vit_jax: loss [0-9.]+, gradient norm [0-9.]+, update norm inf at step 2: training '
+      r'diverged, so it stopped \(the checkpoint of step 1 is kept\); try a lower '
+      r'--config.base_lr \(now 1e\+30\), a longer --config.warmup_steps \(now 2\)', last), last
+  assert _steps(tmp_path / 'run') == ['1']
+  rc, err, last = _cli(tmp_path, 'run', *small, '--config.total_steps=3',
+                       '--config.resume_changes=base_lr,total_steps')
+  assert rc == 0 and 'Resuming from the checkpoint of step 1 ' in err, err[-3000:]
+
+
+def test_a_run_that_skips_every_update_stops(tmp_path):
+  """on_nonfinite=skip with lr 1e30 had skipped 297 of 300 steps and exited 0."""
+  rc, err, last = _cli(tmp_path, 'run', '--config.base_lr=1e30', '--config.on_nonfinite=skip',
+                       '--config.total_steps=300')
+  assert rc == 1, err[-3000:]
+  assert last == (
+      'vit_jax: steps 2-110 all had a non-finite loss, gradient or update and were skipped '
+      '(on_nonfinite=skip): training makes no progress, so it stopped (the checkpoint of step '
+      '100 is kept); try a lower --config.base_lr (now 1e+30), a longer --config.warmup_steps '
+      '(now 2)'), last
+  assert _steps(tmp_path / 'run')[-1] == '100' and 'Final' not in err
+  assert not os.path.exists(tmp_path / 'run' / 'final.npz')
+
+
 def test_diverging_resume_keeps_good_checkpoints_and_final(good, tmp_path):
   run = _copy(good, tmp_path)
   final = _read(run / 'final.npz')

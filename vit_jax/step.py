@@ -59,7 +59,10 @@ def create_train_state(config, model, tx, mesh, num_classes, manager=None):
   param_sh = sharding.tree_shardings(abstract_params, mesh, config.fsdp)
   abstract_opt = jax.eval_shape(tx.init, abstract_params)
   opt_sh = sharding.tree_shardings(abstract_opt, mesh, config.fsdp)
-  guard_sh = {k: replicated for k in ('first_bad', 'loss', 'grad_norm', 'skipped')}
+  guard_sh = {
+      k: replicated for k in ('first_bad', 'loss', 'grad_norm', 'update_norm', 'skipped',
+                              'skipped_in_a_row', 'last_skipped')
+  }
   saved_sh = {'step': replicated, 'params': param_sh, 'opt_state': opt_sh}
   abstract_saved = {
       'step': jax.ShapeDtypeStruct((), jnp.int32),
@@ -86,7 +89,10 @@ def create_train_state(config, model, tx, mesh, num_classes, manager=None):
           'first_bad': jnp.int32(0),
           'loss': jnp.float32(0),
           'grad_norm': jnp.float32(0),
-          'skipped': jnp.int32(0)
+          'update_norm': jnp.float32(0),
+          'skipped': jnp.int32(0),
+          'skipped_in_a_row': jnp.int32(0),
+          'last_skipped': jnp.int32(0)
       }, guard_sh)
   return state, {**saved_sh, 'guard': guard_sh}
 
@@ -156,7 +162,10 @@ def make_train_step(model, tx, schedule, config, mesh):
     updates, opt_state = tx.update(g, state['opt_state'], params)
     new_params = optax.apply_updates(params, updates)
     grad_norm = optax.global_norm(g)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    # The update too: a finite gradient times a huge learning rate overflows to inf
+    # parameters, which the next step's loss would show only after they were saved.
+    update_norm = optax.global_norm(updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
     if config.get('on_nonfinite', 'stop') == 'skip':  # the step counts, its update does not
       keep = lambda new, old: jnp.where(finite, new, old)
       new_params = jax.tree.map(keep, new_params, params)
@@ -172,7 +181,10 @@ def make_train_step(model, tx, schedule, config, mesh):
           'first_bad': jnp.where(first, state['step'] + 1, guard['first_bad']),
           'loss': jnp.where(first, loss, guard['loss']),
           'grad_norm': jnp.where(first, grad_norm, guard['grad_norm']),
-          'skipped': guard['skipped'] + (~finite).astype(jnp.int32)
+          'update_norm': jnp.where(first, update_norm, guard['update_norm']),
+          'skipped': guard['skipped'] + (~finite).astype(jnp.int32),
+          'skipped_in_a_row': jnp.where(finite, 0, guard['skipped_in_a_row'] + 1),
+          'last_skipped': jnp.where(finite, guard['last_skipped'], state['step'] + 1)
       }
     return new_state, metrics
 

@@ -113,7 +113,7 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None, o
   `workdir`). `on_start()` is called once the workdir is this run's (locked, its
   config checked), before anything is written there (vit-train opens its log file).
   Faults end the run with a one-line ConfigError (TrainingError while training):
-  a non-finite loss or gradient (nothing non-finite is ever saved), a failed
+  a non-finite loss, gradient or update (nothing non-finite is ever saved), a failed
   checkpoint write, Ctrl-C or a closed terminal (after saving), a config that differs
   from the workdir's run, a workdir in use by another run, checkpoints of another
   model. SIGTERM outside the training steps (set-up, restore, compile, wrap-up) raises
@@ -245,7 +245,14 @@ def _with_absolute_paths(config):
   return config
 
 
+# on_nonfinite=skip stops a run whose updates are skipped this many steps in a row: its
+# parameters no longer change, and the steps left would only spend time.
+SKIPPED_IN_A_ROW_LIMIT = 100
+
+
 def _guard_message(guard, config, last_saved):
+  """The one line that stops a diverged run: with on_nonfinite=stop at its first non-finite
+  step, with skip once SKIPPED_IN_A_ROW_LIMIT steps in a row were skipped."""
   kept = (f'the checkpoint of step {last_saved} is kept'
           if last_saved else 'no checkpoint was written')
   fixes = [f'a lower --config.base_lr (now {config.base_lr:g})']
@@ -254,9 +261,15 @@ def _guard_message(guard, config, last_saved):
   fixes.append(f'a longer --config.warmup_steps (now {config.warmup_steps})')
   if config.dtype != 'float32':
     fixes.append('--config.dtype=float32')
-  return (f'loss {float(guard["loss"]):g}, gradient norm {float(guard["grad_norm"]):g} at step '
-          f'{int(guard["first_bad"])}: training diverged, so it stopped ({kept}); try '
-          f'{", ".join(fixes)}')
+  if config.get('on_nonfinite', 'stop') == 'stop':
+    what = (f'loss {float(guard["loss"]):g}, gradient norm {float(guard["grad_norm"]):g}, update '
+            f'norm {float(guard["update_norm"]):g} at step {int(guard["first_bad"])}: training '
+            'diverged')
+  else:
+    last, n = int(guard['last_skipped']), int(guard['skipped_in_a_row'])
+    what = (f'steps {last - n + 1}-{last} all had a non-finite loss, gradient or update and '
+            'were skipped (on_nonfinite=skip): training makes no progress')
+  return f'{what}, so it stopped ({kept}); try {", ".join(fixes)}'
 
 
 class _ShortLibraryErrors(std_logging.Filter):
@@ -459,7 +472,12 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   reported_skips = 0
 
   def check_guard(guard):
-    if stop_on_nonfinite and int(guard['first_bad']):
+    if ((stop_on_nonfinite and int(guard['first_bad']))
+        or int(guard['skipped_in_a_row']) >= SKIPPED_IN_A_ROW_LIMIT):
+      try:  # a save in flight is of a finite state: the message then names it as kept
+        check_save(block=True)
+      except TrainingError:
+        pass  # not kept; the divergence is what the user must fix first
       raise TrainingError(_guard_message(guard, config, saves['last']))
 
   def check_save(block):
@@ -530,7 +548,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
         if int(guard['skipped']) > reported_skips:
           reported_skips = int(guard['skipped'])
           logging.warning(
-              '%d step(s) so far had a non-finite loss or gradient; their updates '
+              '%d step(s) so far had a non-finite loss, gradient or update; their updates '
               'were skipped (on_nonfinite=skip)', reported_skips)
         speed = chrono.report(step)
         if peak_source == 'measured':
