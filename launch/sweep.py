@@ -163,10 +163,10 @@ def preflight(configs_of_points, what='point'):
       raise SweepError(f'{what} {name}: {e}') from None
 
 
-def check_data(configs_of_points):
+def check_data(configs_of_points, what='point'):
   """The datasets of points that run here, as vit-train checks them at its start (prepared,
   splits that exist and hold examples), once per dataset and splits: a dataset not built
-  stops the sweep before its first point, not every point in turn."""
+  stops the sweep before its first point, not every point in turn. `what` as for preflight."""
   # pylint: disable=g-import-not-at-top,unused-import
   from vit_jax import tensorflow_quietly  # noqa: F401  (TF without its start-up notices)
   from vit_jax import input_pipeline  # (loads TF)
@@ -181,7 +181,7 @@ def check_data(configs_of_points):
       input_pipeline.get_info(c)
       input_pipeline.validate_splits(c)
     except (ValueError, FileNotFoundError) as e:
-      raise SweepError(f"point {name}: {errors.one_line(e)}") from None
+      raise SweepError(f'{what} {name}: {errors.one_line(e)}') from None
 
 
 def build_grid(config, sweeps):

@@ -216,6 +216,10 @@ def main(argv=None, runner=sweep.run_local, out=None):
     bad = [a for a in overrides if not a.startswith('--config.')]
     if bad:
       raise VtabError(f'unknown argument {bad[0]!r}: pass config fields as --config.FIELD=VALUE')
+    try:
+      paths.resolve_folder_flag(args.workdir, example='workdirs/vtab')
+    except ValueError as e:
+      raise VtabError(str(e)) from None
     check_model(args.model)
     tasks = parse_tasks(args.tasks)
     task_configs = []
@@ -228,6 +232,10 @@ def main(argv=None, runner=sweep.run_local, out=None):
     if not args.summarize_only:  # A bad value or workdir stops here, not every task in turn.
       try:
         sweep.preflight(task_configs, what='task')
+        if not args.dry_run:  # A dataset not prepared stops here too, as in vit-sweep.
+          unfinished = [(task, c) for task, c in task_configs
+                        if not is_finished(sweep.join(args.workdir, task))]
+          sweep.check_data(unfinished, what='task')
         sweep.check_workdir(args.workdir, create=not args.dry_run)
       except sweep.SweepError as e:
         raise VtabError(str(e)) from None

@@ -330,9 +330,10 @@ def test_vtab_runner_dry_run_and_bad_arguments(capsys):
     assert message in str(e.value) and '\n' not in str(e.value)
 
 
-def test_ctrl_c_stops_the_tasks_with_one_line(tmp_path, capsys):
+def test_ctrl_c_stops_the_tasks_with_one_line(tmp_path, capsys, monkeypatch):
   """It printed a traceback. (sweep.run_local, which runs a task, lets the task's run save
   and exit first: tests/test_sweep.py.)"""
+  monkeypatch.setattr(vtab_launch.sweep, 'check_data', lambda *args, **kwargs: None)  # no data
   ran = []
 
   def runner(argv, log_path):
@@ -354,7 +355,8 @@ def test_ctrl_c_stops_the_tasks_with_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize('dry_run', [True, False])
-def test_a_workdir_that_is_a_file_stops_before_the_first_task(tmp_path, dry_run):
+def test_a_workdir_that_is_a_file_stops_before_the_first_task(tmp_path, dry_run, monkeypatch):
+  monkeypatch.setattr(vtab_launch.sweep, 'check_data', lambda *args, **kwargs: None)  # no data
   (tmp_path / 'afile').write_text('')
   ran = []
   with pytest.raises(SystemExit) as e:
@@ -381,3 +383,31 @@ def test_vtab_bad_arguments_from_the_command_line(tmp_path, argv, message):
   [line] = [l for l in p.stderr.splitlines() if l.startswith('vit-vtab: ')]
   assert line.startswith('vit-vtab: error: ') and message in line, p.stderr
   assert 'Traceback' not in p.stderr and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize('dry_run', [True, False])
+def test_an_empty_workdir_is_refused(tmp_path, dry_run):
+  """`--workdir=$DIR` with DIR unset: the dry run put the tasks in the current directory,
+  the run failed as 'cannot create workdir : No such file or directory'."""
+  p = console_script('vit-vtab', tmp_path, '--model=ViT-B_16', '--workdir=', '--tasks=dtd',
+                     *['--dry-run'] * dry_run)
+  assert p.returncode == 1 and p.stdout == '', p.stdout + p.stderr
+  assert p.stderr.splitlines()[-1] == (
+      'vit-vtab: error: --workdir is empty (an unset shell variable?): pass a folder, e.g. '
+      '--workdir=workdirs/vtab')
+  assert os.listdir(tmp_path) == []
+
+
+def test_data_not_prepared_stops_before_the_first_task(tmp_path):
+  """A task started, failed after some seconds and pointed to its vtab.log; now its data is
+  checked first (a finished task's is not needed), as vit-sweep checks its points'."""
+  (tmp_path / 'vt' / 'dtd').mkdir(parents=True)
+  (tmp_path / 'vt' / 'dtd' / 'final.npz').write_bytes(b'')  # finished: its data is not read
+  p = console_script('vit-vtab', tmp_path, '--model=ViT-B_16', '--workdir=vt',
+                     '--tasks=dtd,svhn,eurosat', '--config.data_dir=tfds')
+  assert p.returncode == 1 and p.stdout == '', p.stdout + p.stderr
+  assert p.stderr.splitlines()[-1] == (
+      'vit-vtab: error: task svhn: dataset svhn_cropped is not prepared in data_dir tfds: run '
+      '`tfds build svhn_cropped --data_dir=tfds` or set --config.data_dir to where it is '
+      'prepared.')
+  assert sorted(os.listdir(tmp_path / 'vt')) == ['dtd']
