@@ -16,13 +16,16 @@ runs, each point's config goes through vit-train's start-up checks (preflight), 
 local sweep its data is checked as vit-train checks it (check_data). The summary reads the
 'accuracy' scalars of each point's TensorBoard events and writes DIR/summary.md and
 DIR/summary.csv; the winner is the point with the best final accuracy, as the paper
-picks the learning rate on the held-out development split.
+picks the learning rate on the held-out development split. As a sweep starts it records its
+--config, grid and --set flags in DIR/sweep.json: --summarize-only reads the points and the
+winner's command line from there, so it needs only --workdir.
 """
 import argparse
 import ast
 import csv
 import io
 import itertools
+import json
 import os
 import re
 import shlex
@@ -37,6 +40,7 @@ from vit_jax import paths
 from vit_jax.launch import tpu_vm
 
 COLUMNS = ('point', 'status', 'final_accuracy', 'best_accuracy', 'steps')
+RECORD = 'sweep.json'  # DIR/sweep.json: the --config, grid and --set flags the points run with
 
 
 class SweepError(Exception):
@@ -417,6 +421,65 @@ def write_summary(workdir, rows, winner, config, points, sets):
   return text
 
 
+def write_record(workdir, config, grid, sets):
+  """DIR/sweep.json: what the points run with, for --summarize-only."""
+  path = join(workdir, RECORD)
+  try:
+    with paths.open_file(path, 'w') as f:
+      json.dump({'config': config, 'grid': grid, 'sets': sets}, f, indent=1)
+      f.write('\n')
+  except Exception as e:  # pylint: disable=broad-except  (OSError, or gfile's for gs://)
+    raise SweepError(f'cannot write {path}: {errors.one_line(e)}: choose a writable '
+                     '--workdir') from None
+
+
+def read_record(workdir):
+  """(config, grid, sets) of DIR/sweep.json, as JSON has them (a tuple as a list); None
+  where there is none (a sweep of a vit-sweep before it)."""
+  path = join(workdir, RECORD)
+  if not paths.exists(path):
+    return None
+  try:
+    with paths.open_file(path, 'r') as f:
+      record = json.load(f)
+    return (record['config'], [(key, values) for key, values in record['grid']],
+            [(key, value) for key, value in record['sets']])
+  except Exception as e:  # pylint: disable=broad-except  (unreadable, not JSON, edited)
+    raise SweepError(f'{path} cannot be read ({errors.one_line(e)}): delete it and pass the '
+                     'sweep\'s --config, --sweep and --set flags with --summarize-only') from None
+
+
+def recorded_sweep(args):
+  """(config, grid, sets) of the sweep in args.workdir: from its sweep.json, whatever flags
+  --summarize-only has (a warning names those that differ); without one, from the flags."""
+  if not paths.exists(args.workdir):
+    raise SweepError(f'nothing to summarize in {args.workdir}: it does not exist; run without '
+                     '--summarize-only first (or pass the --workdir of that run)')
+  record = read_record(args.workdir)
+  if record is None:
+    if not args.config:
+      raise SweepError(f'{args.workdir} has no {RECORD} (a sweep started by an older vit-sweep): '
+                       'pass the --config, --sweep and --set flags it ran with')
+    grid = build_grid(load_config(args.config), args.sweep)
+    return args.config, grid, [parse_set(spec) for spec in args.sets]
+  config, grid, sets = record
+  given = {
+      '--config': args.config,
+      '--sweep': [parse_sweep(spec) for spec in args.sweep],
+      '--set': [parse_set(spec) for spec in args.sets]
+  }
+  recorded = {'--config': config, '--sweep': grid, '--set': sets}
+  as_json = lambda value: json.loads(json.dumps(value))  # tuples as lists, as recorded
+  differ = [
+      flag for flag in given if given[flag] and as_json(given[flag]) != as_json(recorded[flag])
+  ]
+  if differ:
+    print(
+        f'vit-sweep: warning: {" and ".join(differ)} ignored: the summary is of what the sweep '
+        f'in {args.workdir} ran with ({join(args.workdir, RECORD)})', file=sys.stderr)
+  return config, grid, sets
+
+
 def _read_status(point_dir):
   path = join(point_dir, 'sweep_status')
   if '://' not in path and not os.path.exists(path):
@@ -436,8 +499,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parser():
   p = _Parser(prog='vit-sweep', description=__doc__.split('\n')[0])
-  p.add_argument('--config', required=True,
-                 help='e.g. finetune:ViT-B_16,cifar10,dev (or a config file)')
+  p.add_argument('--config', help='e.g. finetune:ViT-B_16,cifar10,dev (or a config file)')
   p.add_argument('--workdir', required=True, help='one sub-directory per point (may be gs://)')
   p.add_argument('--sweep', action='append', default=[],
                  help="'config.KEY=[v1,v2,...]'; several flags: the cartesian product")
@@ -448,8 +510,10 @@ def parser():
   p.add_argument('--project', help='Google Cloud project (with --tpu)')
   p.add_argument('--dry-run', '--dry_run', dest='dry_run', action='store_true',
                  help='print the commands, run nothing')
-  p.add_argument('--summarize-only', '--summarize_only', dest='summarize_only', action='store_true',
-                 help='only read the results and write the summary')
+  p.add_argument(
+      '--summarize-only', '--summarize_only', dest='summarize_only', action='store_true',
+      help='only read the results and write the summary (of the sweep that '
+      f'DIR/{RECORD} records: --workdir is enough)')
   return p
 
 
@@ -477,8 +541,19 @@ def main(argv=None, runner=run_local, out=None):
       paths.resolve_folder_flag(args.workdir, example='workdirs/sweep')
     except ValueError as e:
       raise SweepError(str(e)) from None
+    if args.summarize_only:
+      config, grid, sets = recorded_sweep(args)
+      points = grid_points(grid)
+      rows, winner = summarize(args.workdir, points)
+      print(write_summary(args.workdir, rows, winner, config, points, sets), file=out)
+      return
+    if not args.config:
+      raise SweepError('the following arguments are required: --config')
+    if args.tpu and not args.zone:
+      raise SweepError('--tpu needs --zone')
     config = load_config(args.config)
-    points = grid_points(build_grid(config, args.sweep))
+    grid = build_grid(config, args.sweep)
+    points = grid_points(grid)
     sets = [parse_set(s) for s in args.sets]
     # A model.X the config does not list is checked against each point's variant, as
     # vit-train does it (configs.split_model_fields), when the points' configs are built.
@@ -493,20 +568,15 @@ def main(argv=None, runner=run_local, out=None):
     if swept & {k for k, _ in sets}:
       raise SweepError(f'config.{sorted(swept & {k for k, _ in sets})[0]} is both --set and '
                        'swept: keep one')
-    if not args.summarize_only:
-      configs_of_points = point_configs(args.config, sets, points)
-      preflight(configs_of_points)
-      if not (args.tpu or args.dry_run):
-        check_data(configs_of_points)
-      check_workdir(args.workdir, create=not (args.tpu or args.dry_run))
+    configs_of_points = point_configs(args.config, sets, points)
+    preflight(configs_of_points)
+    if not (args.tpu or args.dry_run):
+      check_data(configs_of_points)
+    check_workdir(args.workdir, create=not (args.tpu or args.dry_run))
+    if not args.dry_run:
+      write_record(args.workdir, args.config, grid, sets)
     statuses = None
-    if args.summarize_only:
-      if not paths.exists(args.workdir):
-        raise SweepError(f'nothing to summarize in {args.workdir}: it does not exist; run without '
-                         '--summarize-only first (or pass the --workdir of that run)')
-    elif args.tpu:
-      if not args.zone:
-        raise SweepError('--tpu needs --zone')
+    if args.tpu:
       tpu_args = argparse.Namespace(name=args.tpu, zone=args.zone, project=args.project)
       commands = tpu_commands(tpu_args, args.config, args.workdir, sets, points)
       tpu_vm.execute(commands, args.dry_run, out=out)

@@ -299,6 +299,51 @@ def test_failing_point_does_not_stop_the_sweep(tmp_path, capsys, monkeypatch):
     assert f.read() == md
 
 
+@pytest.mark.parametrize('flags,warning', [
+    (('--config=quickstart', '--sweep', 'config.base_lr=[0.001,0.003]'), None),
+    ((), None),
+    (('--config=quickstart', '--set', 'config.total_steps=100'), 'vit-sweep: warning: --set '
+     'ignored: the summary is of what the sweep in sw ran with (sw/sweep.json)'),
+])
+def test_summarize_only_names_the_flags_the_points_ran_with(tmp_path, monkeypatch, flags, warning):
+  """--summarize-only without the first run's --set flags named the winner's command without
+  them (`--config=quickstart --config.base_lr=0.003`, where the points had trained 250
+  steps); without --sweep either, it failed as 'the config has no lr_grid'."""
+  monkeypatch.setattr(sweep, 'check_data', lambda *args: None)  # no data here: fake points
+  monkeypatch.chdir(tmp_path)
+  accuracy = {'0.001': 0.5, '0.003': 0.7}
+
+  def runner(argv, log_path):
+    write_accuracy(os.path.dirname(log_path), [(250, accuracy[argv[-1].split('=')[-1]])])
+    return 0
+
+  sweep.main([
+      '--config=quickstart', '--workdir=sw', '--sweep', 'config.base_lr=[0.001,0.003]', '--set',
+      'config.total_steps=250', '--set', 'config.warmup_steps=50'
+  ], runner=runner)
+  (tmp_path / 'sw' / 'summary.md').unlink()
+  p = console_script('vit-sweep', tmp_path, '--workdir=sw', *flags, '--summarize-only')
+  assert p.returncode == 0, p.stderr
+  winner = ('Winner (best final accuracy): **base_lr=0.003**, 0.7000. Run it with: '
+            '`--config=quickstart --config.total_steps=250 --config.warmup_steps=50 '
+            '--config.base_lr=0.003`')
+  assert p.stdout.rstrip('\n').splitlines()[-1] == winner
+  assert (tmp_path / 'sw' / 'summary.md').read_text().splitlines()[-1] == winner
+  assert [l for l in p.stderr.splitlines() if l.startswith('vit-sweep')
+         ] == [warning] * bool(warning)
+
+
+def test_summarize_only_of_a_workdir_without_its_record(tmp_path):
+  """A sweep of a vit-sweep before sweep.json, summarized with --workdir alone: the flags
+  are asked for (it had said 'the following arguments are required: --config')."""
+  write_accuracy(tmp_path / 'sw' / 'base_lr=0.001', [(10, 0.5)])
+  p = console_script('vit-sweep', tmp_path, '--workdir=sw', '--summarize-only')
+  assert p.returncode == 1 and p.stdout == '', p.stdout + p.stderr
+  assert p.stderr.splitlines()[-1] == (
+      'vit-sweep: error: sw has no sweep.json (a sweep started by an older vit-sweep): pass the '
+      '--config, --sweep and --set flags it ran with')
+
+
 def test_summary_without_status_files(tmp_path):
   """As after a TPU sweep: no sweep_status, events only; a second event file wins."""
   points = sweep.grid_points([('base_lr', [0.01, 0.03, 0.1])])
