@@ -40,7 +40,7 @@ def get_config():
   c.batch_size = 4096  # Global training batch, over all hosts and devices.
   c.eval_batch_size = 512  # Global evaluation batch (the last one is padded and masked).
   c.accum_steps = 1  # Gradient accumulation: micro-batches per step; 0 picks the fewest that fit.
-  c.device_memory_mb = 0.0  # Memory per device for the fit check; 0 asks the device (CPU: no check).
+  c.device_memory_mb = 0.0  # Memory per device for the fit check; 0 asks the device (CPU: host's free).
   c.optimizer = 'adam'  # 'adam' (Table 3) or 'sgd' (Table 4, momentum).
   c.adam_b1 = 0.9  # Adam beta1.
   c.adam_b2 = 0.999  # Adam beta2.

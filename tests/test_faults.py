@@ -47,13 +47,19 @@ def _env(devices=8):
   return dict(os.environ, XLA_FLAGS=flags, TF_CPP_MIN_LOG_LEVEL='2')
 
 
-def _cli(cwd, workdir, *extra, devices=8, file_size_limit=None):
+def _cli(cwd, workdir, *extra, devices=8, file_size_limit=None, memory_limit=None):
+  """vit-train's (rc, stderr, last line). file_size_limit: "disk full" for files past it
+  (Python ignores SIGXFSZ); memory_limit: bytes of address space, past which allocations
+  fail (a test of the memory check cannot then take the host's memory if the check breaks)."""
   command = [sys.executable, '-m', 'vit_jax.main', *ARGS, f'--workdir={workdir}', *extra]
-  if file_size_limit:  # "disk full" for files past the limit (Python ignores SIGXFSZ)
+  limits = [
+      (name, n) for name, n in (('RLIMIT_FSIZE', file_size_limit), ('RLIMIT_AS', memory_limit)) if n
+  ]
+  if limits:
     command[1:3] = [
-        '-c', 'import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, '
-        f'({file_size_limit}, {file_size_limit})); sys.argv[0] = "vit_jax.main"; '
-        'runpy.run_module("vit_jax.main", run_name="__main__")'
+        '-c', 'import resource, runpy, sys; '
+        + ''.join(f'resource.setrlimit(resource.{name}, ({n}, {n})); ' for name, n in limits)
+        + 'sys.argv[0] = "vit_jax.main"; runpy.run_module("vit_jax.main", run_name="__main__")'
     ]
   env = own_compilation_cache(_env(devices)) if file_size_limit else _env(devices)
   proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
@@ -1112,6 +1118,21 @@ def test_skip_mode_leaves_out_non_finite_updates(tmp_path, caplog):
 
 # 9. Memory: accum_steps=0 picks the fewest micro-batches that fit; a step that cannot fit
 # stops with one line. device_memory_mb simulates the device's memory on CPU.
+def test_a_step_far_larger_than_the_host_is_one_line(tmp_path):
+  """image_size=7000 (a million tokens per image) had been killed by the kernel at the
+  host's 24 GiB: exit 137, no line. On CPU the step is now checked against the host's free
+  memory (the 2 CPU devices share it) before its first run."""
+  rc, err, last = _cli(tmp_path, 'run', '--config.image_size=7000', devices=None,
+                       memory_limit=12 << 30)
+  assert rc == 1, err[-3000:]
+  assert re.fullmatch(
+      r'vit_jax: the train step \(batch_size 32, accum_steps 1\) needs [0-9.]+ MiB per '
+      r'device, more than the [0-9.]+ MiB available \(its state and its share of the host\'s '
+      r'free memory; --config.device_memory_mb sets it\): raise --config.accum_steps .*',
+      last), last
+  assert 'Traceback' not in err and 'step 1/' not in err
+
+
 def test_accum_steps_0_picks_the_fewest_that_fit(tmp_path, caplog):
   import logging  # pylint: disable=g-import-not-at-top
   small = dict(batch_size=256, train_split='train[:512]', total_steps=1, warmup_steps=0,

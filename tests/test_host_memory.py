@@ -176,3 +176,9 @@ def test_drop_traces_empties_the_trace_caches_and_keeps_the_compiled_step():
   assert float(compiled(jnp.ones((4,)))[0]) == pytest.approx(2 * math.sin(1.0))
   jitted(jnp.ones((4,)))
   assert len(traced) == 2  # traced afresh: nothing was left in the caches
+
+
+def test_available_bytes_is_what_the_host_has_free():
+  """The CPU fit check's memory (train.py): positive, and no more than the host has."""
+  free = host_memory.available_bytes()
+  assert 0 < free <= os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'), free

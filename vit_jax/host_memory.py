@@ -15,6 +15,8 @@ them still taken, jemalloc maps a second extent for it, and keeps both for good 
 one step's temporaries: R50+ViT-B/16 b8 3.6 -> 5.7 GiB in 6 of 8 runs, even with
 synchronous dispatch; benchmarks/README.md, ninth and tenth sessions).
 
+`available_bytes`: the host memory a CPU run's fit check counts on (train.py).
+
 `drop_traces`: once the step is compiled, JAX's caches of what was traced to build it.
 """
 import ctypes
@@ -48,6 +50,28 @@ def release_freed():
     return False
   trim(0)
   return True
+
+
+def available_bytes():
+  """Memory this host can still give the process: Linux's MemAvailable, or less where a
+  cgroup (a container's limit) allows less; None where neither can be read."""
+  found = []
+  try:
+    with open('/proc/meminfo', encoding='ascii') as f:
+      found += [int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:')]
+  except (OSError, ValueError, IndexError):
+    pass
+  for limit, usage in (
+      ('memory.max', 'memory.current'),  # cgroup v2, then v1
+      ('memory/memory.limit_in_bytes', 'memory/memory.usage_in_bytes')):
+    try:
+      with open(f'/sys/fs/cgroup/{limit}', encoding='ascii') as f:
+        limit_bytes = f.read().strip()
+      with open(f'/sys/fs/cgroup/{usage}', encoding='ascii') as f:
+        found.append(int(limit_bytes) - int(f.read().strip()))
+    except (OSError, ValueError):  # no such cgroup, or 'max' (no limit)
+      pass
+  return min(found) if found else None
 
 
 def drop_traces():

@@ -8,6 +8,7 @@ its orbax checkpoint continues exactly where it stopped.
 """
 import contextlib
 import logging as std_logging
+import math
 import os
 import re
 import signal
@@ -683,11 +684,26 @@ class _CpuPeakCheck:
 
 def _device_memory(config):
   """Bytes per device for the fit check: config.device_memory_mb, else what the device
-  reports (GPU/TPU), else None (CPU)."""
+  reports (GPU/TPU), else None (CPU: _host_share)."""
   if config.get('device_memory_mb', 0) > 0:
     return int(config.device_memory_mb * 2**20)
   stats = jax.local_devices()[0].memory_stats()
   return (stats or {}).get('bytes_limit')
+
+
+def _host_share(state_bytes, num_local_devices):
+  """A CPU device's memory for the fit check: its train state (already resident) and its
+  share of what the host can still give (its local devices share it), or None where that
+  is unknown. Without it a step far too large was killed by the kernel, with no line."""
+  free = host_memory.available_bytes()
+  return None if free is None else state_bytes + free // num_local_devices
+
+
+def _bytes_per_device(abstract_tree, shardings):
+  """Bytes of one device's shards of the arrays `abstract_tree` describes."""
+  sizes = jax.tree.map(lambda x, s: math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize,
+                       abstract_tree, shardings)
+  return sum(jax.tree.leaves(sizes))
 
 
 def _step_memory(compiled):
@@ -705,9 +721,12 @@ def _temp_bytes(compiled):
   return 0 if m is None else m.temp_size_in_bytes
 
 
-def _memory_message(config, need, limit):
+def _memory_message(config, need, limit, of_host=False):
   size = (f'needs {need / 2**20:.1f} MiB per device, more than the {limit / 2**20:.1f} MiB '
           'available' if need else 'does not fit in device memory')
+  if need and of_host:
+    size += (' (its state and its share of the host\'s free memory; '
+             '--config.device_memory_mb sets it)')
   return (f'the train step (batch_size {config.batch_size}, accum_steps {config.accum_steps}) '
           f'{size}: raise --config.accum_steps (0 finds the fewest that fit), set '
           '--config.remat=True or --config.fsdp=True, or lower --config.batch_size')
@@ -722,6 +741,11 @@ def _fitting_train_step(config, model, tx, schedule, mesh, in_shardings, abstrac
   OS before the step's buffers are allocated (vit_jax/host_memory.py).
   """
   limit = _device_memory(config)
+  of_host = limit is None and jax.local_devices()[0].platform == 'cpu'
+  if of_host:
+    limit = _host_share(_bytes_per_device(abstract_args[0], in_shardings[0]),
+                        len(mesh.local_devices))
+    of_host = limit is not None
 
   def jitted(c):
     return step_lib.jit(model, tx, schedule, c, mesh, in_shardings)
@@ -744,7 +768,7 @@ def _fitting_train_step(config, model, tx, schedule, mesh, in_shardings, abstrac
             '' if limit is None or need is None else
             f' fit ({need / 2**20:.1f} of {limit / 2**20:.1f} MiB per device)')
       return compiled, c
-  raise TrainingError(_memory_message(c, need, limit))
+  raise TrainingError(_memory_message(c, need, limit, of_host))
 
 
 def _save_cause(error):
