@@ -1133,6 +1133,17 @@ def test_a_step_far_larger_than_the_host_is_one_line(tmp_path):
   assert 'Traceback' not in err and 'step 1/' not in err
 
 
+def test_when_no_micro_batch_count_fits_raising_accum_steps_is_not_the_fix(tmp_path):
+  """accum_steps=0 had said 'raise --config.accum_steps (0 finds the fewest that fit)' once
+  it had tried every count."""
+  with pytest.raises(train.ConfigError) as e:  # batch 16 on 8 devices: 1 or 2 micro-batches
+    train.train_and_evaluate(_config(accum_steps=0, device_memory_mb=0.01), str(tmp_path / 'r'))
+  assert re.fullmatch(
+      r'the train step \(batch_size 16 in 2 micro-batches, the most accum_steps 0 tries\) '
+      r'needs [0-9.]+ MiB per device, more than the 0.0 MiB available: set '
+      r'--config.remat=True or --config.fsdp=True, or lower --config.batch_size', str(e.value))
+
+
 def test_accum_steps_0_picks_the_fewest_that_fit(tmp_path, caplog):
   import logging  # pylint: disable=g-import-not-at-top
   small = dict(batch_size=256, train_split='train[:512]', total_steps=1, warmup_steps=0,

@@ -721,14 +721,17 @@ def _temp_bytes(compiled):
   return 0 if m is None else m.temp_size_in_bytes
 
 
-def _memory_message(config, need, limit, of_host=False):
+def _memory_message(config, need, limit, of_host=False, searched=False):
+  """searched: accum_steps 0 tried every micro-batch count, so raising it is no fix."""
   size = (f'needs {need / 2**20:.1f} MiB per device, more than the {limit / 2**20:.1f} MiB '
           'available' if need else 'does not fit in device memory')
   if need and of_host:
     size += (' (its state and its share of the host\'s free memory; '
              '--config.device_memory_mb sets it)')
-  return (f'the train step (batch_size {config.batch_size}, accum_steps {config.accum_steps}) '
-          f'{size}: raise --config.accum_steps (0 finds the fewest that fit), set '
+  accum = (f' in {config.accum_steps} micro-batches, the most accum_steps 0 tries'
+           if searched else f', accum_steps {config.accum_steps}')
+  fixes = ('' if searched else 'raise --config.accum_steps (0 finds the fewest that fit), ')
+  return (f'the train step (batch_size {config.batch_size}{accum}) {size}: {fixes}set '
           '--config.remat=True or --config.fsdp=True, or lower --config.batch_size')
 
 
@@ -768,7 +771,7 @@ def _fitting_train_step(config, model, tx, schedule, mesh, in_shardings, abstrac
             '' if limit is None or need is None else
             f' fit ({need / 2**20:.1f} of {limit / 2**20:.1f} MiB per device)')
       return compiled, c
-  raise TrainingError(_memory_message(c, need, limit, of_host))
+  raise TrainingError(_memory_message(c, need, limit, of_host, config.accum_steps == 0))
 
 
 def _save_cause(error):
