@@ -10,6 +10,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from tests.conftest import harmless_preload
@@ -634,3 +635,33 @@ def test_device_time_wall_shares(monkeypatch):
   device_time = _benchmark_module(monkeypatch, 'device_time')
   assert device_time.wall_shares([(0, 10), (5, 15), (20, 22)]) == [7.5, 7.5, 2.0]
   assert device_time.wall_shares([(0, 10), (0, 10), (0, 10)]) == pytest.approx([10 / 3] * 3)
+
+
+def test_train_step_times_the_peak_again_where_mfu_exceeds_one(monkeypatch, capsys):
+  """A step timed at 2 GFLOP/s against a peak timed at 1 reads MFU 200%: the peak is timed
+  again (here it comes back at 4, then MFU is 50%); one that stays slow is timed again
+  CPU_PEAK_RETIMES times, then warned about."""
+  train_step = _benchmark_module(monkeypatch, 'train_step')
+
+  class Step:
+    flops_analytic = 2e9
+    config = type('Config', (), {'dtype': 'float32'})
+    mesh = type('Mesh', (), {'devices': np.zeros((1,))})
+
+  timings = iter([4e9])
+  monkeypatch.setattr(train_step.device_peaks, 'better_cpu_peak',
+                      lambda dtype, earlier: max(earlier, next(timings)))
+  retimes = train_step._retime_where_mfu_exceeds_one([Step()], [[1.0, 1.5]],
+                                                     {'float32': [1e9, 1e9]},
+                                                     {'float32': 'measured'})
+  assert retimes == {'float32': [4e9]} and 'warning' not in capsys.readouterr().out
+  timings = iter([1.1e9] * 10)
+  retimes = train_step._retime_where_mfu_exceeds_one([Step()], [[1.0]], {'float32': [1e9]},
+                                                     {'float32': 'measured'})
+  assert len(retimes['float32']) == train_step.device_peaks.CPU_PEAK_RETIMES
+  assert 'warning: float32 MFU reads over 100% after 5 more timings' in capsys.readouterr().out
+  # A given peak is not timed.
+  assert train_step._retime_where_mfu_exceeds_one([Step()], [[1.0]], {'float32': [1e9]},
+                                                  {'float32': 'given'}) == {
+                                                      'float32': []
+                                                  }

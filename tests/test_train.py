@@ -446,7 +446,7 @@ def test_an_mfu_over_100_percent_times_the_cpu_peak_again(monkeypatch):
   rates.extend([9e11 * n] * 10)
   for _ in range(10):
     check.checked({'mfu': 1.2})
-  assert len(rates) == 10 - (train._CpuPeakCheck.RETIMES - 2)  # at most RETIMES a run
+  assert len(rates) == 10 - (device_peaks.CPU_PEAK_RETIMES - 2)  # at most that many a run
 
 
 def test_quickstart_command_end_to_end_shortened(idx_dir, tmp_path):

@@ -652,13 +652,12 @@ class _CpuPeakCheck:
   """A measured CPU peak timed again where MFU reads over 100%, which no step can do: on a
   shared host the matmul's speed swings from one window to the next (95-206 GFLOP/s while
   the step held steady, benchmarks/README.md, seventy-first session), so every timing so
-  far fell in a slow spell. Up to RETIMES times a run (each ~0.3 s, not counted as
+  far fell in a slow spell. Up to device_peaks.CPU_PEAK_RETIMES times a run (not counted as
   training); if MFU still reads over 100%, one warning names the exact fix."""
-  RETIMES = 5
 
   def __init__(self, chrono, dtype):
     self.chrono, self.dtype = chrono, dtype
-    self.retimes_left, self.warned = self.RETIMES, False
+    self.retimes_left, self.warned = device_peaks.CPU_PEAK_RETIMES, False
 
   def checked(self, speed):
     """chrono.report's `speed`, its MFU against a better peak if it read over 100%."""
