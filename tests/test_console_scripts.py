@@ -1,6 +1,7 @@
 """The console scripts as setup.py installs them: Ctrl-C while they import their command's
 module (up to a second: TensorFlow, JAX) is one line and status 130; for vit-train SIGTERM
 and SIGHUP too, with its start-up's lines."""
+import os
 import signal
 import subprocess
 import sys
@@ -70,3 +71,23 @@ def test_ctrl_c_inside_jaxlibs_initialisation_waits_for_it(after_s):
       f'threading.Timer({after_s}, os.kill, (os.getpid(), signal.SIGINT)).start()')
   assert (out.returncode, out.stderr.splitlines(),
           out.stdout) == (130, ['vit-predict: interrupted (Ctrl-C)'], ''), out.stderr[-3000:]
+
+
+@pytest.mark.parametrize('argv,says', [
+    (['vit-evaluate', 'workdirs/quickstart'
+     ], "vit-evaluate: unexpected argument 'workdirs/quickstart': this command takes flags only (a "
+     "run's folder is --workdir=DIR; see --help)"),
+    (['vit-train', '--config=quickstart', '--workdir=w', 'extra', 'words'
+     ], "vit-train: unexpected argument 'extra words': this command takes flags only (a folder is "
+     '--workdir=DIR, a config --config=NAME; see --help)'),
+    (['vit-train', '--config=quickstart', '--workdir=w', '--coordinator_address=1.2.3.4:5'
+     ], 'vit-train: --coordinator_address needs --num_processes and --process_id'),
+])
+def test_a_stray_word_is_one_line(tmp_path, argv, says):
+  """A workdir given without --workdir had printed the whole --help (56 lines), ending
+  "Unexpected arguments: ['workdirs/quickstart']"."""
+  bin_dir = os.path.dirname(sys.executable)
+  out = subprocess.run([os.path.join(bin_dir, argv[0]), *argv[1:]], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+  assert (out.returncode, out.stderr.strip().splitlines()[-1:]) == (1, [says]), out.stderr[-3000:]
+  assert len(out.stderr.strip().splitlines()) < 5 and not (tmp_path / 'w').exists()

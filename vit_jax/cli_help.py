@@ -58,6 +58,15 @@ def one_line_flag_errors(program):
   return parse
 
 
+def refuse_arguments(program, argv, hint):
+  """Exits with one line where a command that takes only flags got more words (absl's
+  UsageError had printed the whole --help, its last line no fix): `hint` names the flag a
+  stray word most likely belongs to."""
+  if len(argv) > 1:
+    sys.exit(f'{program}: unexpected argument {" ".join(argv[1:])!r}: this command takes flags '
+             f'only ({hint}; see --help)')
+
+
 def _tpu_runtime_installed():
   return bool(importlib.util.find_spec('libtpu') or os.environ.get('TPU_LIBRARY_PATH'))
 

@@ -13,7 +13,6 @@ import math
 import re
 import sys
 
-from absl import app
 from absl import flags
 
 from vit_jax import cli_help
@@ -275,8 +274,7 @@ def _typed(flags_, name, unknown=True):
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  cli_help.refuse_arguments('vit-evaluate', argv, "a run's folder is --workdir=DIR")
   try:
     print(run(flags.FLAGS))
   except (ValueError, FileNotFoundError) as e:

@@ -16,7 +16,6 @@ import re
 import signal
 import sys
 
-from absl import app
 from absl import flags
 from absl import logging
 import ml_collections
@@ -73,7 +72,8 @@ def initialize_distributed():
     return
   if FLAGS.coordinator_address:
     if not FLAGS.num_processes or FLAGS.process_id < 0:
-      raise app.UsageError('--coordinator_address needs --num_processes and --process_id')
+      sys.exit(f'{_program(sys.argv)}: --coordinator_address needs --num_processes and '
+               '--process_id')
     _started()
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                                heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_seconds)
@@ -126,8 +126,11 @@ def parse_flags(argv):
     hint = ''
     if isinstance(e, flags.UnrecognizedFlagError) and config is not None and e.flagname in config:
       hint = f'; config fields are set as --config.{e.flagname}=...'  # big_vision's habit
-    program = 'vit-train' if argv[0].endswith('main.py') else os.path.basename(argv[0])  # python -m
-    sys.exit(f'{program}: {errors.plain_value_error(_one_line(e))}{hint} (see --help)')
+    sys.exit(f'{_program(argv)}: {errors.plain_value_error(_one_line(e))}{hint} (see --help)')
+
+
+def _program(argv):
+  return 'vit-train' if argv[0].endswith('main.py') else os.path.basename(argv[0])  # python -m
 
 
 def _field_lines(config, prefix=''):
@@ -193,8 +196,8 @@ def _open_log(workdir, cpu_devices):
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  cli_help.refuse_arguments(_program(argv), argv,
+                            'a folder is --workdir=DIR, a config --config=NAME')
   from vit_jax import config_checks  # pylint: disable=g-import-not-at-top
   try:
     # Before TensorFlow and the backend start: a mistyped value is one line in ~2 s, not ~9.
