@@ -1141,7 +1141,14 @@ def test_when_no_micro_batch_count_fits_raising_accum_steps_is_not_the_fix(tmp_p
   assert re.fullmatch(
       r'the train step \(batch_size 16 in 2 micro-batches, the most accum_steps 0 tries\) '
       r'needs [0-9.]+ MiB per device, more than the 0.0 MiB available: set '
-      r'--config.remat=True or --config.fsdp=True, or lower --config.batch_size', str(e.value))
+      r'--config.remat=True, set --config.fsdp=True, or lower --config.batch_size, '
+      r'--config.image_size or the model size', str(e.value))
+  # Fixes already on are not named: remat and fsdp set, accum_steps at its most.
+  with pytest.raises(train.ConfigError) as e:
+    train.train_and_evaluate(_config(accum_steps=2, remat=True, fsdp=True, device_memory_mb=0.01),
+                             str(tmp_path / 's'))
+  assert str(e.value).endswith(
+      'available: lower --config.batch_size, --config.image_size or the model size'), str(e.value)
 
 
 def test_accum_steps_0_picks_the_fewest_that_fit(tmp_path, caplog):

@@ -534,7 +534,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                        chrono.compile_seconds)
       except Exception as e:  # pylint: disable=broad-except
         if 'RESOURCE_EXHAUSTED' in str(e) or 'out of memory' in str(e).lower():
-          raise TrainingError(_memory_message(config, None, None)) from None
+          raise TrainingError(_memory_message(config, None, None, mesh.size)) from None
         raise
       heap_wait.after_step(metrics)
       profile.after(step, metrics)
@@ -720,8 +720,10 @@ def _temp_bytes(compiled):
   return 0 if m is None else m.temp_size_in_bytes
 
 
-def _memory_message(config, need, limit, of_host=False, searched=False):
-  """searched: accum_steps 0 tried every micro-batch count, so raising it is no fix."""
+def _memory_message(config, need, limit, num_devices, of_host=False, searched=False):
+  """The one line for a step that does not fit, naming only the fixes left: not accum_steps
+  where it cannot rise (searched: accum_steps 0 tried every count), remat or fsdp where they
+  are on, fsdp on one device."""
   size = (f'needs {need / 2**20:.1f} MiB per device, more than the {limit / 2**20:.1f} MiB '
           'available' if need else 'does not fit in device memory')
   if need and of_host:
@@ -729,9 +731,16 @@ def _memory_message(config, need, limit, of_host=False, searched=False):
              '--config.device_memory_mb sets it)')
   accum = (f' in {config.accum_steps} micro-batches, the most accum_steps 0 tries'
            if searched else f', accum_steps {config.accum_steps}')
-  fixes = ('' if searched else 'raise --config.accum_steps (0 finds the fewest that fit), ')
-  return (f'the train step (batch_size {config.batch_size}{accum}) {size}: {fixes}set '
-          '--config.remat=True or --config.fsdp=True, or lower --config.batch_size')
+  fixes = []
+  if not searched and config.accum_steps < config.batch_size // num_devices:
+    fixes.append('raise --config.accum_steps (0 finds the fewest that fit)')
+  if not config.remat:
+    fixes.append('set --config.remat=True')
+  if not config.fsdp and num_devices > 1:
+    fixes.append('set --config.fsdp=True')
+  lower = 'lower --config.batch_size, --config.image_size or the model size'
+  return (f'the train step (batch_size {config.batch_size}{accum}) {size}: '
+          + ''.join(f'{fix}, ' for fix in fixes) + ('or ' if fixes else '') + lower)
 
 
 def _fitting_train_step(config, model, tx, schedule, mesh, in_shardings, abstract_args):
@@ -770,7 +779,8 @@ def _fitting_train_step(config, model, tx, schedule, mesh, in_shardings, abstrac
             '' if limit is None or need is None else
             f' fit ({need / 2**20:.1f} of {limit / 2**20:.1f} MiB per device)')
       return compiled, c
-  raise TrainingError(_memory_message(c, need, limit, of_host, config.accum_steps == 0))
+  raise TrainingError(
+      _memory_message(c, need, limit, n_dev, of_host, searched=config.accum_steps == 0))
 
 
 def _save_cause(error):
