@@ -1151,6 +1151,30 @@ def test_when_no_micro_batch_count_fits_raising_accum_steps_is_not_the_fix(tmp_p
       'available: lower --config.batch_size, --config.image_size or the model size'), str(e.value)
 
 
+@pytest.mark.parametrize('error,says', [
+    ('ResourceExhaustedError', 'reading the training data ran out of host memory before step 1 '
+     '(no room): lower --config.batch_size, --config.image_size or --config.prefetch'),
+    ('DataLossError', 'reading the training data failed before step 1: no room: check '
+     '--config.dataset and --config.pp'),
+])
+def test_a_failed_read_of_the_training_data_names_its_cause(tmp_path, monkeypatch, error, says):
+  """A batch larger than the host's memory (image_size 994 at batch 128) had been reported
+  as a data problem: 'check --config.dataset and --config.pp'."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  class Batches:
+    skipped = 0
+
+    def __iter__(self):
+      raise getattr(tf.errors, error)(None, None, 'no room')
+      yield  # pylint: disable=unreachable
+
+  monkeypatch.setattr(train.input_pipeline, 'train_batches', lambda *a, **k: Batches())
+  with pytest.raises(train.TrainingError) as e:
+    train.train_and_evaluate(_config(), str(tmp_path / 'run'))
+  assert str(e.value) == says
+
+
 def test_accum_steps_0_picks_the_fewest_that_fit(tmp_path, caplog):
   import logging  # pylint: disable=g-import-not-at-top
   small = dict(batch_size=256, train_split='train[:512]', total_steps=1, warmup_steps=0,

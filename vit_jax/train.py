@@ -520,6 +520,11 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       try:
         try:
           batch = next(batches)
+        except tf.errors.ResourceExhaustedError as e:  # a batch larger than the host's memory
+          raise TrainingError(
+              f'reading the training data ran out of host memory before step {step} '
+              f'({errors.op_error_line(e)}): lower --config.batch_size, --config.image_size or '
+              '--config.prefetch') from None
         except tf.errors.OpError as e:  # not a write: the except around the loop says so
           raise TrainingError(f'reading the training data failed before step {step}: '
                               f'{errors.op_error_line(e)}: check --config.dataset and '
