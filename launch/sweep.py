@@ -18,7 +18,9 @@ local sweep its data is checked as vit-train checks it (check_data). The summary
 DIR/summary.csv; the winner is the point with the best final accuracy, as the paper
 picks the learning rate on the held-out development split. As a sweep starts it records its
 --config, grid and --set flags in DIR/sweep.json: --summarize-only reads the points and the
-winner's command line from there, so it needs only --workdir.
+winner's command line from there, so it needs only --workdir. A DIR whose sweep.json records
+another sweep (its --config, grid or --set flags differ; 1e-3 and 0.001 are the same) is
+refused, --dry-run too, before anything is written; the same flags resume that sweep.
 """
 import argparse
 import ast
@@ -440,13 +442,85 @@ def read_record(workdir):
   if not paths.exists(path):
     return None
   try:
-    with paths.open_file(path, 'r') as f:
-      record = json.load(f)
-    return (record['config'], [(key, values) for key, values in record['grid']],
-            [(key, value) for key, value in record['sets']])
+    return _load_record(path)
   except Exception as e:  # pylint: disable=broad-except  (unreadable, not JSON, edited)
     raise SweepError(f'{path} cannot be read ({errors.one_line(e)}): delete it and pass the '
                      'sweep\'s --config, --sweep and --set flags with --summarize-only') from None
+
+
+def _load_record(path):
+  with paths.open_file(path, 'r') as f:
+    record = json.load(f)
+  return (record['config'], [(key, values) for key, values in record['grid']],
+          [(key, value) for key, value in record['sets']])
+
+
+def _same_config(recorded, given, given_config):
+  """Whether --config `recorded` (of sweep.json) is `given` (loaded: `given_config`), by
+  name or by what it loads ('quickstart' and 'configs/quickstart.py' are the same)."""
+  if recorded == given:
+    return True
+  try:
+    old = load_config(recorded)
+  except SweepError:  # a config file since moved: not known to be the same
+    return False
+  return old.to_json_best_effort(sort_keys=True) == given_config.to_json_best_effort(sort_keys=True)
+
+
+def _grid_as_run(grid):
+  """The keys in order (they order the point names) and each key's values as its points'
+  command lines write them: 1e-3 and 0.001 are the same, 1 and 1.0 are not."""
+  return [(key, sorted({format_value(v) for v in values})) for key, values in grid]
+
+
+def _sets_as_run(sets):
+  """{key: value} of --set flags (the last of a key wins), '1e-3' and '0.001' the same."""
+  return {key: _value(value) for key, value in sets}
+
+
+def _as_flags(config, grid, sets):
+  """The vit-sweep flags of a sweep.json, to paste."""
+
+  def literal(value):
+    return repr(value) if isinstance(value, str) else format_value(value)
+
+  flags = ['--config', config]
+  for key, values in grid:
+    flags += ['--sweep', f'config.{key}=[{",".join(literal(v) for v in values)}]']
+  for key, value in sets:
+    flags += ['--set', f'config.{key}={value}']
+  return shlex.join(flags)
+
+
+def check_same_sweep(workdir, config_flag, config, grid, sets):
+  """SweepError where `workdir` holds the sweep.json of a sweep with another --config, grid
+  or --set flags: its points, summary and record would be mixed with this one's. The same
+  flags (a sweep resumed) and a workdir without sweep.json (new, or of an older vit-sweep)
+  go on."""
+  path = join(workdir, RECORD)
+  if not paths.exists(path):
+    return
+  try:
+    record = _load_record(path)
+  except Exception as e:  # pylint: disable=broad-except  (unreadable, not JSON, edited)
+    raise SweepError(f'{path} cannot be read ({errors.one_line(e)}), so it cannot be told '
+                     f'whether {workdir} holds another sweep: use another --workdir, or delete '
+                     'it to run this sweep there') from None
+  old_config, old_grid, old_sets = record
+  differ = [
+      flag for flag, same in (
+          ('--config', _same_config(old_config, config_flag, config)),
+          ('--sweep', _grid_as_run(old_grid) == _grid_as_run(grid)),
+          ('--set', _sets_as_run(old_sets) == _sets_as_run(sets)),
+      ) if not same
+  ]
+  if differ:
+    raise SweepError(
+        f'{workdir} holds another sweep, whose {", ".join(differ[:-1])}'
+        f'{" and " * (len(differ) > 1)}{differ[-1]} {"differs" if len(differ) == 1 else "differ"} '
+        f'({path}: '
+        f'{_as_flags(old_config, old_grid, old_sets)}): use another --workdir, or give those '
+        'flags to resume it (or --summarize-only to summarize it)')
 
 
 def recorded_sweep(args):
@@ -570,6 +644,9 @@ def main(argv=None, runner=run_local, out=None):
                        'swept: keep one')
     configs_of_points = point_configs(args.config, sets, points)
     preflight(configs_of_points)
+    # A dry run shows what would run, so it is refused too; a gs:// one reads no bucket.
+    if not (args.dry_run and paths.is_remote(args.workdir)):
+      check_same_sweep(args.workdir, args.config, config, grid, sets)
     if not (args.tpu or args.dry_run):
       check_data(configs_of_points)
     check_workdir(args.workdir, create=not (args.tpu or args.dry_run))

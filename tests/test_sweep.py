@@ -333,6 +333,49 @@ def test_summarize_only_names_the_flags_the_points_ran_with(tmp_path, monkeypatc
          ] == [warning] * bool(warning)
 
 
+def test_a_workdir_of_another_sweep_is_refused(tmp_path, monkeypatch):
+  """A second vit-sweep into a sweep's workdir wrote its sweep.json over the first one's
+  (exit 0, no warning): the summary and --summarize-only lost the first sweep's points. The
+  same flags, written otherwise (1e-3, the values reordered), still resume it."""
+  monkeypatch.setattr(sweep, 'check_data', lambda *args: None)  # no data here: fake points
+  monkeypatch.chdir(tmp_path)
+  ran = []
+
+  def runner(argv, log_path):
+    ran.append(argv[-1])
+    write_accuracy(os.path.dirname(log_path), [(20, 0.5)])
+    return 0
+
+  flags = ['--set', 'config.total_steps=20', '--set', 'config.warmup_steps=2']
+  sweep.main(['--config=quickstart', '--workdir=sw', '--sweep', 'config.base_lr=[0.001,0.003]']
+             + flags, runner=runner)
+  record = (tmp_path / 'sw' / 'sweep.json').read_bytes()
+  refusal = ("vit-sweep: error: sw holds another sweep, whose --sweep differs (sw/sweep.json: "
+             "--config quickstart --sweep 'config.base_lr=[0.001,0.003]' --set "
+             'config.total_steps=20 --set config.warmup_steps=2): use another --workdir, or give '
+             'those flags to resume it (or --summarize-only to summarize it)')
+  for dry_run in ([], ['--dry-run']):  # a dry run shows what would run: refused as well
+    p = console_script('vit-sweep', tmp_path, '--config', 'quickstart', '--workdir', 'sw',
+                       '--sweep', 'config.seed=[1]', *flags, *dry_run)
+    assert p.returncode == 1 and p.stdout == '', p.stdout + p.stderr
+    assert p.stderr.splitlines()[-1] == refusal, p.stderr
+  assert (tmp_path / 'sw' / 'sweep.json').read_bytes() == record
+  assert sorted(os.listdir(tmp_path / 'sw')) == [
+      'base_lr=0.001', 'base_lr=0.003', 'summary.csv', 'summary.md', 'sweep.json'
+  ]
+  p = console_script('vit-sweep', tmp_path, '--config', 'quickstart', '--workdir', 'sw', '--set',
+                     'config.total_steps=30', '--set', 'config.warmup_steps=2', '--sweep',
+                     'config.base_lr=[0.001,0.003]', '--dry-run')
+  assert p.returncode == 1 and 'whose --set differs' in p.stderr.splitlines()[-1], p.stderr
+  # The same sweep again (resumed), its flags written otherwise.
+  p = console_script('vit-sweep', tmp_path, '--config', 'quickstart', '--workdir', 'sw', '--sweep',
+                     'base_lr=[3e-3,1e-3]', *flags[2:], *flags[:2], '--dry-run')
+  assert p.returncode == 0 and len(p.stdout.splitlines()) == 2, p.stderr
+  sweep.main(['--config=quickstart', '--workdir=sw', '--sweep', 'config.base_lr=[1e-3,3e-3]']
+             + flags, runner=runner)
+  assert ran == ['--config.base_lr=0.001', '--config.base_lr=0.003'] * 2
+
+
 def test_summarize_only_of_a_workdir_without_its_record(tmp_path):
   """A sweep of a vit-sweep before sweep.json, summarized with --workdir alone: the flags
   are asked for (it had said 'the following arguments are required: --config')."""
