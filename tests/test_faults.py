@@ -120,6 +120,16 @@ def test_divergence_stops_at_once_and_saves_nothing(tmp_path):
   assert err.count('training diverged') == 1
 
 
+def test_a_short_run_that_skips_half_its_steps_in_a_row_stops(tmp_path):
+  """40 steps, 39 of them skipped: it had ended with exit 0 and an untrained final.npz."""
+  rc, err, last = _cli(tmp_path, 'run', '--config.base_lr=1e30', '--config.on_nonfinite=skip',
+                       '--config.total_steps=40')
+  assert rc == 1, err[-3000:]
+  assert last.startswith('vit_jax: steps 2-30 all had a non-finite loss, gradient or update and '
+                         'were skipped (on_nonfinite=skip): training makes no progress'), last
+  assert not os.path.exists(tmp_path / 'run' / 'final.npz')
+
+
 def test_an_update_that_overflows_is_never_saved(tmp_path):
   """A finite gradient times lr 1e30 is an inf update: the guard had looked at the loss and
   the gradient only, so step 2's inf parameters were checkpointed (and would have pushed the
@@ -1106,11 +1116,11 @@ def test_a_bucket_that_cannot_be_written_names_credentials(monkeypatch):
 
 def test_skip_mode_leaves_out_non_finite_updates(tmp_path, caplog):
   import logging  # pylint: disable=g-import-not-at-top
-  config = _config(base_lr=1e6, on_nonfinite='skip', total_steps=8, log_every_steps=4,
+  config = _config(base_lr=1e30, on_nonfinite='skip', total_steps=8, log_every_steps=3,
                    eval_every_steps=0)
-  with caplog.at_level(logging.WARNING):
-    out = train.train_and_evaluate(config, str(tmp_path / 'run'))
-  assert out['step'] == 8
+  with caplog.at_level(logging.WARNING):  # steps 2 and 3 skipped: fewer than half the 8
+    out = train.train_and_evaluate(config, str(tmp_path / 'run'), stop_after_steps=3)
+  assert out['step'] == 3
   assert any('their updates were skipped' in r.getMessage() for r in caplog.records)
   import jax  # pylint: disable=g-import-not-at-top
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(out['params']))

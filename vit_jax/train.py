@@ -246,14 +246,19 @@ def _with_absolute_paths(config):
   return config
 
 
-# on_nonfinite=skip stops a run whose updates are skipped this many steps in a row: its
-# parameters no longer change, and the steps left would only spend time.
+# on_nonfinite=skip stops a run whose updates are skipped this many steps in a row, or half
+# its schedule's steps where that is fewer: its parameters no longer change, and the steps
+# left would only spend time (a short run would end with exit 0 and untrained parameters).
 SKIPPED_IN_A_ROW_LIMIT = 100
+
+
+def _skipped_in_a_row_limit(total_steps):
+  return max(1, min(SKIPPED_IN_A_ROW_LIMIT, total_steps // 2))
 
 
 def _guard_message(guard, config, last_saved):
   """The one line that stops a diverged run: with on_nonfinite=stop at its first non-finite
-  step, with skip once SKIPPED_IN_A_ROW_LIMIT steps in a row were skipped."""
+  step, with skip once _skipped_in_a_row_limit steps in a row were skipped."""
   kept = (f'the checkpoint of step {last_saved} is kept'
           if last_saved else 'no checkpoint was written')
   fixes = [f'a lower --config.base_lr (now {config.base_lr:g})']
@@ -472,9 +477,11 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   prev_guard = None
   reported_skips = 0
 
+  skipped_limit = _skipped_in_a_row_limit(total_steps)
+
   def check_guard(guard):
     if ((stop_on_nonfinite and int(guard['first_bad']))
-        or int(guard['skipped_in_a_row']) >= SKIPPED_IN_A_ROW_LIMIT):
+        or int(guard['skipped_in_a_row']) >= skipped_limit):
       try:  # a save in flight is of a finite state: the message then names it as kept
         check_save(block=True)
       except TrainingError:
