@@ -231,6 +231,25 @@ def test_a_head_kernel_that_disagrees_with_its_bias_is_blamed_on_the_file(progra
   ]), out.stderr[-3000:]
 
 
+def test_a_published_file_without_its_head_bias_is_refused(tmp_path):
+  """--checkpoint uses the file's head as it is: a missing head/bias had been replaced by
+  zeros, and the predictions printed, exit 0 (the same file in a workdir was refused)."""
+  write_run(str(tmp_path / 'run'))
+  with np.load(tmp_path / 'run' / 'final.npz', allow_pickle=False) as npz:
+    flat = {k: v for k, v in npz.items() if k != 'head/bias'}
+  np.savez(tmp_path / 'nobias.npz', **flat)
+  save_random(str(tmp_path / 'cat.png'))
+  overrides = ','.join(f'{k}={v}' for k, v in TINY.items())
+  out = shell([
+      'vit-predict', '--checkpoint', 'nobias.npz', '--model', 'ViT-Ti_16', '--image_size', '28',
+      '--model_overrides', overrides, 'cat.png'
+  ], tmp_path)
+  assert (out.returncode, out.stderr.strip().splitlines()[-1:], out.stdout) == (1, [
+      'vit-predict: nobias.npz holds head/kernel but no head/bias: it is damaged: download or '
+      'export it again'
+  ], ''), out.stderr[-3000:]
+
+
 @pytest.mark.parametrize('program', ['vit-predict', 'vit-evaluate'])
 def test_a_damaged_class_names_file_is_one_line(program, tmp_path):
   """A class_names.txt that is not UTF-8: "'utf-8' codec can't decode byte 0xff ...", which

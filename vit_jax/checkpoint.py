@@ -338,6 +338,10 @@ def load_model(path, model_name, image_size, **overrides):
   """
   params = load_npz(path)
   flat = flax.traverse_util.flatten_dict(params, sep='/')
+  for have, lack in (('head/kernel', 'head/bias'), ('head/bias', 'head/kernel')):
+    if have in flat and lack not in flat:  # its head is used as it is: zeros would stand in
+      raise UnreadableFileError(path, f'holds {have} but no {lack}',
+                                'it is damaged: download or export it again')
   num_classes = flat['head/kernel'].shape[-1] if 'head/kernel' in flat else 0
   if 'pre_logits/kernel' in flat and 'representation_size' not in overrides:
     overrides['representation_size'] = int(flat['pre_logits/kernel'].shape[-1])
