@@ -120,7 +120,7 @@ def accelerator_type_flag(text):
   accelerator_type = text.lower()
   generation, n = _parse_type(accelerator_type)
   if generation is None:
-    raise LaunchError(f'--accelerator_type {text} is not a TPU type: write it as '
+    raise LaunchError(f'--accelerator_type {text!r} is not a TPU type: write it as '
                       'v<generation>-<size>, e.g. v4-8 or v5litepod-16 (gcloud compute tpus '
                       'accelerator-types list --zone ZONE)')
   if n == 0:
@@ -143,7 +143,7 @@ def zone_flag(text):
   """--zone in lower case; LaunchError for one not of the form <region>-<letter>."""
   zone = text.lower()
   if not re.fullmatch(r'[a-z]+-[a-z]+\d+-[a-z]', zone):
-    raise LaunchError(f'--zone {text} is not a zone: write it as <region>-<letter>, e.g. '
+    raise LaunchError(f'--zone {text!r} is not a zone: write it as <region>-<letter>, e.g. '
                       'us-central2-b or europe-west4-a (gcloud compute tpus locations list)')
   return zone
 

@@ -735,17 +735,17 @@ def test_a_failed_delete_names_the_list_commands(fake_gcloud, tmp_path):
 
 
 @pytest.mark.parametrize('argv,message', [
-    (('--accelerator_type', 'tpu-v4'), '--accelerator_type tpu-v4 is not a TPU type: write it '
+    (('--accelerator_type', 'tpu-v4'), "--accelerator_type 'tpu-v4' is not a TPU type: write it "
      'as v<generation>-<size>, e.g. v4-8 or v5litepod-16 (gcloud compute tpus accelerator-types '
      'list --zone ZONE)'),
     (('--accelerator_type', 'v4', '--runtime_version', 'tpu-ubuntu2204-base'),
-     '--accelerator_type v4 is not a TPU type: write it as v<generation>-<size>, e.g. v4-8 or '
+     "--accelerator_type 'v4' is not a TPU type: write it as v<generation>-<size>, e.g. v4-8 or "
      'v5litepod-16 (gcloud compute tpus accelerator-types list --zone ZONE)'),
     (('--accelerator_type', 'v4-9'), '--accelerator_type v4-9: a v4 slice has a multiple of 8 '
      'TensorCores: pick one, e.g. v4-8 or v4-32'),
     (('--accelerator_type', 'v6e-6'), '--accelerator_type v6e-6: a v6e slice has 1, 4 or a '
      'multiple of 8 chips: pick one, e.g. v6e-8 or v6e-32'),
-    (('--accelerator_type', 'v4-8', '--zone', 'us-central2-bb'), '--zone us-central2-bb is not a '
+    (('--accelerator_type', 'v4-8', '--zone', 'us-central2-bb'), "--zone 'us-central2-bb' is not a "
      'zone: write it as <region>-<letter>, e.g. us-central2-b or europe-west4-a (gcloud compute '
      'tpus locations list)'),
 ])

@@ -520,7 +520,7 @@ def test_bad_arguments_from_the_command_line(tmp_path, argv, message):
 
 
 @pytest.mark.parametrize('flags,message', [
-    (('--tpu', 'vit', '--zone', 'us-central2-bb'), '--zone us-central2-bb is not a zone: write '
+    (('--tpu', 'vit', '--zone', 'us-central2-bb'), "--zone 'us-central2-bb' is not a zone: write "
      'it as <region>-<letter>, e.g. us-central2-b or europe-west4-a (gcloud compute tpus '
      'locations list)'),
     (('--tpu', 'My_TPU', '--zone', 'us-central2-b'), "--tpu 'My_TPU': use lowercase letters, "
