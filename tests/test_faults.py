@@ -161,6 +161,21 @@ def test_a_run_that_skips_every_update_stops(tmp_path):
   assert not os.path.exists(tmp_path / 'run' / 'final.npz')
 
 
+def test_turning_polyak_averaging_on_at_resume_names_the_field(good, tmp_path):
+  """Even with resume_changes=polyak_decay it had been refused as 'checkpoints of another
+  model (the optimizer state differs (another optimizer?))', naming no field."""
+  run = _copy(good, tmp_path)
+  rc, err, last = _cli(tmp_path, 'run', '--config.polyak_decay=0.99', '--config.total_steps=40',
+                       '--config.resume_changes=polyak_decay,total_steps')
+  assert rc == 1, err[-3000:]
+  assert last == (
+      f'vit_jax: workdir {run} holds a run with polyak_decay 0.0: 0.99 would turn Polyak '
+      'averaging on, which a resume cannot (the checkpoints hold its sums, or none): keep '
+      '--config.polyak_decay=0.0, use another --workdir, or fine-tune from that run with '
+      f'--config.pretrained_path={run}/final.npz'), last
+  assert _steps(run) == ['10', '20', '30'] and 'Traceback' not in err
+
+
 def test_diverging_resume_keeps_good_checkpoints_and_final(good, tmp_path):
   run = _copy(good, tmp_path)
   final = _read(run / 'final.npz')

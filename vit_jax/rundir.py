@@ -141,6 +141,8 @@ def check_resume_config(config, workdir):
       unreadable = f'cannot be read ({errors.one_line(e)})'
   allowed = [x.strip() for x in str(config.get('resume_changes', '')).split(',') if x.strip()]
   new = _flatten(json.loads(config.to_json_best_effort()))
+  if not unreadable:
+    _check_polyak_kept(old, new, workdir)
   if '*' in allowed:
     # A finished run started again writes nothing: without this a lost or damaged file, or
     # one that lacks fields (edited, or written by another version), stays so.
@@ -175,6 +177,20 @@ def check_resume_config(config, workdir):
         f'workdir {workdir} holds a run with another config ({shown}{more}): use another '
         f'--workdir, or pass --config.resume_changes={",".join(changed)} if the change is '
         'intended')
+
+
+def _check_polyak_kept(old, new, workdir):
+  """Refuses turning Polyak averaging on or off on resume, whatever resume_changes says: its
+  running sums are part of the checkpoints (or are not), so the saved state would not fit
+  (it had been refused as 'checkpoints of another model', naming no field)."""
+  before, after = old.get('polyak_decay', 0.0), new.get('polyak_decay', 0.0)
+  if (before > 0) != (after > 0):
+    raise errors.ConfigError(
+        f'workdir {workdir} holds a run with polyak_decay {before!r}: {after!r} would turn '
+        f'Polyak averaging {"on" if after > 0 else "off"}, which a resume cannot (the '
+        f'checkpoints hold its sums, or none): keep --config.polyak_decay={before!r}, use '
+        'another --workdir, or fine-tune from that run with '
+        f'--config.pretrained_path={workdir}/final.npz')
 
 
 def _proc_start(pid):
