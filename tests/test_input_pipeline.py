@@ -374,9 +374,21 @@ def test_a_folder_split_not_read_is_not_checked(tmp_path):
                                           'images, test: 2 images')
   assert ip.count_split(c, 'eval_split') == 2
   c.eval_split = 'extra'
-  with pytest.raises(ValueError,
-                     match=f"^eval_split 'extra': class folder {root}/extra/cat holds no images "):
+  with pytest.raises(
+      ValueError, match=f"^eval_split 'extra': class folder {root}/extra/cat holds no images "
+      r'.*: add its images or remove the folder$'):  # no field to set: the folder
     ip.count_split(c, 'eval_split')
+
+
+def test_a_folder_dataset_of_one_class_is_refused(tmp_path):
+  """Its softmax loss is 0 from the first step: a run had trained to exit 0, learning nothing."""
+  root = str(tmp_path / 'cats')
+  for split in ('train', 'test'):
+    fx.write_folder(root, split, {'cat': [1, 2]})
+  with pytest.raises(
+      ValueError, match=f'^Folder dataset {root} has one class \\(cat\\): a '
+      'classifier needs two or more: add a folder per class under each split'):
+    ip.validate_splits(_config(dataset='folder:' + root))
 
 
 def test_folder_train_replaces_corrupt_and_resumes(folder, caplog):

@@ -80,6 +80,8 @@ def _shard_ranges(spec: str, sizes: Mapping[str, int], index: int,
   part = tfds.even_splits(spec, n=count)[index]
   try:
     absolute = part.to_absolute(infos)
+  except FixInTheData:  # a split's size read from its files: the fix is there
+    raise
   except ValueError as e:
     raise ValueError(f'Split {spec!r}: {e}') from None
   except AssertionError as e:  # TFDS asserts what a reversed slice ('train[90%:80%]') breaks
@@ -173,7 +175,12 @@ class _LocalSource(Source):
     return None
 
 
-class DamagedFile(ValueError):
+class FixInTheData(ValueError):
+  """A fault of the data's own files or folders: its message names the fix there, not a split
+  or field to set."""
+
+
+class DamagedFile(FixInTheData):
   """A data file that exists but cannot be read whole: the fix is the file, not a split."""
 
 
@@ -253,6 +260,10 @@ class _FolderSource(_LocalSource):
     if not self.classes:
       raise ValueError(f'Folder dataset {root} has no class folders: expected '
                        '<dir>/<split>/<class>/<image>.')
+    if len(self.classes) == 1:  # its loss is 0 from the first step: nothing is learned
+      raise FixInTheData(f'Folder dataset {root} has one class ({self.classes[0]}): a '
+                         'classifier needs two or more: add a folder per class under each '
+                         'split (<dir>/<split>/<class>/<image>).')
     self.num_classes = len(self.classes)
     self.class_names = tuple(self.classes)
 
@@ -270,9 +281,9 @@ class _FolderSource(_LocalSource):
         continue
       found, _ = self._listing(split, name)
       if not found:  # would still count as a class: a head unit never trained
-        raise ValueError(f'class folder {folder} holds no images '
-                         f'({"/".join(image_files.IMAGE_EXTENSIONS)}; sub-folders are not '
-                         'read): add its images or remove the folder.')
+        raise FixInTheData(f'class folder {folder} holds no images '
+                           f'({"/".join(image_files.IMAGE_EXTENSIONS)}; sub-folders are not '
+                           'read): add its images or remove the folder.')
       paths += [os.path.join(folder, f) for f in found]
       labels += [label] * len(found)
       names += [f'{name}/{f}' for f in found]

@@ -108,7 +108,8 @@ def _count(src, config, field, what=None, flag=None):
     raise
   except ValueError as e:
     reason = ' '.join(str(e).removeprefix(f'Split {spec!r}: ').split()).rstrip('.')  # TFDS: 2 lines
-    raise ValueError(f'{what or field} {spec!r}: {reason}: set --config.{flag or field}') from None
+    fix = '' if isinstance(e, data_sources.FixInTheData) else f': set --config.{flag or field}'
+    raise ValueError(f'{what or field} {spec!r}: {reason}{fix}') from None
 
 
 def validate_splits(config) -> str | None:
