@@ -174,11 +174,6 @@ def validate(config, num_train_examples: Optional[int] = None) -> None:
          f'{config.batch_size} (or 0: the fewest that fit): set --config.accum_steps')
   if config.weight_decay < 0:
     fail(f'weight_decay {config.weight_decay} must be >= 0: set --config.weight_decay')
-  shrink = config.weight_decay * config.base_lr  # the kernels' decay at the schedule's peak
-  if shrink >= 1:
-    fail(f'weight_decay {config.weight_decay:g} times base_lr {config.base_lr:g} is '
-         f'{shrink:g}: each step would scale the kernels by {1 - shrink:g}, so training '
-         f'diverges: set --config.weight_decay well below 1/base_lr (e.g. 0.1)')
   if config.grad_clip_norm < 0:
     fail(f'grad_clip_norm {config.grad_clip_norm} must be >= 0 (0 turns '
          'clipping off): set --config.grad_clip_norm')
