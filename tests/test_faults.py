@@ -147,6 +147,15 @@ def test_an_update_that_overflows_is_never_saved(tmp_path):
   assert rc == 0 and 'Resuming from the checkpoint of step 1 ' in err, err[-3000:]
 
 
+def test_a_divergence_from_weight_decay_names_it(tmp_path):
+  """weight_decay 1e30 (times base_lr: each step flips and grows the kernels) had been told to
+  lower base_lr and lengthen the warm-up only."""
+  with pytest.raises(train.TrainingError) as e:
+    train.train_and_evaluate(_config(weight_decay=1e30), str(tmp_path / 'run'))
+  assert str(e.value).endswith('a lower --config.weight_decay (now 1e+30: times base_lr 1e+27, '
+                               'which must stay well below 1)'), str(e.value)
+
+
 def test_a_run_that_skips_every_update_stops(tmp_path):
   """on_nonfinite=skip with lr 1e30 had skipped 297 of 300 steps and exited 0."""
   rc, err, last = _cli(tmp_path, 'run', '--config.base_lr=1e30', '--config.on_nonfinite=skip',

@@ -265,6 +265,12 @@ def _guard_message(guard, config, last_saved):
   if not config.grad_clip_norm:
     fixes.append('--config.grad_clip_norm=1')
   fixes.append(f'a longer --config.warmup_steps (now {config.warmup_steps})')
+  shrink = config.weight_decay * config.base_lr  # the kernels' decay per step at the peak
+  # At >= 1 each step flips and grows the kernels, whatever the gradient; named where the
+  # decay itself is out of range (decoupled decay is a fraction: the paper's is 0.1).
+  if shrink >= 1 and config.weight_decay > 1:
+    fixes.append(f'a lower --config.weight_decay (now {config.weight_decay:g}: times base_lr '
+                 f'{shrink:g}, which must stay well below 1)')
   if config.dtype != 'float32':
     fixes.append('--config.dtype=float32')
   if config.get('on_nonfinite', 'stop') == 'stop':
