@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from vit_jax import errors
 from vit_jax import paths
+from vit_jax import polyak
 
 # Config fields that do not change what is trained: they may differ from the workdir's
 # config.json when a run resumes. Every other field must match, unless it is named in
@@ -184,7 +185,7 @@ def _check_polyak_kept(old, new, workdir):
   running sums are part of the checkpoints (or are not), so the saved state would not fit
   (it had been refused as 'checkpoints of another model', naming no field)."""
   before, after = old.get('polyak_decay', 0.0), new.get('polyak_decay', 0.0)
-  if (before > 0) != (after > 0):
+  if polyak.enabled(old) != polyak.enabled(new):
     raise errors.ConfigError(
         f'workdir {workdir} holds a run with polyak_decay {before!r}: {after!r} would turn '
         f'Polyak averaging {"on" if after > 0 else "off"}, which a resume cannot (the '
