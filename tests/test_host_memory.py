@@ -115,6 +115,8 @@ def test_no_wait_for_small_temporaries_or_off_cpu(monkeypatch, temp_bytes, platf
 
 
 # In a child: a thread holds 256 MiB (a step's temporaries) for 30 ms after the wait starts.
+# The wait's bound is 2 s, not the loop's 50 ms, so that a loaded host's late thread is not
+# counted as a give-up: a wait that ends well before the bound ended because the memory was freed.
 WAIT_CHILD = r'''
 import ctypes, threading, time
 import jax.numpy as jnp
@@ -123,7 +125,7 @@ libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 outputs = jnp.zeros(3)
-wait = host_memory.TemporariesWait(256 << 20)
+wait = host_memory.TemporariesWait(256 << 20, bound_s=2.0)
 taken = threading.Event()
 wait.before_step()
 def step():
@@ -157,7 +159,7 @@ def test_under_jemalloc_the_wait_ends_when_the_memory_is_freed():
   env = dict(os.environ, LD_PRELOAD=installed_jemalloc(), MALLOC_CONF=host_allocator.MALLOC_CONF)
   enabled, give_ups, waited_s = _wait_in_child(env)
   assert enabled and give_ups == 0
-  assert 0.02 <= waited_s < 0.05  # the 30 ms the memory was held, less the thread's start
+  assert 0.02 <= waited_s < 1.0  # the 30 ms the memory was held (longer on a loaded host)
 
 
 def test_drop_traces_empties_the_trace_caches_and_keeps_the_compiled_step():
