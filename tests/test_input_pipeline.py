@@ -150,6 +150,50 @@ def test_preprocess_eval_central_crop():
     preprocessing.preprocess_eval(image, _config(pp_eval_crop='bogus'))
 
 
+def _palette_bmp(indices, table, bits, top_down=False):
+  """An uncompressed BMP of `bits` (1, 4, 8) per pixel, written by hand: rows padded to 4
+  bytes, bottom-up unless top_down; `table` uint8 [n, 3] RGB."""
+  rows, width = indices.shape
+  stride = (width * bits + 31) // 32 * 4
+  per_byte = 8 // bits
+  padded = np.zeros((rows, stride * per_byte), np.uint8)
+  padded[:, :width] = indices
+  shifts = 8 - bits * (np.arange(per_byte) + 1)  # the leftmost pixel in the high bits
+  packed = (padded.reshape(rows, stride, per_byte) << shifts).sum(-1).astype(np.uint8)
+  pixels = (packed if top_down else packed[::-1]).tobytes()
+  colours = np.concatenate([table[:, ::-1], np.zeros((len(table), 1), np.uint8)], 1).tobytes()
+  offset = 14 + 40 + len(colours)
+  info = np.array([40, width, -rows if top_down else rows], '<i4').tobytes() + np.array(
+      [1, bits], '<u2').tobytes() + np.array(
+          [0, len(pixels), 2835, 2835, len(table), 0], '<u4').tobytes()
+  head = b'BM' + np.array([offset + len(pixels), 0, offset], '<u4').tobytes()
+  return head + info + colours + pixels
+
+
+@pytest.mark.parametrize('bits', [1, 4, 8])
+@pytest.mark.parametrize('width', [1, 13, 33])
+@pytest.mark.parametrize('top_down', [False, True])
+def test_palette_bmps_decode_to_their_colours(bits, width, top_down):
+  """TensorFlow's decoder refuses 1- and 4-bit BMPs and reads an 8-bit one's colour indices
+  as gray; vit_jax decodes all three to the colours of their table, in training's tf.data
+  (a graph) as in evaluation's eager call."""
+  rng = np.random.default_rng(bits * width)
+  table = rng.integers(0, 256, (2**bits, 3), np.uint8)
+  indices = rng.integers(0, 2**bits, (7, width), np.uint8)
+  data = _palette_bmp(indices, table, bits, top_down)
+  assert Image.open(io.BytesIO(data)).convert('RGB').tobytes() == table[indices].tobytes()
+  np.testing.assert_array_equal(preprocessing._decode(tf.constant(data)).numpy(), table[indices])
+  graph = next(iter(tf.data.Dataset.from_tensors(data).map(preprocessing._decode))).numpy()
+  np.testing.assert_array_equal(graph, table[indices])
+
+
+def test_a_bmp_whose_indices_leave_its_table_is_undecodable():
+  indices = np.array([[0, 5]], np.uint8)  # 5 with a table of 2 colours
+  data = _palette_bmp(indices, np.zeros((2, 3), np.uint8), 8)
+  with pytest.raises(tf.errors.InvalidArgumentError):
+    preprocessing._decode(tf.constant(data))
+
+
 # ------------------------------------------------------------ local IDX
 def test_info_and_train_batches(idx_dir):
   c = _config(data_dir=idx_dir)

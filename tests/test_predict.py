@@ -104,6 +104,44 @@ def test_folder_with_unreadable_and_hidden_files(home):
   assert '.hidden' not in out.stderr + out.stdout and '.cache' not in out.stderr + out.stdout
 
 
+def test_bmps_of_a_colour_table_predict_as_their_colours(tmp_path):
+  """A 1-bit and an 8-bit palette BMP are predicted as the same picture saved as PNG
+  (TensorFlow's decoder refused the first and read the second's indices as gray); a 16-bit
+  BMP is skipped with what to do."""
+  write_run(str(tmp_path / 'wd'))
+  rng = np.random.default_rng(5)
+  final = tmp_path / 'wd' / 'final.npz'
+  with np.load(final, allow_pickle=False) as npz:
+    flat = dict(npz)
+  flat['head/kernel'] = rng.normal(size=flat['head/kernel'].shape).astype(np.float32)  # not 0
+  np.savez(final, **flat)
+  colours = rng.integers(0, 256, (4, 3), dtype=np.uint8)
+  picture = Image.fromarray(colours[rng.integers(0, 4, (30, 40))])
+  picture.save(tmp_path / 'colour.png')
+  picture.convert('P', palette=Image.Palette.ADAPTIVE, colors=4).save(tmp_path / 'colour.bmp')
+  two_tone = picture.convert('1')
+  two_tone.save(tmp_path / 'two_tone.bmp')
+  two_tone.convert('RGB').save(tmp_path / 'two_tone.png')
+  Image.open(tmp_path / 'colour.png').save(tmp_path / 'rgb.bmp')
+  data = bytearray((tmp_path / 'rgb.bmp').read_bytes())
+  data[28:30] = (16).to_bytes(2, 'little')
+  (tmp_path / 'sixteen.bmp').write_bytes(bytes(data))
+  files = ['colour.png', 'colour.bmp', 'two_tone.png', 'two_tone.bmp', 'sixteen.bmp']
+  out = shell(['vit-predict', '--workdir', 'wd', *files], tmp_path)
+  assert out.returncode == 1, out.stderr[-2000:]
+  lines = out.stdout.split('\n')
+  shown = {lines[i]: lines[i + 1:i + 6] for i in range(0, len(lines) - 1, 6)}
+  assert set(shown) == set(files[:4]), out.stdout
+  assert shown['colour.bmp'] == shown['colour.png'] != shown['two_tone.png']
+  assert shown['two_tone.bmp'] == shown['two_tone.png']
+  assert ours(out.stderr) == [
+      'warning: skipped sixteen.bmp: a 16-bit BMP, which is not read: save it as a 24-bit BMP, '
+      'a PNG or a JPEG',
+      'vit-predict: 1 of 5 files could not be read (warnings above): convert them to JPEG, PNG, '
+      'GIF, BMP or WebP, or leave them out'
+  ]
+
+
 def test_formats_decode_image_reads_and_tiff_named_on_the_command_line(home):
   # As in a user's shell (no TF_CPP_MIN_LOG_LEVEL): a file of another format is told apart
   # before TensorFlow's decode, which logged its failure above the warning.

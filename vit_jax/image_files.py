@@ -86,14 +86,20 @@ def read_image(path, config):
   Raises UnreadableImage when the file cannot be read or decoded.
   """
   preprocessing = _preprocessing()
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (_preprocessing loaded it)
+  # pylint: disable=g-import-not-at-top  (_preprocessing loaded TensorFlow)
+  import tensorflow as tf
+  from vit_jax import palette_bmp
+  # pylint: enable=g-import-not-at-top
   try:
     data = tf.io.read_file(path)
     # Told apart here, a file of another format is not decoded: TensorFlow's C++ logs the
     # failed decode ("Local rendezvous is aborting ...") above the line saying so.
-    head = data.numpy()[:12]
-    if not (head.startswith(_SIGNATURES) or head[:4] == b'RIFF' and head[8:] == b'WEBP'):
+    head = data.numpy()[:34]
+    if not (head.startswith(_SIGNATURES) or head[:4] == b'RIFF' and head[8:12] == b'WEBP'):
       raise UnreadableImage(path, f'not a {FORMATS} image')
+    bmp_trouble = palette_bmp.unreadable(head)
+    if bmp_trouble:
+      raise UnreadableImage(path, bmp_trouble)
     return preprocessing.preprocess_eval(data, config).numpy()
   except tf.errors.OpError as e:
     raise UnreadableImage(path, _short_reason(e)) from None
