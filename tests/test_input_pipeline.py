@@ -18,6 +18,7 @@ from tests import data_fixtures as fx
 from tests.conftest import ROOT
 from vit_jax import data_sources
 from vit_jax import input_pipeline as ip
+from vit_jax import palette_bmp
 from vit_jax import preprocessing
 
 NUM_TRAIN, NUM_TEST = 40, 13
@@ -173,25 +174,56 @@ def _palette_bmp(indices, table, bits, top_down=False):
 @pytest.mark.parametrize('bits', [1, 4, 8])
 @pytest.mark.parametrize('width', [1, 13, 33])
 @pytest.mark.parametrize('top_down', [False, True])
-def test_palette_bmps_decode_to_their_colours(bits, width, top_down):
+def test_palette_bmps_become_pngs_of_their_colours(bits, width, top_down):
   """TensorFlow's decoder refuses 1- and 4-bit BMPs and reads an 8-bit one's colour indices
-  as gray; vit_jax decodes all three to the colours of their table, in training's tf.data
-  (a graph) as in evaluation's eager call."""
+  as gray; as_png gives a PNG of their table's colours, in tf.data (a graph) as eagerly."""
   rng = np.random.default_rng(bits * width)
   table = rng.integers(0, 256, (2**bits, 3), np.uint8)
   indices = rng.integers(0, 2**bits, (7, width), np.uint8)
   data = _palette_bmp(indices, table, bits, top_down)
   assert Image.open(io.BytesIO(data)).convert('RGB').tobytes() == table[indices].tobytes()
-  np.testing.assert_array_equal(preprocessing._decode(tf.constant(data)).numpy(), table[indices])
-  graph = next(iter(tf.data.Dataset.from_tensors(data).map(preprocessing._decode))).numpy()
-  np.testing.assert_array_equal(graph, table[indices])
+  eager = tf.io.decode_png(palette_bmp.as_png(tf.constant(data))).numpy()
+  graph = next(iter(tf.data.Dataset.from_tensors(data).map(palette_bmp.as_png))).numpy()
+  np.testing.assert_array_equal(eager, table[indices])
+  np.testing.assert_array_equal(tf.io.decode_png(graph).numpy(), table[indices])
 
 
-def test_a_bmp_whose_indices_leave_its_table_is_undecodable():
-  indices = np.array([[0, 5]], np.uint8)  # 5 with a table of 2 colours
-  data = _palette_bmp(indices, np.zeros((2, 3), np.uint8), 8)
+def test_other_images_are_left_as_they_are():
+  png = _png(_smooth_rgb(16, 24))
+  assert palette_bmp.as_png(tf.constant(png)).numpy() == png
+  rgb_bmp = io.BytesIO()
+  Image.fromarray(_smooth_rgb(16, 24)).save(rgb_bmp, 'BMP')
+  assert palette_bmp.as_png(tf.constant(rgb_bmp.getvalue())).numpy() == rgb_bmp.getvalue()
+  assert palette_bmp.as_png(tf.constant(b'BM')).numpy() == b'BM'  # shorter than a header
+
+
+@pytest.mark.parametrize('damage', ['index past the table', 'run-length encoded', 'cut short'])
+def test_a_damaged_palette_bmp_is_undecodable(damage):
+  indices = np.array([[0, 5 if damage == 'index past the table' else 1]], np.uint8)
+  data = bytearray(_palette_bmp(indices, np.zeros((2, 3), np.uint8), 8))
+  if damage == 'run-length encoded':
+    data[30] = 1
+  elif damage == 'cut short':
+    data = data[:-3]
   with pytest.raises(tf.errors.InvalidArgumentError):
-    preprocessing._decode(tf.constant(data))
+    palette_bmp.as_png(tf.constant(bytes(data)))
+
+
+def test_a_folder_of_palette_bmps_trains_on_their_colours(tmp_path):
+  """The folder dataset's 8-bit colour BMP gives the image its PNG twin gives."""
+  rng = np.random.default_rng(0)
+  table = rng.integers(0, 256, (256, 3), np.uint8)
+  indices = rng.integers(0, 256, (28, 28), np.uint8)
+  for split in ('train', 'test'):
+    for name in ('a', 'b'):
+      os.makedirs(tmp_path / split / name)
+    Image.fromarray(table[indices]).save(tmp_path / split / 'a' / 'twin.png')
+    (tmp_path / split / 'b' / 'colours.bmp').write_bytes(_palette_bmp(indices, table, 8))
+  c = _config(dataset=f'folder:{tmp_path}', pp_eval_crop='resize')
+  batch = next(iter(ip.eval_batches(c, global_batch=2, process_index=0, process_count=1)))
+  assert batch['mask'].all()
+  np.testing.assert_array_equal(batch['image'][0], batch['image'][1])
+  np.testing.assert_allclose(batch['image'][0], table[indices] / 127.5 - 1, atol=1e-6)
 
 
 # ------------------------------------------------------------ local IDX

@@ -45,6 +45,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from vit_jax import image_files
+from vit_jax import palette_bmp
 from vit_jax import vtab
 
 FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
@@ -334,7 +335,13 @@ class _FolderSource(_LocalSource):
     return _EachWhenAsked(self.splits, lambda s: len(self.arrays(s)[1]))
 
   def load_item(self, item: tf.Tensor) -> tf.Tensor:
-    return tf.io.read_file(item)
+    data = tf.io.read_file(item)
+    return palette_bmp.as_png(data) if self._holds_bmps() else data
+
+  @functools.cache
+  def _holds_bmps(self) -> bool:
+    return any(f.lower().endswith('.bmp') for split in self.splits
+               for name in self.classes_by_split[split] for f in self._listing(split, name)[0])
 
   def describe_items(self, items: np.ndarray) -> Callable[[int], str]:
     return lambda i: str(items[i])  # the file's path

@@ -100,7 +100,7 @@ def read_image(path, config):
     bmp_trouble = palette_bmp.unreadable(head)
     if bmp_trouble:
       raise UnreadableImage(path, bmp_trouble)
-    return preprocessing.preprocess_eval(data, config).numpy()
+    return preprocessing.preprocess_eval(palette_bmp.as_png(data), config).numpy()
   except tf.errors.OpError as e:
     raise UnreadableImage(path, _short_reason(e)) from None
 

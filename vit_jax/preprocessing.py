@@ -9,7 +9,6 @@ ops seeded with the example's own seed, so a stream of examples can be resumed e
 import tensorflow as tf
 
 from vit_jax import config_checks
-from vit_jax import palette_bmp
 
 
 def _to_rgb(image: tf.Tensor) -> tf.Tensor:
@@ -30,8 +29,7 @@ def _to_rgb(image: tf.Tensor) -> tf.Tensor:
 def _decode(image: tf.Tensor) -> tf.Tensor:
   """Encoded bytes or a uint8 array -> uint8 [H, W, 3]."""
   if image.dtype == tf.string:
-    image = tf.cond(palette_bmp.is_palette_bmp(image), lambda: palette_bmp.decode(image),
-                    lambda: tf.io.decode_image(image, channels=3, expand_animations=False))
+    image = tf.io.decode_image(image, channels=3, expand_animations=False)
     image.set_shape([None, None, 3])
     return image
   return _to_rgb(tf.convert_to_tensor(image, tf.uint8))
