@@ -96,9 +96,10 @@ def test_folder_with_unreadable_and_hidden_files(home):
       'img/mixed/sub/s1.jpg': 2
   }
   assert ours(out.stderr) == [
-      'warning: skipped img/mixed/bad.jpg: not a JPEG, PNG, GIF, BMP or WebP image',
-      'vit-predict: 1 of 4 files could not be read (warnings above): convert them to JPEG, '
-      'PNG, GIF, BMP or WebP, or leave them out'
+      'warning: skipped img/mixed/bad.jpg: not a JPEG, PNG, GIF, BMP or WebP image: convert it '
+      'to JPEG, PNG, GIF, BMP or WebP',
+      'vit-predict: 1 of 4 files could not be read: fix them as the warnings above say, or '
+      'leave them out'
   ]
   assert not any(s in out.stderr for s in TF_INTERNALS), out.stderr[-2000:]
   assert '.hidden' not in out.stderr + out.stdout and '.cache' not in out.stderr + out.stdout
@@ -137,9 +138,31 @@ def test_bmps_of_a_colour_table_predict_as_their_colours(tmp_path):
   assert ours(out.stderr) == [
       'warning: skipped sixteen.bmp: a 16-bit BMP, which is not read: save it as a 24-bit BMP, '
       'a PNG or a JPEG',
-      'vit-predict: 1 of 5 files could not be read (warnings above): convert them to JPEG, PNG, '
-      'GIF, BMP or WebP, or leave them out'
+      'vit-predict: 1 of 5 files could not be read: fix them as the warnings above say, or '
+      'leave them out'
   ]
+
+
+def test_a_damaged_file_is_named_as_damaged_without_tensorflow_s_log(tmp_path):
+  """A JPEG and a PNG cut short had been told to be converted to JPEG, PNG, ..., each after
+  two lines of TensorFlow's C++ log (as in a user's shell: no TF_CPP_MIN_LOG_LEVEL)."""
+  write_run(str(tmp_path / 'wd'))
+  for name in ('cut.jpg', 'cut.png', 'whole.png'):
+    save_random(str(tmp_path / name), size=(280, 280))
+  for name in ('cut.jpg', 'cut.png'):
+    data = (tmp_path / name).read_bytes()
+    (tmp_path / name).write_bytes(data[:len(data) // 2])
+  out = shell(['vit-predict', '--workdir', 'wd', 'cut.jpg', 'cut.png', 'whole.png'], tmp_path,
+              TF_CPP_MIN_LOG_LEVEL=None)
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert predicted(out.stdout) == {'whole.png': 5}
+  lines = out.stderr.splitlines()
+  assert len(lines) == 3 and lines[0].startswith(
+      'warning: skipped cut.jpg: damaged or cut short (') and lines[1].startswith(
+          'warning: skipped cut.png: damaged or cut short ('), lines
+  assert all(l.endswith('): replace it with an intact copy') for l in lines[:2]), lines
+  assert lines[2] == ('vit-predict: 2 of 3 files could not be read: fix them as the warnings '
+                      'above say, or leave them out')
 
 
 def test_formats_decode_image_reads_and_tiff_named_on_the_command_line(home):
@@ -150,9 +173,10 @@ def test_formats_decode_image_reads_and_tiff_named_on_the_command_line(home):
   assert out.returncode == 1, out.stderr[-2000:]
   assert predicted(out.stdout) == {'img/pic.gif': 5, 'img/pic.bmp': 5}
   assert out.stderr.splitlines() == [
-      'warning: skipped img/pic.tiff: not a JPEG, PNG, GIF, BMP or WebP image',
-      'vit-predict: 1 of 3 files could not be read (warnings above): convert them to JPEG, '
-      'PNG, GIF, BMP or WebP, or leave them out'
+      'warning: skipped img/pic.tiff: not a JPEG, PNG, GIF, BMP or WebP image: convert it to '
+      'JPEG, PNG, GIF, BMP or WebP',
+      'vit-predict: 1 of 3 files could not be read: fix them as the warnings above say, or '
+      'leave them out'
   ]
   # Every extension a folder is searched for is a format the message names.
   names = {

@@ -20,11 +20,12 @@ _SIGNATURES = (b'\xff\xd8\xff', b'\x89PNG\r\n\x1a\n', b'GIF87a', b'GIF89a', b'BM
 
 
 class UnreadableImage(ValueError):
-  """An image file that cannot be read or decoded: `path` and a short `reason`."""
+  """An image file that cannot be read or decoded: `path`, a short `reason` and what to do
+  with the file (`fix`)."""
 
-  def __init__(self, path, reason):
-    super().__init__(f'{path}: {reason}')
-    self.path, self.reason = path, reason
+  def __init__(self, path, reason, fix):
+    super().__init__(f'{path}: {reason}: {fix}')
+    self.path, self.reason, self.fix = path, reason, fix
 
 
 def find(items):
@@ -72,12 +73,10 @@ def _preprocessing():
 
 
 def _short_reason(error):
-  """A TF error's message without the op and device it names."""
+  """A TF error's message without the op and device it names, nor a closing full stop."""
   text = re.sub(r'\{\{.*?\}\}', '', error.message or '').strip()
   text = re.sub(r'\s*\[Op:\w+\].*', '', text.splitlines()[0] if text else '')
-  if text.startswith('Unknown image file format'):
-    return f'not a {FORMATS} image'
-  return text or type(error).__name__
+  return text.rstrip('.') or type(error).__name__
 
 
 def read_image(path, config):
@@ -92,17 +91,21 @@ def read_image(path, config):
   # pylint: enable=g-import-not-at-top
   try:
     data = tf.io.read_file(path)
-    # Told apart here, a file of another format is not decoded: TensorFlow's C++ logs the
-    # failed decode ("Local rendezvous is aborting ...") above the line saying so.
-    head = data.numpy()[:34]
-    if not (head.startswith(_SIGNATURES) or head[:4] == b'RIFF' and head[8:12] == b'WEBP'):
-      raise UnreadableImage(path, f'not a {FORMATS} image')
-    bmp_trouble = palette_bmp.unreadable(head)
-    if bmp_trouble:
-      raise UnreadableImage(path, bmp_trouble)
+  except tf.errors.OpError as e:
+    raise UnreadableImage(path, _short_reason(e), 'check that it can be read') from None
+  # Told apart here, a file of another format is not decoded: TensorFlow's C++ logs the
+  # failed decode ("Local rendezvous is aborting ...") above the line saying so.
+  head = data.numpy()[:34]
+  if not (head.startswith(_SIGNATURES) or head[:4] == b'RIFF' and head[8:12] == b'WEBP'):
+    raise UnreadableImage(path, f'not a {FORMATS} image', f'convert it to {FORMATS}')
+  bmp_trouble = palette_bmp.unreadable(head)
+  if bmp_trouble:
+    raise UnreadableImage(path, *bmp_trouble)
+  try:
     return preprocessing.preprocess_eval(palette_bmp.as_png(data), config).numpy()
   except tf.errors.OpError as e:
-    raise UnreadableImage(path, _short_reason(e)) from None
+    raise UnreadableImage(path, f'damaged or cut short ({_short_reason(e)})',
+                          'replace it with an intact copy') from None
 
 
 def load_images(files, config):

@@ -321,8 +321,7 @@ def load_images(files, image_size, run_config=None):
   try:
     return image_files.load_images(files, image_files.eval_config(run_config, image_size))
   except image_files.UnreadableImage as e:
-    raise ValueError(f'Cannot read image {e.path} ({e.reason}): pass {image_files.FORMATS} '
-                     'files') from None
+    raise ValueError(f'Cannot read image {e.path}: {e.reason}: {e.fix}') from None
 
 
 def inspect_model(model, params, image_size, images=None, names=None, outdir='.',

@@ -30,16 +30,16 @@ def _field(head: tf.Tensor, offset: int, size: int) -> tf.Tensor:
   return tf.reduce_sum(data * (256**tf.range(size, dtype=tf.int64)))
 
 
-def unreadable(head: bytes) -> str | None:
-  """Why a BMP, from its first 34 bytes, cannot be decoded here; None where it can (or where
-  it is not a BMP)."""
+def unreadable(head: bytes) -> tuple[str, str] | None:
+  """Why a BMP, from its first 34 bytes, cannot be decoded here, and what to do; None where
+  it can (or where it is not a BMP)."""
   if not head.startswith(b'BM') or len(head) < 34:
     return None
   bits, compression = int.from_bytes(head[28:30], 'little'), int.from_bytes(head[30:34], 'little')
   if bits not in (1, 4, 8, 24, 32):
-    return f'a {bits}-bit BMP, which is not read: save it as a 24-bit BMP, a PNG or a JPEG'
+    return f'a {bits}-bit BMP, which is not read', 'save it as a 24-bit BMP, a PNG or a JPEG'
   if bits <= 8 and compression != 0:
-    return 'a run-length-encoded BMP, which is not read: save it uncompressed, as a PNG or a JPEG'
+    return 'a run-length-encoded BMP, which is not read', 'save it uncompressed, as a PNG or a JPEG'
   return None
 
 

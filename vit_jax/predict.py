@@ -131,8 +131,8 @@ def main(argv):
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f'vit-predict: {e}')
   if skipped:
-    sys.exit(f'vit-predict: {skipped} of {total} files could not be read (warnings above): '
-             f'convert them to {image_files.FORMATS}, or leave them out')
+    sys.exit(f'vit-predict: {skipped} of {total} files could not be read: fix them as the '
+             'warnings above say, or leave them out')
 
 
 def run_cli():
