@@ -91,3 +91,22 @@ def test_a_stray_word_is_one_line(tmp_path, argv, says):
                        capture_output=True, text=True, timeout=300)
   assert (out.returncode, out.stderr.strip().splitlines()[-1:]) == (1, [says]), out.stderr[-3000:]
   assert len(out.stderr.strip().splitlines()) < 5 and not (tmp_path / 'w').exists()
+
+
+@pytest.mark.parametrize('argv', [
+    ['vit-train', '--config=quickstart', '--help'],
+    ['vit-evaluate', '--help'],
+    ['vit-vtab', '--model=ViT-B_16', '--workdir=w', '--dry-run'],
+])
+def test_output_into_a_reader_that_stopped_ends_quietly(tmp_path, argv):
+  """`| head -1`: vit-train's --help had ended with 'vit-train: [Errno 32] Broken pipe (see
+  --help)' and vit-vtab's with a traceback of ~20 lines; now each exits 141 (as a command
+  killed by SIGPIPE) with nothing on stderr. Here the reader has gone before the first
+  write, so every write fails."""
+  bin_dir = os.path.dirname(sys.executable)
+  read_end, write_end = os.pipe()
+  os.close(read_end)
+  out = subprocess.run([os.path.join(bin_dir, argv[0]), *argv[1:]], cwd=tmp_path, stdout=write_end,
+                       stderr=subprocess.PIPE, text=True, timeout=300)
+  os.close(write_end)
+  assert (out.returncode, out.stderr) == (141, ''), out.stderr[-3000:]

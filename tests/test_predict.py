@@ -165,6 +165,17 @@ def test_a_damaged_file_is_named_as_damaged_without_tensorflow_s_log(tmp_path):
                       'above say, or leave them out')
 
 
+def test_predictions_into_a_reader_that_stopped_end_quietly(home):
+  """`vit-predict ... | head -1` had ended with a BrokenPipeError traceback of ~20 lines."""
+  read_end, write_end = os.pipe()
+  os.close(read_end)
+  env = dict(os.environ, PATH=f'{BIN}:' + os.environ.get('PATH', ''), TF_CPP_MIN_LOG_LEVEL='3')
+  out = subprocess.run(['vit-predict', '--workdir', 'wd', 'img/pic.gif'], cwd=home, env=env,
+                       stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300)
+  os.close(write_end)
+  assert (out.returncode, out.stderr) == (141, ''), out.stderr[-3000:]
+
+
 def test_formats_decode_image_reads_and_tiff_named_on_the_command_line(home):
   # As in a user's shell (no TF_CPP_MIN_LOG_LEVEL): a file of another format is told apart
   # before TensorFlow's decode, which logged its failure above the warning.

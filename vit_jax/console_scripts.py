@@ -38,9 +38,23 @@ def _command(module, function, takes_signals_over=False, decodes_files=False):
       return entry()
     except KeyboardInterrupt:  # importing, or before the command's own handling
       ctrl_c.interrupted(os.path.basename(sys.argv[0]))
+    except BrokenPipeError:
+      _reader_gone()
 
   start.__doc__ = f'{module}.{function}(), imported with Ctrl-C as one line.'
   return start
+
+
+# The shell's status for a command whose reader went away (killed by SIGPIPE: 128 + 13).
+_READER_GONE_STATUS = 141
+
+
+def _reader_gone():
+  """Output piped into a reader that stopped (`| head`): exit quietly, as a command killed by
+  SIGPIPE does, where a traceback of ~20 lines had ended with BrokenPipeError. Python's own
+  flush of stdout at exit would fail again, so stdout is sent to /dev/null first."""
+  os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+  sys.exit(_READER_GONE_STATUS)
 
 
 train = _command('vit_jax.main', 'run', takes_signals_over=True)

@@ -122,6 +122,8 @@ def parse_flags(argv):
     _ = FLAGS.config  # raises if the config file failed to load
     configs.add_model_fields(FLAGS.config, model_fields)
     return rest
+  except BrokenPipeError:  # --help piped into a reader that stopped: console_scripts' to end
+    raise
   except (flags.Error, ValueError, TypeError, OSError, AttributeError, KeyError) as e:
     hint = ''
     if isinstance(e, flags.UnrecognizedFlagError) and config is not None and e.flagname in config:
