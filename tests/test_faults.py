@@ -1099,13 +1099,15 @@ def test_a_run_started_under_nohup_ignores_sighup(tmp_path):
 
 
 def test_second_ctrl_c_aborts_at_once(tmp_path):
+  """It had said 'the last complete checkpoint is kept' before any was written."""
   proc = _python(tmp_path, 'import os, signal, time', 'from vit_jax import train',
                  'p = train._Preemption()', 'os.kill(os.getpid(), signal.SIGINT)',
                  'assert p.requested == "SIGINT"', 'os.kill(os.getpid(), signal.SIGINT)',
                  'time.sleep(30)')
   assert proc.returncode == 130, proc.stderr[-3000:]
-  assert proc.stderr.strip().splitlines()[-1].startswith(
-      'vit_jax: second Ctrl-C: stopped at once, without saving')
+  assert proc.stderr.strip().splitlines()[-1] == (
+      'vit_jax: second Ctrl-C: stopped at once, without saving this step: run the same command '
+      'to resume from the last complete checkpoint (from step 0 if none was written)')
 
 
 def test_full_disk_at_start_up_is_one_line(tmp_path):

@@ -853,8 +853,9 @@ class _Preemption:
     del frame
     if signum == signal.SIGINT and self.requested is not None:
       os.write(
-          2, b'vit_jax: second Ctrl-C: stopped at once, without saving this step '
-          b'(the last complete checkpoint is kept)\n')
+          2, b'vit_jax: second Ctrl-C: stopped at once, without saving this step: run the same '
+          b'command to resume from the last complete checkpoint (from step 0 if none was written)'
+          b'\n')
       os._exit(130)  # pylint: disable=protected-access
     if self.requested is None:
       if signum == signal.SIGINT:
