@@ -467,6 +467,20 @@ def test_a_folder_dataset_of_one_class_is_refused(tmp_path):
     ip.validate_splits(_config(dataset='folder:' + root))
 
 
+def test_skips_without_file_names_are_logged_at_powers_of_two(caplog):
+  """TFDS records do not name their files: a line per batch with a bad image would grow with
+  the run; it is logged as the count reaches 1, 2, 4, 8, ..."""
+  batches = ip.Batches(None, 'training')
+  with caplog.at_level(logging.WARNING):
+    for _ in range(9):
+      batches._warn(1, np.zeros([0], np.int64))
+    batches._warn(7, np.zeros([0], np.int64))  # 16
+  assert [r.getMessage() for r in caplog.records] == [
+      f'Skipped {n} undecodable image(s) while training ({total} so far in this stream).'
+      for n, total in ((1, 1), (1, 2), (1, 4), (1, 8), (7, 16))
+  ]
+
+
 def test_folder_train_replaces_corrupt_and_resumes(folder, caplog):
   root, train, _ = folder
   c = _config(dataset='folder:' + root, pp_train_crop='resize', pp_flip=False)
@@ -479,8 +493,10 @@ def test_folder_train_replaces_corrupt_and_resumes(folder, caplog):
   assert caplog.text.count('undecodable') == 1
   assert 'while training (1 so far in this stream): ' + os.path.join(root, 'train', 'a',
                                                                      '99999.png') in caplog.text
-  full += _take(it, 4)
+  with caplog.at_level(logging.WARNING):
+    full += _take(it, 4)
   assert it.skipped == 3  # Once per epoch, counted by this iterator only.
+  assert caplog.text.count('undecodable') == 1  # named once, not on every pass
   assert ip.train_batches(c, **kw).skipped == 0
   ids = [i for b in full for i in _ids(b)]
   assert set(ids) == set(train)  # Never the zero placeholder image.

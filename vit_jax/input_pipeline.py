@@ -137,7 +137,10 @@ class Batches:
 
   `skipped`: images of this host's stream that could not be decoded since the iterator
   started, each occurrence counted (a bad file met every epoch counts every epoch); the
-  training loop reports it as 'data/skipped_images'.
+  training loop reports it as 'data/skipped_images'. The warning names each file once: a
+  bad file of a folder dataset had been warned about again on every pass over the data, a
+  line per batch that met one. Where the records do not name their files (TFDS), it is
+  logged when the count reaches 1, 2, 4, 8, ...
   """
 
   def __init__(self, ds: tf.data.Dataset, stage: str, finish: Callable[[dict], dict] | None = None,
@@ -145,6 +148,7 @@ class Batches:
     self._ds, self._stage, self._finish, self._describe = ds, stage, finish, describe
     self._numpy = None  # Started by the first next(), not here.
     self.skipped = 0
+    self._named = set()  # the records whose files a warning named
 
   def __iter__(self) -> Batches:
     return self
@@ -156,17 +160,28 @@ class Batches:
       batch = next(self._numpy)
     skipped, failed = int(batch.pop('skipped')), batch.pop('failed')
     if skipped:
-      self.skipped += skipped
-      logging.warning('Skipped %d undecodable image(s) while %s (%d so far in this stream)%s',
-                      skipped, self._stage, self.skipped, self._names(failed))
+      self._warn(skipped, failed)
     return self._finish(batch) if self._finish else batch
 
-  def _names(self, failed: np.ndarray, shown: int = 5) -> str:
-    """': a.jpg, b.jpg' for the failed records, so that the user can find the files."""
+  def _warn(self, skipped: int, failed: np.ndarray) -> None:
+    before, self.skipped = self.skipped, self.skipped + skipped
     if self._describe is None or not len(failed):
-      return '.'
-    names = [self._describe(int(i)) for i in failed[:shown]]
-    more = f' and {len(failed) - shown} more' if len(failed) > shown else ''
+      if self.skipped.bit_length() > before.bit_length():  # the count reached a power of 2
+        logging.warning('Skipped %d undecodable image(s) while %s (%d so far in this stream).',
+                        skipped, self._stage, self.skipped)
+      return
+    new = [int(i) for i in failed if int(i) not in self._named]
+    if new:
+      self._named.update(new)
+      again = len(failed) - len(new)
+      logging.warning('Skipped %d undecodable image(s) while %s (%d so far in this stream)%s%s',
+                      skipped, self._stage, self.skipped, self._names(new),
+                      f' (and {again} named before)' if again else '')
+
+  def _names(self, records: list[int], shown: int = 5) -> str:
+    """': a.jpg, b.jpg' for the failed records, so that the user can find the files."""
+    names = [self._describe(i) for i in records[:shown]]
+    more = f' and {len(records) - shown} more' if len(records) > shown else ''
     return ': ' + ', '.join(names) + more
 
 
