@@ -100,3 +100,34 @@ def test_the_training_loop_and_its_event_files_load_no_keras(tmp_path):
   """vit-train's imports, and its TensorBoard writes, leave Keras out (clu's writer, used
   before, loaded it through tensorboard's hparams API)."""
   assert _child(TRAINING_SCRIPT, str(tmp_path)).split() == ['False', 'False']
+
+
+DECODE_A_CUT_JPEG = '''
+import io, os, sys
+import jax  # sets TF_CPP_MIN_LOG_LEVEL=1 where it is unset, as in every command
+import numpy as np
+from PIL import Image
+from vit_jax import tensorflow_quietly
+import tensorflow as tf
+jpeg = io.BytesIO()
+Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), np.uint8)).save(jpeg, 'JPEG')
+try:
+  tf.io.decode_jpeg(jpeg.getvalue()[:len(jpeg.getvalue()) // 2])  # "Premature end of JPEG data"
+except tf.errors.InvalidArgumentError:
+  print(os.environ.get('TF_CPP_MIN_LOG_LEVEL'))
+'''
+
+
+def test_tensorflow_s_cpp_log_is_kept_to_fatal_errors_unless_asked_for():
+  """A damaged image's decode, which the commands report in one line, had been logged first
+  by TensorFlow in two lines (per image, on every pass over a folder dataset)."""
+  env = {k: v for k, v in os.environ.items() if k != 'TF_CPP_MIN_LOG_LEVEL'}
+  quiet = subprocess.run([sys.executable, '-c', DECODE_A_CUT_JPEG], env=env, capture_output=True,
+                         text=True, timeout=120)
+  assert quiet.stdout == '1\n', quiet.stderr[-2000:]  # put back for XLA, which reads it too
+  assert quiet.stderr == '', quiet.stderr[-2000:]
+  asked = subprocess.run([sys.executable, '-c', DECODE_A_CUT_JPEG],
+                         env=dict(env, TF_CPP_MIN_LOG_LEVEL='0'), capture_output=True, text=True,
+                         timeout=120)
+  assert asked.stdout == '0\n' and 'Premature end of JPEG data' in asked.stderr, asked.stderr[
+      -2000:]

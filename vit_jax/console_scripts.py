@@ -12,23 +12,14 @@ import sys
 from vit_jax import ctrl_c
 
 
-def _command(module, function, takes_signals_over=False, decodes_files=False):
+def _command(module, function, takes_signals_over=False):
   """The entry point that runs `module`.`function`() once `module` is imported. Where
   `takes_signals_over` (vit-train), SIGTERM and SIGHUP are held too, and through the call:
   it unblocks them once its own start-up handlers are in place (vit_jax/main.py), so that
-  each is its one line there too, not a silent death (status 143, 129).
-
-  Where `decodes_files` (vit-predict, vit-inspect: TensorFlow only reads and decodes the
-  image files given), TensorFlow's C++ log is kept to fatal errors unless the user set
-  TF_CPP_MIN_LOG_LEVEL: each failed decode is a line naming the file and TensorFlow's
-  reason, which its log had said first in two more lines ("Premature end of JPEG data",
-  "Local rendezvous is aborting ..."). Set here, before `import jax` sets its default (1)
-  and before TensorFlow reads it as it loads."""
+  each is its one line there too, not a silent death (status 143, 129)."""
   also = (signal.SIGTERM, signal.SIGHUP) if takes_signals_over else ()
 
   def start():
-    if decodes_files:
-      os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
     ctrl_c.deliver_lost_ones()
     try:
       with ctrl_c.held(*also):
@@ -59,8 +50,8 @@ def _reader_gone():
 
 train = _command('vit_jax.main', 'run', takes_signals_over=True)
 evaluate = _command('vit_jax.evaluate_cli', 'run_cli')
-inspect = _command('vit_jax.inspection', 'run_cli', decodes_files=True)
-predict = _command('vit_jax.predict', 'run_cli', decodes_files=True)
+inspect = _command('vit_jax.inspection', 'run_cli')
+predict = _command('vit_jax.predict', 'run_cli')
 sweep = _command('vit_jax.launch.sweep', 'main')
 vtab = _command('vit_jax.launch.vtab', 'main')
 tpu = _command('vit_jax.launch.tpu_vm', 'main')

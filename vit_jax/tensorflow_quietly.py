@@ -12,6 +12,15 @@ when set). The command-line programs import it before anything that imports Tens
 Turning the oneDNN operations off (TF_ENABLE_ONEDNN_OPTS=0) would also silence them, but
 the input pipeline ran slower without them (benchmarks/README.md, twenty-seventh session).
 
+TensorFlow's C++ log is kept to fatal errors, unless TF_CPP_MIN_LOG_LEVEL is 0 or 2 (1 is
+what `import jax` sets where it is unset): TensorFlow decodes the images and reads the files
+here, and each of its failures is an exception that the commands report in one line (a
+skipped image by its file, once). Its log had said each first: "Premature end of JPEG data"
+and "Local rendezvous is aborting ..." per damaged image, again on every pass over a folder
+dataset. TensorFlow reads the level as it loads; the variable is put back after, so that
+XLA's log, which reads it too, keeps its level. (A JPEG cut inside its header still prints
+libjpeg's own "Improper call to JPEG library in state 201", which no level drops.)
+
 TensorFlow's import also imports Keras 3 (keras.src.optimizers, and through Keras
 matplotlib.pyplot), ~1 s of CPU, for a library no command uses. With TF_USE_LEGACY_KERAS set
 it imports tf_keras instead, or nothing when tf_keras is not installed. So, unless the user
@@ -51,10 +60,26 @@ def _keras_left_out():
     del os.environ['TF_USE_LEGACY_KERAS']
 
 
+@contextlib.contextmanager
+def _cpp_log_kept_to_fatal_errors():
+  level = os.environ.get('TF_CPP_MIN_LOG_LEVEL')
+  if level not in (None, '1'):
+    yield
+    return
+  os.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'
+  try:
+    yield
+  finally:
+    if level is None:
+      del os.environ['TF_CPP_MIN_LOG_LEVEL']
+    else:
+      os.environ['TF_CPP_MIN_LOG_LEVEL'] = level
+
+
 def _import_tensorflow():
   if 'tensorflow' in sys.modules:
     return
-  with _keras_left_out():
+  with _keras_left_out(), _cpp_log_kept_to_fatal_errors():
     _import_tensorflow_quietly()
 
 
