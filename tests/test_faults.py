@@ -498,12 +498,14 @@ def test_a_checkpoint_whose_bytes_changed_is_not_trained_on_or_exported(good, tm
 
 
 def test_workdir_of_another_model_says_so(good, tmp_path):
-  _copy(good, tmp_path)
-  rc, err, last = _cli(tmp_path, 'run', '--config.model.hidden_size=32',
+  """The flag it suggests is quoted for a shell: a workdir with a space had broken it."""
+  _copy(good, tmp_path, 'my run')
+  rc, err, last = _cli(tmp_path, 'my run', '--config.model.hidden_size=32',
                        '--config.resume_changes=model')
   assert rc == 1, err[-3000:]
   assert 'holds checkpoints of another model' in last, last
-  assert 'checkpoint (64,) vs model (32,)' in last and '--config.pretrained_path=' in last
+  assert 'checkpoint (64,) vs model (32,)' in last
+  assert last.endswith(f"--config.pretrained_path='{tmp_path}/my run/final.npz'"), last
   assert 'Traceback' not in err
 
 

@@ -176,6 +176,19 @@ def test_predictions_into_a_reader_that_stopped_end_quietly(home):
   assert (out.returncode, out.stderr) == (141, ''), out.stderr[-3000:]
 
 
+def test_a_run_without_its_config_json_names_how_to_write_it_again(tmp_path):
+  """It had said 'pass the --workdir of a vit-train run', which it was."""
+  write_run(str(tmp_path / 'wd'))
+  os.remove(tmp_path / 'wd' / 'config.json')
+  save_random(str(tmp_path / 'cat.png'))
+  out = shell(['vit-predict', '--workdir', 'wd', 'cat.png'], tmp_path)
+  assert (out.returncode, ours(out.stderr)) == (1, [
+      f'vit-predict: {tmp_path}/wd has a final.npz but no config.json: run its vit-train command '
+      "again with --config.resume_changes='*' to write it again, or pass "
+      f'--checkpoint={tmp_path}/wd/final.npz with its --model (and --model_overrides)'
+  ]), out.stderr[-2000:]
+
+
 def test_formats_decode_image_reads_and_tiff_named_on_the_command_line(home):
   # As in a user's shell (no TF_CPP_MIN_LOG_LEVEL): a file of another format is told apart
   # before TensorFlow's decode, which logged its failure above the warning.

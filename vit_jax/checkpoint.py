@@ -12,6 +12,7 @@ import json
 import logging as std_logging
 import os
 import re
+import shlex
 import tempfile
 import time
 import zipfile
@@ -363,6 +364,12 @@ def load_run(workdir):
     if paths.exists(workdir) and not paths.is_remote(workdir) and not os.path.isdir(workdir):
       raise ValueError(f'{workdir} is a file: pass the --workdir (a folder) of a vit-train '
                        'run') from None
+    if paths.exists(final_path):  # the run's file, without the config that says its model
+      raise ValueError(
+          f'{workdir} has a final.npz but no config.json: run its vit-train command again with '
+          "--config.resume_changes='*' to write it again, or pass "
+          f'--checkpoint={shlex.quote(final_path)} with its --model (and --model_overrides)'
+      ) from None
     raise ValueError(f'{workdir} has no config.json: pass the --workdir of a vit-train '
                      'run') from None
   except ValueError as e:

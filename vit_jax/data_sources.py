@@ -34,6 +34,7 @@ import functools
 import gzip
 import hashlib
 import os
+import shlex
 import tempfile
 import types
 import zlib
@@ -412,7 +413,7 @@ class _TfdsSource(Source):
     if not sizes:
       raise FileNotFoundError(
           f'dataset {self.name} is not prepared in data_dir {self.data_dir}: run '
-          f'`tfds build {self.name} --data_dir={self.data_dir}` or set '
+          f'`tfds build {self.name} --data_dir={shlex.quote(self.data_dir)}` or set '
           '--config.data_dir to where it is prepared.')
     return sizes
 

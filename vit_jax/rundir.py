@@ -3,6 +3,7 @@ resumed run has the config of the run it resumes, and the lock that keeps one ru
 workdir."""
 import json
 import os
+import shlex
 import socket
 import time
 
@@ -191,7 +192,7 @@ def _check_polyak_kept(old, new, workdir):
         f'Polyak averaging {"on" if after > 0 else "off"}, which a resume cannot (the '
         f'checkpoints hold its sums, or none): keep --config.polyak_decay={before!r}, use '
         'another --workdir, or fine-tune from that run with '
-        f'--config.pretrained_path={workdir}/final.npz')
+        f'--config.pretrained_path={shlex.quote(os.path.join(workdir, "final.npz"))}')
 
 
 def _proc_start(pid):

@@ -11,6 +11,7 @@ import logging as std_logging
 import math
 import os
 import re
+import shlex
 import signal
 import sys
 import threading
@@ -369,7 +370,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   except checkpoint.DifferentModelError as e:
     raise ConfigError(
         f'workdir {workdir} holds checkpoints of another model ({e}): use another --workdir, '
-        f'or fine-tune from that run with --config.pretrained_path={workdir}/final.npz') from None
+        'or fine-tune from that run with '
+        f'--config.pretrained_path={shlex.quote(os.path.join(workdir, "final.npz"))}') from None
   except checkpoint.UnreadableFileError as e:  # the pretrained file, damaged
     raise ConfigError(f'pretrained_path {e}') from None
   except checkpoint.IncompatibleCheckpointError as e:  # the pretrained file, another model
