@@ -93,8 +93,8 @@ def read_image(path, config):
     data = tf.io.read_file(path)
   except tf.errors.OpError as e:
     raise UnreadableImage(path, _short_reason(e), 'check that it can be read') from None
-  # Told apart here, a file of another format is not decoded: TensorFlow's C++ logs the
-  # failed decode ("Local rendezvous is aborting ...") above the line saying so.
+  # Told apart here, a file of another format is not decoded: where TensorFlow's C++ log is
+  # on (a notebook), it logs a failed decode ("Local rendezvous is aborting ...").
   head = data.numpy()[:34]
   if not (head.startswith(_SIGNATURES) or head[:4] == b'RIFF' and head[8:12] == b'WEBP'):
     raise UnreadableImage(path, f'not a {FORMATS} image', f'convert it to {FORMATS}')
