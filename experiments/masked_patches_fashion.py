@@ -24,7 +24,6 @@ import os
 import sys
 import time
 
-from absl import app
 from absl import flags
 from absl import logging
 import jax
@@ -33,6 +32,7 @@ import numpy as np
 
 from vit_jax import tensorflow_quietly  # noqa: F401  (first: before TensorFlow loads)
 from vit_jax import checkpoint
+from vit_jax import cli_help
 from vit_jax import evaluate
 from vit_jax import input_pipeline
 from vit_jax import masked_patches
@@ -223,4 +223,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli_help.run(main, __name__)  # --help exits 0; a mistyped flag is one line

@@ -189,6 +189,17 @@ def test_a_run_without_its_config_json_names_how_to_write_it_again(tmp_path):
   ]), out.stderr[-2000:]
 
 
+def test_a_checkpoint_of_other_sizes_names_model_overrides(home):
+  """A tiny run's final.npz given as ViT-Ti_16 had been told to pick another model, with
+  --model_overrides, the flag that gives it its sizes, unnamed."""
+  out = shell(
+      ['vit-predict', '--checkpoint', 'wd/final.npz', '--model', 'ViT-Ti_16', 'img/pic.gif'], home)
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert ours(out.stderr)[-1].endswith(
+      'pick the model matching the file (--model, and --model_overrides for sizes that differ '
+      "from the variant's, e.g. num_layers=4,hidden_size=64)"), out.stderr[-2000:]
+
+
 def test_formats_decode_image_reads_and_tiff_named_on_the_command_line(home):
   # As in a user's shell (no TF_CPP_MIN_LOG_LEVEL): a file of another format is told apart
   # before TensorFlow's decode, which logged its failure above the warning.

@@ -69,8 +69,12 @@ def load(flags_):
       raise ValueError(f'--checkpoint {flags_.checkpoint} needs --model NAME: the model the '
                        'file was trained as, e.g. ViT-B_16 (names: vit_jax.models.VARIANTS)')
     config, image_size = None, image_size or 224
-    model, params = checkpoint.load_model(flags_.checkpoint, flags_.model, image_size,
-                                          **parse_overrides(flags_.model_overrides))
+    try:
+      model, params = checkpoint.load_model(flags_.checkpoint, flags_.model, image_size,
+                                            **parse_overrides(flags_.model_overrides))
+    except checkpoint.IncompatibleCheckpointError as e:  # names vit-train's way to pick it
+      raise ValueError(f'{e} (--model, and --model_overrides for sizes that differ from the '
+                       'variant\'s, e.g. num_layers=4,hidden_size=64)') from None
   bad = [
       k for k, v in flax.traverse_util.flatten_dict(params, sep='/').items()
       if not np.all(np.isfinite(np.asarray(v)))
