@@ -194,6 +194,15 @@ def test_cli_end_to_end(tiny):
     assert arrays['rollout'].shape == (2, 4, 4)
     assert arrays['posemb_similarity'].shape == (4, 4, 4, 4)
     assert arrays['filter_components'].shape == (12, 7, 7, 3)
+  # Again into the same folder with one image: the first run's other figures go (a user's
+  # file stays), so that the figures are those of the arrays.npz beside them.
+  (tiny['tmp'] / 'figures' / 'notes.png').write_bytes(b'mine')
+  out = subprocess.run(cmd[:-1], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert sorted(os.listdir(outdir)) == [
+      'arrays.npz', 'attention_distance.png', 'embedding_filters.png', 'notes.png',
+      'position_embedding_similarity.png', 'rollout_00_photo0.png'
+  ]
 
 
 def test_outdir_that_cannot_be_a_folder(tiny):

@@ -358,7 +358,23 @@ def inspect_model(model, params, image_size, images=None, names=None, outdir='.'
     save(attention_distance_figure(dist, image_size), 'attention_distance.png')
   np.savez(os.path.join(outdir, 'arrays.npz'), **arrays)
   written.append(os.path.join(outdir, 'arrays.npz'))
+  _remove_earlier_figures(outdir, written)
   return written
+
+
+# The names inspect_model gives its figures.
+_FIGURE_NAMES = re.compile(r'rollout_\d{2}_.+\.png|attention_distance\.png|embedding_filters\.png'
+                           r'|position_embedding_similarity\.png')
+
+
+def _remove_earlier_figures(outdir, written):
+  """Removes the figures an earlier call left in `outdir` that this one did not write again
+  (its arrays.npz is replaced): a run of 2 images, then one of 1, had left the first run's
+  second rollout beside the second run's arrays."""
+  for name in os.listdir(outdir):
+    path = os.path.join(outdir, name)
+    if _FIGURE_NAMES.fullmatch(name) and path not in written and os.path.isfile(path):
+      os.remove(path)
 
 
 def _define_flags():
