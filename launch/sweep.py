@@ -10,7 +10,8 @@ r"""Hyper-parameter sweeps: one vit_jax.main run per grid point, then a summary 
 Without --sweep the grid is the config's lr_grid over base_lr (Table 4). Several --sweep
 flags form the cartesian product. Point p runs in DIR/<p> (p like 'base_lr=0.003'),
 locally one after another (output also in DIR/<p>/sweep.log, line by line; a failed point
-is recorded and the sweep goes on), or with --tpu one after another in the background on
+is recorded and the sweep goes on; Ctrl-C, SIGTERM or SIGHUP stop it once the running
+point has saved), or with --tpu one after another in the background on
 every worker of a TPU VM (see launch/tpu_vm.py; DIR must then be gs://). Before any point
 runs, each point's config goes through vit-train's start-up checks (preflight), and for a
 local sweep its data is checked as vit-train checks it (check_data). The summary reads the
@@ -50,15 +51,21 @@ class SweepError(Exception):
 
 
 class SweepInterrupted(Exception):
-  """Ctrl-C during a point's (or a VTAB task's) run; main prints it as one line."""
+  """Ctrl-C, SIGTERM or SIGHUP during a point's (or a VTAB task's) run; main prints it as one
+  line and exits with `status`, the shell's for that signal."""
+
+  def __init__(self, message, status):
+    super().__init__(message)
+    self.status = status
 
 
-def interrupted(kind, index, count, name, resumes):
-  """The SweepInterrupted of Ctrl-C during run `index` (from 0) of `count`, `name`; the same
-  command `resumes` (what)."""
-  return SweepInterrupted(f"interrupted (Ctrl-C) at {kind} {index + 1}/{count}, {name} (its run's "
-                          'last line above says what it saved): run the same command to resume '
-                          f'{resumes}')
+def interrupted(interrupt, kind, index, count, name, resumes):
+  """The SweepInterrupted of `interrupt` (a KeyboardInterrupt, ctrl_c.Stopped too) during run
+  `index` (from 0) of `count`, `name`; the same command `resumes` (what)."""
+  return SweepInterrupted(
+      f"{ctrl_c.what(interrupt)} at {kind} {index + 1}/{count}, {name} (its run's last line "
+      f'above says what it saved): run the same command to resume {resumes}',
+      ctrl_c.status(interrupt))
 
 
 def _key(text, flag):
@@ -277,7 +284,8 @@ def run_local(argv, log_path, env=None):
   """Runs one point, streaming its output to stdout and to log_path; returns the exit code.
   On Ctrl-C, which the terminal sends the point's vit-train too (one process group), the
   point saves a checkpoint and exits: its last lines are streamed before the
-  KeyboardInterrupt goes on (a second Ctrl-C stops both at once)."""
+  KeyboardInterrupt goes on (a second Ctrl-C stops both at once). SIGTERM and SIGHUP, where
+  run_sweep takes them (ctrl_c.Stopped), are passed on to the point, then the same."""
   # Each line is in a local log, then on the console, as it comes (`tail -f` follows the
   # log); a remote log is written whole as it closes.
   live = not paths.is_remote(log_path)
@@ -286,12 +294,17 @@ def run_local(argv, log_path, env=None):
                             env=env)
 
     def stream():
+      shown = True
       for line in proc.stdout:
         log.write(line)
         if live:
           log.flush()
-        sys.stdout.write(line)
-        sys.stdout.flush()
+        if shown:
+          try:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+          except OSError:  # a closed terminal (SIGHUP): the point still saves, its log goes on
+            shown = False
 
     # The copy runs in its own thread, which Ctrl-C never interrupts: raised in the main
     # thread's copy, it could land after a line was read and before it was written, and
@@ -300,7 +313,9 @@ def run_local(argv, log_path, env=None):
     copy.start()
     try:
       status = proc.wait()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+      if isinstance(e, ctrl_c.Stopped):  # sent to this process alone (docker stop, kill PID)
+        proc.send_signal(e.signum)
       proc.wait()
       raise
     finally:
@@ -312,22 +327,30 @@ def run_sweep(config, workdir, sets, points, runner=run_local, out=None):
   """Runs every point in sequence; returns {name: status}. A failure does not stop it."""
   out = out or sys.stdout
   statuses = {}
-  for i, (name, assignments) in enumerate(points):
-    argv = point_argv(config, workdir, sets, name, assignments)
-    print(f'== sweep point {i + 1}/{len(points)}: {name}\n{shlex.join(argv)}', file=out, flush=True)
-    paths.makedirs(join(workdir, name))
-    try:
-      rc = runner(argv, join(join(workdir, name), 'sweep.log'))
-    except OSError as e:
-      rc = f'{type(e).__name__}: {e}'
-    except KeyboardInterrupt:
-      raise interrupted('point', i, len(points), name,
-                        'the sweep, each point from its last checkpoint') from None
-    statuses[name] = 'ok' if rc == 0 else f'failed (exit {rc})'
-    with paths.open_file(join(join(workdir, name), 'sweep_status'), 'w') as f:
-      f.write(statuses[name] + '\n')
-    print(f'== {name}: {statuses[name]}', file=out, flush=True)
+  with ctrl_c.terminate_like_ctrl_c():
+    for i, (name, _) in enumerate(points):
+      statuses[name] = _run_point(config, workdir, sets, points, i, runner, out)
   return statuses
+
+
+def _run_point(config, workdir, sets, points, i, runner, out):
+  """Runs point `i` of `points`; returns its status (also written to its sweep_status)."""
+  name, assignments = points[i]
+  argv = point_argv(config, workdir, sets, name, assignments)
+  print(f'== sweep point {i + 1}/{len(points)}: {name}\n{shlex.join(argv)}', file=out, flush=True)
+  paths.makedirs(join(workdir, name))
+  try:
+    rc = runner(argv, join(join(workdir, name), 'sweep.log'))
+  except OSError as e:
+    rc = f'{type(e).__name__}: {e}'
+  except KeyboardInterrupt as e:
+    raise interrupted(e, 'point', i, len(points), name,
+                      'the sweep, each point from its last checkpoint') from None
+  status = 'ok' if rc == 0 else f'failed (exit {rc})'
+  with paths.open_file(join(join(workdir, name), 'sweep_status'), 'w') as f:
+    f.write(status + '\n')
+  print(f'== {name}: {status}', file=out, flush=True)
+  return status
 
 
 def _written_order(path):
@@ -365,7 +388,7 @@ def summarize(workdir, points, statuses=None):
   for name, _ in points:
     point_dir = join(workdir, name)
     accuracy = read_accuracy(point_dir)
-    status = statuses.get(name) or _read_status(point_dir) or ('done' if accuracy else 'not run')
+    status = statuses.get(name) or _read_status(point_dir) or _status_of_files(point_dir, accuracy)
     rows.append({
         'point': name,
         'status': status,
@@ -374,7 +397,7 @@ def summarize(workdir, points, statuses=None):
         'steps': accuracy[-1][0] if accuracy else None
     })
   candidates = [
-      r for r in rows if r['final_accuracy'] is not None and not r['status'].startswith('failed')
+      r for r in rows if r['final_accuracy'] is not None and r['status'] in ('ok', 'done')
   ]
   winner = max(candidates, key=lambda r: r['final_accuracy'])['point'] if candidates else None
   return rows, winner
@@ -554,6 +577,15 @@ def recorded_sweep(args):
   return config, grid, sets
 
 
+def _status_of_files(point_dir, accuracy):
+  """A point without sweep_status (a TPU sweep's, or one the sweep's own Ctrl-C or SIGTERM
+  stopped): 'done' once its final.npz is written, else 'not finished' where it has evaluated,
+  which is no candidate for the winner (an accuracy part-way through its schedule)."""
+  if paths.exists(join(point_dir, 'final.npz')):
+    return 'done'
+  return 'not finished' if accuracy else 'not run'
+
+
 def _read_status(point_dir):
   path = join(point_dir, 'sweep_status')
   if '://' not in path and not os.path.exists(path):
@@ -679,7 +711,7 @@ def main(argv=None, runner=run_local, out=None):
   except (SweepError, tpu_vm.LaunchError) as e:
     sys.exit(f'vit-sweep: error: {e}')
   except SweepInterrupted as e:
-    ctrl_c.stop_with(f'vit-sweep: {e}')
+    ctrl_c.stop_with(f'vit-sweep: {e}', e.status)
   except KeyboardInterrupt:  # between points, or while checking or summarizing
     ctrl_c.interrupted('vit-sweep')
 

@@ -428,7 +428,8 @@ class Watch:
         *[f'{shlex.join(c)}' for c in state_commands(a)],
         f'{shlex.join(ssh(a, 0, status_script(a.log)))}  # running, or exit N of the run',
         '# missing at the start: created; preempted/missing later: as `vit-tpu resume`; '
-        'READY but the run ended without final.npz: only the run again'
+        'READY but the run stopped on SIGTERM (exit 143) without final.npz: only the run '
+        'again; another exit status: stop'
     ])
 
   def run(self, runner):
@@ -470,7 +471,7 @@ class Watch:
         elif ended != status:  # Ended: wait a poll, a preemption may be on its way.
           ended = status
           runner.say(f'{a.name}: the run ended ({status}) without {final}')
-        elif status.startswith('exit') and status != 'exit 0':
+        elif status.startswith('exit') and status not in _RESUMABLE_EXITS:
           raise LaunchError(f'the run on worker 0 ended with {status} and the VM is {READY}, '
                             f'not a preemption: read vit-tpu logs --name {a.name} --zone '
                             f'{a.zone}; fix it, then vit-tpu resume with the same flags')
@@ -485,6 +486,11 @@ class Watch:
         raise LaunchError(f'{a.name} is {state}, which watch does not handle: start or delete '
                           'it with gcloud compute tpus tpu-vm, then watch again')
       runner.sleep(a.poll)
+
+
+# A run's statuses that `watch` starts again: 143, vit-train's on SIGTERM (it saved a step);
+# 0 without final.npz (a run of a version before 143, or final.npz not yet visible).
+_RESUMABLE_EXITS = ('exit 143', 'exit 0')
 
 
 def _show(step):

@@ -83,28 +83,34 @@ def run_tasks(args, tasks, overrides, runner=sweep.run_local, out=None):
   """Runs each unfinished task in turn; returns {task: status}."""
   out = out or sys.stdout
   statuses = {}
-  for i, task in enumerate(tasks):
-    task_dir = sweep.join(args.workdir, task)
-    if is_finished(task_dir):
-      statuses[task] = 'done'
-      print(f'== vtab task {i + 1}/{len(tasks)}: {task}: final.npz present, skipped', file=out,
-            flush=True)
-      continue
-    argv = task_argv(args.model, task, args.dev, args.workdir, overrides)
-    print(f'== vtab task {i + 1}/{len(tasks)}: {task}\n{shlex.join(argv)}', file=out, flush=True)
-    paths.makedirs(task_dir)
-    try:
-      rc = runner(argv, sweep.join(task_dir, 'vtab.log'))
-    except OSError as e:
-      rc = f'{type(e).__name__}: {e}'
-    except KeyboardInterrupt:
-      raise sweep.interrupted(
-          'task', i, len(tasks), task,
-          'the tasks: finished ones are skipped, this one resumes from its '
-          'last checkpoint') from None
-    statuses[task] = 'ok' if rc == 0 else f'failed (exit {rc})'
-    print(f'== {task}: {statuses[task]}', file=out, flush=True)
+  with ctrl_c.terminate_like_ctrl_c():
+    for i, task in enumerate(tasks):
+      statuses[task] = _run_task(args, tasks, i, overrides, runner, out)
   return statuses
+
+
+def _run_task(args, tasks, i, overrides, runner, out):
+  """Runs task `i` of `tasks` unless it finished; returns its status."""
+  task = tasks[i]
+  task_dir = sweep.join(args.workdir, task)
+  if is_finished(task_dir):
+    print(f'== vtab task {i + 1}/{len(tasks)}: {task}: final.npz present, skipped', file=out,
+          flush=True)
+    return 'done'
+  argv = task_argv(args.model, task, args.dev, args.workdir, overrides)
+  print(f'== vtab task {i + 1}/{len(tasks)}: {task}\n{shlex.join(argv)}', file=out, flush=True)
+  paths.makedirs(task_dir)
+  try:
+    rc = runner(argv, sweep.join(task_dir, 'vtab.log'))
+  except OSError as e:
+    rc = f'{type(e).__name__}: {e}'
+  except KeyboardInterrupt as e:
+    raise sweep.interrupted(
+        e, 'task', i, len(tasks), task,
+        'the tasks: finished ones are skipped, this one resumes from its last checkpoint') from None
+  status = 'ok' if rc == 0 else f'failed (exit {rc})'
+  print(f'== {task}: {status}', file=out, flush=True)
+  return status
 
 
 def collect(workdir, tasks, statuses=None):
@@ -261,7 +267,7 @@ def main(argv=None, runner=sweep.run_local, out=None):
   except VtabError as e:
     sys.exit(f'vit-vtab: error: {e}')
   except sweep.SweepInterrupted as e:
-    ctrl_c.stop_with(f'vit-vtab: {e}')
+    ctrl_c.stop_with(f'vit-vtab: {e}', e.status)
   except KeyboardInterrupt:  # between tasks, or while checking or summarizing
     ctrl_c.interrupted('vit-vtab')
 

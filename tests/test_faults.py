@@ -604,6 +604,7 @@ def test_unread_orbax_coroutines_are_not_printed():
                          ids=['ctrl_c', 'sighup'])
 def test_ctrl_c_or_a_closed_terminal_saves_then_exits_non_zero(tmp_path, sig, says):
   # A closed terminal (SIGHUP) had ended the run at once: no save, no line, status 129.
+  # Both had exited 1, as a failed run does. (SIGTERM: tests/test_preemption.py.)
   proc = subprocess.Popen([
       sys.executable, '-m', 'vit_jax.main', *ARGS, '--workdir=run', '--config.total_steps=5000',
       '--config.log_every_steps=5', '--config.checkpoint_every_steps=0'
@@ -616,7 +617,7 @@ def test_ctrl_c_or_a_closed_terminal_saves_then_exits_non_zero(tmp_path, sig, sa
   proc.send_signal(sig)
   _, err = proc.communicate(timeout=200)
   last = err.strip().splitlines()[-1]
-  assert proc.returncode == 1, err[-3000:]
+  assert proc.returncode == 128 + sig, err[-3000:]  # the shell's: not a failure of the run
   assert last.startswith('vit_jax: ' + says), last
   # train.INFO ends with it too: where the user of a closed terminal looks.
   assert log.read_text().strip().splitlines()[-1].endswith(last)
@@ -633,9 +634,9 @@ def _patched_cli(tmp_path, code, *extra, **env):
 
 
 _OUTSIDE_THE_LOOP_SAYS = {
-    'SIGTERM': (0, 'vit_jax: preempted (SIGTERM) outside the training steps (set-up, compile or '
-                'wrap-up): the saved checkpoints are kept; run the same command to resume'),
-    'SIGHUP': (1, 'vit_jax: the terminal closed (SIGHUP) outside the training steps (set-up, '
+    'SIGTERM': (143, 'vit_jax: preempted (SIGTERM) outside the training steps (set-up, compile '
+                'or wrap-up): the saved checkpoints are kept; run the same command to resume'),
+    'SIGHUP': (129, 'vit_jax: the terminal closed (SIGHUP) outside the training steps (set-up, '
                'compile or wrap-up): the saved checkpoints are kept; run the same command to '
                'resume (under nohup, tmux or screen a run outlives its terminal)')
 }
@@ -648,8 +649,8 @@ def test_a_signal_before_the_loop_releases_the_lock_and_says_so(tmp_path, lands_
   compiles (minutes on a large model) got a plain signal death (143, 129), no message, and
   a lock left behind. Where the signal lands in a garbage-collection callback or a
   __del__, Python drops the handler's exception ("Exception ignored"): the run trained on
-  to the end. SIGTERM exits 0 as a preemption in the loop does (a TPU resume loop carries
-  on), SIGHUP 1 as in the loop."""
+  to the end. Each exits with the shell's status for its signal, as in the loop (SIGTERM
+  had exited 0, which a resume loop or `&&` reads as a finished run)."""
   kill = f'os.kill(os.getpid(), signal.{sig})'
   code = ('import os, signal, sys\n'
           'from vit_jax import main, step\n'
@@ -666,9 +667,9 @@ def test_a_signal_before_the_loop_releases_the_lock_and_says_so(tmp_path, lands_
   status, says = _OUTSIDE_THE_LOOP_SAYS[sig]
   assert proc.returncode == status, proc.stderr[-3000:]
   assert proc.stderr.strip().splitlines()[-1] == says
-  if sig == 'SIGHUP':  # where the user of a closed terminal looks
-    log = (tmp_path / 'run' / 'train.INFO').read_text()
-    assert log.strip().splitlines()[-1].endswith(says), log[-2000:]
+  # Where the user of a closed terminal, or of a preempted TPU VM, looks.
+  log = (tmp_path / 'run' / 'train.INFO').read_text()
+  assert log.strip().splitlines()[-1].endswith(says), log[-2000:]
   assert not (tmp_path / 'run' / 'lock').exists()
   assert ('Exception ignored' in proc.stderr) == (lands_in == 'a __del__')
   assert 'step 1/' not in proc.stderr and not (tmp_path / 'run' / 'final.npz').exists()
@@ -682,7 +683,7 @@ _INTERRUPTED_BEFORE_TRAINING = ('vit_jax: interrupted (Ctrl-C) before training s
 @pytest.mark.parametrize('lands_in', ['start-up', 'a __del__'])
 def test_a_signal_during_start_up_is_its_one_line(tmp_path, sig, lands_in):
   """While vit-train imports TensorFlow and checks the config (~2 s before its workdir),
-  SIGTERM and SIGHUP had killed it silently (status 143, 129) and Ctrl-C printed a
+  SIGTERM and SIGHUP had killed it silently (no line) and Ctrl-C printed a
   traceback. A signal landing in a __del__ or a garbage-collection callback (JAX has one,
   run as TensorFlow imports), where Python drops the handler's exception, had been ignored."""
   kill = f'os.kill(os.getpid(), signal.{sig})'
@@ -1097,6 +1098,24 @@ def test_a_run_started_under_nohup_ignores_sighup(tmp_path):
       'p.close()', 'signal.signal(signal.SIGHUP, signal.SIG_DFL)', 'p = train._Preemption()',
       'os.kill(os.getpid(), signal.SIGHUP)', 'assert p.requested == "SIGHUP"', 'p.close()',
       'assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL', 'print("ok")')
+  assert proc.returncode == 0 and proc.stdout.strip() == 'ok', proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize('sig', ['SIGTERM', 'SIGHUP'])
+def test_a_second_sigterm_or_sighup_while_the_first_unwinds_is_ignored(tmp_path, sig):
+  """vit-sweep passes SIGTERM and SIGHUP on to its point, which most often got it from its
+  process group too: the second raised again while the first unwound (the lock's release,
+  the line), in start-up, outside the loop and in the loop alike. (Each part starts from
+  Python's default handler, as the run it stands for.)"""
+  kill, fresh = f'os.kill(os.getpid(), signal.{sig})', f'signal.signal(signal.{sig}, signal.SIG_DFL)'
+  proc = _python(tmp_path, 'import os, signal', 'from vit_jax import main, train',
+                 'main._stop_while_starting()', 'try:', f'  {kill}',
+                 'except main._StoppedWhileStarting:', f'  {kill}', fresh,
+                 'with train._signals_outside_the_loop():', '  try:', f'    {kill}',
+                 '  except (train.PreemptedOutsideTheLoop, train.TerminalClosedOutsideTheLoop):',
+                 f'    {kill}', fresh, 'with train._signals_outside_the_loop():',
+                 '  p = train._Preemption()', f'  {kill}', f'  {kill}',
+                 f'  assert p.requested == "{sig}"', '  p.close()', 'print("ok")')
   assert proc.returncode == 0 and proc.stdout.strip() == 'ok', proc.stderr[-3000:]
 
 

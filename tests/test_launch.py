@@ -602,17 +602,20 @@ def test_watch_recovers_from_preemption_queued(fake_gcloud, capsys):
   assert 'vit is SUSPENDED: recovery 1/20' in out and 'the run finished' in out
 
 
-def test_watch_restarts_a_run_that_stopped_on_a_ready_vm(fake_gcloud, capsys):
+# none: the process was killed outright; exit 143: vit-train's status on SIGTERM, after
+# saving a step (it had exited 0).
+@pytest.mark.parametrize('stopped', ['none', 'exit 143'])
+def test_watch_restarts_a_run_that_stopped_on_a_ready_vm(fake_gcloud, capsys, stopped):
   write, read = fake_gcloud
   write(nodes={NAME: {
       'states': ['READY']
-  }}, run_status=['none'], on_start=[{
+  }}, run_status=[stopped], on_start=[{
       'run_status': ['running', 'done']
   }])
   assert tpu_vm.main(['watch', '--name', NAME, '--zone', ZONE, *FAKE_RUN, '--api', 'node']) == 0
   verbs = _verbs(read()['calls'])
   assert 'tpu-vm delete' not in verbs and verbs.count('ssh:start') == 1
-  assert 'the run stopped (none): recovery 1/20' in capsys.readouterr().out
+  assert f'the run stopped ({stopped}): recovery 1/20' in capsys.readouterr().out
 
 
 def test_watch_creates_a_missing_slice_without_counting_it(fake_gcloud, capsys):

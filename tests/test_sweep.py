@@ -388,18 +388,25 @@ def test_summarize_only_of_a_workdir_without_its_record(tmp_path):
 
 
 def test_summary_without_status_files(tmp_path):
-  """As after a TPU sweep: no sweep_status, events only; a second event file wins."""
-  points = sweep.grid_points([('base_lr', [0.01, 0.03, 0.1])])
+  """As after a TPU sweep: no sweep_status, events and final.npz only; a second event file
+  wins. A point without final.npz is not finished, and not the winner: it had been 'done',
+  and won with the accuracy of a run stopped part-way (a preempted TPU VM)."""
+  points = sweep.grid_points([('base_lr', [0.01, 0.03, 0.1, 0.3])])
   write_accuracy(tmp_path / 'base_lr=0.01', [(100, 0.3)])
   write_accuracy(tmp_path / 'base_lr=0.03', [(100, 0.4), (200, 0.2)])
   write_accuracy(tmp_path / 'base_lr=0.03', [(200, 0.5)])  # Resumed: re-evaluated at 200.
+  write_accuracy(tmp_path / 'base_lr=0.1', [(50, 0.6)])  # Stopped at 50 of 200.
+  for done in ('base_lr=0.01', 'base_lr=0.03'):
+    (tmp_path / done / 'final.npz').write_bytes(b'')
   rows, winner = sweep.summarize(str(tmp_path), points)
   assert [(r['status'], r['final_accuracy'], r['best_accuracy'], r['steps']) for r in rows
          ] == [('done', pytest.approx(0.3), pytest.approx(0.3), 100),
-               ('done', pytest.approx(0.5), pytest.approx(0.5), 200), ('not run', None, None, None)]
+               ('done', pytest.approx(0.5), pytest.approx(0.5), 200),
+               ('not finished', pytest.approx(0.6), pytest.approx(0.6), 50),
+               ('not run', None, None, None)]
   assert winner == 'base_lr=0.03'
-  assert sweep.summarize(str(tmp_path / 'none'), points[2:]) == ([{
-      'point': 'base_lr=0.1',
+  assert sweep.summarize(str(tmp_path / 'none'), points[3:]) == ([{
+      'point': 'base_lr=0.3',
       'status': 'not run',
       'final_accuracy': None,
       'best_accuracy': None,
@@ -463,6 +470,58 @@ def test_ctrl_c_lets_the_point_save_then_stops_the_sweep_with_one_line(tmp_path)
       'last checkpoint'
   ]
   assert out.strip().splitlines()[-1] == 'vit_jax: interrupted (Ctrl-C) at step 7: checkpoint saved'
+  assert 'checkpoint saved' in (tmp_path / 'sw' / 'base_lr=0.1' / 'sweep.log').read_text()
+  assert not (tmp_path / 'sw' / 'base_lr=0.2').exists()
+
+
+# A point's vit-train as far as SIGTERM and SIGHUP go: it saves, says so, exits 128 + the
+# signal's number; a second signal while it saves changes nothing (vit-train ignores it).
+_POINT_THAT_SAVES_ON_A_STOP_SIGNAL = '\n'.join([
+    'import signal, sys, time',
+    'got = []',
+    'def saved(signum, _):',
+    '  got.append(signum)',
+    '  if len(got) > 1:',
+    '    return',
+    '  time.sleep(1)  # saving',
+    '  print(f"vit_jax: stopped at step 7: checkpoint saved ({len(got)} signals)", flush=True)',
+    '  sys.exit(128 + signum)',
+    'signal.signal(signal.SIGTERM, saved)',
+    'signal.signal(signal.SIGHUP, saved)',
+    'print("step 1", flush=True)',
+    'open("point_started", "w").close()',
+    'time.sleep(120)',
+])
+
+
+@pytest.mark.parametrize('sig, says', [('SIGTERM', 'stopped (SIGTERM)'),
+                                       ('SIGHUP', 'the terminal closed (SIGHUP)')])
+@pytest.mark.parametrize('to', ['the sweep', 'its process group'])
+def test_sigterm_or_sighup_lets_the_point_save_then_stops_the_sweep(tmp_path, sig, says, to):
+  """SIGTERM to the sweep alone (docker stop, kill PID) had killed it at once and left its
+  point training on, orphaned, the workdir locked; to the process group (a scheduler, a
+  closed terminal), the point saved and exited 0 (a preempted run: the sweep recorded it
+  'ok' and started the next point) while the sweep was gone."""
+  proc = subprocess.Popen(_sweep_of_two_points(tmp_path, _POINT_THAT_SAVES_ON_A_STOP_SIGNAL),
+                          cwd=tmp_path, env=dict(os.environ,
+                                                 PYTHONPATH=REPO), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+  deadline = time.time() + 120
+  while not (tmp_path / 'point_started').exists():
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
+    time.sleep(0.1)
+  signum = getattr(signal, sig)
+  if to == 'the sweep':
+    proc.send_signal(signum)
+  else:
+    os.killpg(proc.pid, signum)
+  out, err = proc.communicate(timeout=60)
+  assert proc.returncode == 128 + signum, err[-2000:]
+  assert err.strip().splitlines() == [
+      f"vit-sweep: {says} at point 1/2, base_lr=0.1 (its run's last line above says what it "
+      'saved): run the same command to resume the sweep, each point from its last checkpoint'
+  ]
+  assert out.strip().splitlines()[-1].startswith('vit_jax: stopped at step 7: checkpoint saved')
   assert 'checkpoint saved' in (tmp_path / 'sw' / 'base_lr=0.1' / 'sweep.log').read_text()
   assert not (tmp_path / 'sw' / 'base_lr=0.2').exists()
 

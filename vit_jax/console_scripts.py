@@ -16,7 +16,7 @@ def _command(module, function, takes_signals_over=False):
   """The entry point that runs `module`.`function`() once `module` is imported. Where
   `takes_signals_over` (vit-train), SIGTERM and SIGHUP are held too, and through the call:
   it unblocks them once its own start-up handlers are in place (vit_jax/main.py), so that
-  each is its one line there too, not a silent death (status 143, 129)."""
+  each is its one line there too, not a silent death."""
   also = (signal.SIGTERM, signal.SIGHUP) if takes_signals_over else ()
 
   def start():

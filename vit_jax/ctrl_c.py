@@ -2,7 +2,9 @@
 
 `interrupted` is the line each command prints (`stop_with` where it says more: a sweep's
 point, vit-train's step); `held` keeps Ctrl-C out of imports; `deliver_lost_ones` sends
-again a Ctrl-C that Python dropped.
+again a Ctrl-C that Python dropped. `terminate_like_ctrl_c` makes SIGTERM and SIGHUP raise
+`Stopped`, a KeyboardInterrupt, where vit-sweep and vit-vtab run their points: they wait
+for the running one to save, then stop with `what` stopped them and its `status`.
 """
 import contextlib
 import os
@@ -13,10 +15,56 @@ import threading
 STATUS = 130  # the shell's status for a command stopped by Ctrl-C
 
 
-def stop_with(line):
-  """Exits with status 130 and `line` as stderr's last line."""
+def stop_with(line, status=STATUS):
+  """Exits with `status` (130: Ctrl-C's) and `line` as stderr's last line."""
   sys.stderr.write(line + '\n')
-  sys.exit(STATUS)
+  sys.exit(status)
+
+
+class Stopped(KeyboardInterrupt):
+  """SIGTERM or SIGHUP, where terminate_like_ctrl_c made it raise."""
+
+  def __init__(self, signum):
+    super().__init__(signum)
+    self.signum = signum
+
+
+@contextlib.contextmanager
+def terminate_like_ctrl_c():
+  """Within the block (in the main thread), SIGTERM and SIGHUP, unless ignored from the start
+  (nohup), raise Stopped. The first stops the command; later ones are ignored: one passed
+  on to the running command, which its process group also got, arrives as a second."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def raise_stopped(signum, frame):
+    del frame
+    signal.signal(signum, signal.SIG_IGN)
+    raise Stopped(signum)
+
+  previous = {}
+  for sig in (signal.SIGTERM, signal.SIGHUP):
+    if signal.getsignal(sig) != signal.SIG_IGN:
+      previous[sig] = signal.signal(sig, raise_stopped)
+  try:
+    yield
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+
+
+def what(interrupt):
+  """The words for what stopped the command: Ctrl-C, SIGTERM or SIGHUP."""
+  return {
+      signal.SIGTERM: 'stopped (SIGTERM)',
+      signal.SIGHUP: 'the terminal closed (SIGHUP)'
+  }.get(getattr(interrupt, 'signum', None), 'interrupted (Ctrl-C)')
+
+
+def status(interrupt):
+  """The shell's exit status for the signal that raised `interrupt`: 128 + its number."""
+  return 128 + getattr(interrupt, 'signum', signal.SIGINT)
 
 
 def interrupted(program):

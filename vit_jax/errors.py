@@ -8,10 +8,21 @@ class ConfigError(ValueError):
 
 
 class TrainingError(ConfigError):
-  """A fault met while training (divergence, a failed save, Ctrl-C): one line, exit 1.
+  """A fault met while training (divergence, a failed save): one line, exit 1.
 
   A subclass of ConfigError so that main prints it the same way.
   """
+  status = 1
+
+
+class StoppedBySignal(TrainingError):
+  """The run stopped at a step on SIGTERM, Ctrl-C or SIGHUP, after saving it: the exit
+  status is the shell's for that signal (128 + its number: 143, 130, 129), so that a
+  scheduler, a resume loop or `&&` reads a run that did not finish as one."""
+
+  def __init__(self, message, signum):
+    super().__init__(message)
+    self.status = 128 + signum
 
 
 def one_line(error):

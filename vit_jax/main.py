@@ -24,7 +24,6 @@ from ml_collections import config_flags
 from vit_jax import cli_help
 from vit_jax import configs
 from vit_jax import cpu_features
-from vit_jax import ctrl_c
 from vit_jax import errors
 from vit_jax import host_allocator
 from vit_jax import paths
@@ -232,8 +231,8 @@ def main(argv):
     # The log opens once the workdir is this run's: a run refused there (in use, another
     # config) leaves the log of the run that owns it as train.INFO.
     train.train_and_evaluate(FLAGS.config, workdir, on_start=open_log)
-  except train.ConfigError as e:
-    _exit_with(f'vit_jax: {e}', log_open)
+  except train.ConfigError as e:  # TrainingError's status: 1, or a signal's
+    _exit_with(f'vit_jax: {e}', log_open, getattr(e, 'status', 1))
   except Exception as e:  # pylint: disable=broad-except
     _exit_if_a_peer_failed(e)
     raise
@@ -245,29 +244,22 @@ def main(argv):
     _exit_outside_the_loop(signal.SIGINT, log_open)
 
 
-# A signal outside the training steps (start-up, set-up, restore, compile, wrap-up): the
-# exit status, and the one line. SIGTERM exits 0 as a preemption inside the loop does (a TPU
-# resume loop carries on), SIGHUP 1 as inside the loop; Ctrl-C 130, as the shell's own.
+# A signal outside the training steps (start-up, set-up, restore, compile, wrap-up): the one
+# line. The exit status is the shell's for the signal (128 + its number), as in the loop.
 _EXIT_ON_SIGNAL = {
-    signal.SIGTERM: (0, 'vit_jax: preempted (SIGTERM) outside the training steps (set-up, '
-                     'compile or wrap-up): the saved checkpoints are kept; run the same command '
-                     'to resume'),
-    signal.SIGHUP: (1, 'vit_jax: the terminal closed (SIGHUP) outside the training steps '
-                    '(set-up, compile or wrap-up): the saved checkpoints are kept; run the same '
-                    'command to resume (under nohup, tmux or screen a run outlives its terminal)'),
-    signal.SIGINT:
-        (ctrl_c.STATUS, 'vit_jax: interrupted (Ctrl-C) before training started: nothing new was '
-         'saved; run the same command to start again'),
+    signal.SIGTERM: 'vit_jax: preempted (SIGTERM) outside the training steps (set-up, compile or '
+                    'wrap-up): the saved checkpoints are kept; run the same command to resume',
+    signal.SIGHUP: 'vit_jax: the terminal closed (SIGHUP) outside the training steps (set-up, '
+                   'compile or wrap-up): the saved checkpoints are kept; run the same command to '
+                   'resume (under nohup, tmux or screen a run outlives its terminal)',
+    signal.SIGINT: 'vit_jax: interrupted (Ctrl-C) before training started: nothing new was '
+                   'saved; run the same command to start again',
 }
 
 
 def _exit_outside_the_loop(signum, log_open):
-  """Ends the run with the line and status _EXIT_ON_SIGNAL gives `signum`."""
-  status, says = _EXIT_ON_SIGNAL[signum]
-  if status == 1:  # SIGHUP: in train.INFO too, where the user of a closed terminal looks
-    _exit_with(says, log_open)
-  sys.stderr.write(says + '\n')
-  sys.exit(status)
+  """Ends the run with the line _EXIT_ON_SIGNAL gives `signum`, status 128 + `signum`."""
+  _exit_with(_EXIT_ON_SIGNAL[signum], log_open, 128 + signum)
 
 
 class _StoppedWhileStarting(BaseException):
@@ -286,6 +278,8 @@ _RECEIVED_WHILE_STARTING = []
 
 def _stopped_while_starting(signum, frame):
   del frame
+  if signum != signal.SIGINT:  # a second Ctrl-C is the user's; a second SIGTERM is not news
+    signal.signal(signum, signal.SIG_IGN)
   _RECEIVED_WHILE_STARTING.append(signum)
   raise _StoppedWhileStarting(signum)
 
@@ -321,14 +315,15 @@ def _started():
     raise _StoppedWhileStarting(_RECEIVED_WHILE_STARTING[0])
 
 
-def _exit_with(message, log_open):
-  """Exit status 1 with `message` as stderr's last line, and train.INFO's once it is open
-  (where the user of a closed terminal looks)."""
+def _exit_with(message, log_open, status=1):
+  """Exit `status` with `message` as stderr's last line, and train.INFO's once it is open
+  (where the user of a closed terminal, or of a preempted TPU VM, looks)."""
   if log_open:
-    FLAGS.alsologtostderr = False  # stderr gets it once, by sys.exit
+    FLAGS.alsologtostderr = False  # stderr gets it once, below
     logging.error('%s', message)
     logging.flush()
-  sys.exit(message)
+  sys.stderr.write(message + '\n')
+  sys.exit(status)
 
 
 def _exit_if_a_peer_failed(error):

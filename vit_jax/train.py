@@ -116,10 +116,11 @@ def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None, o
   config checked), before anything is written there (vit-train opens its log file).
   Faults end the run with a one-line ConfigError (TrainingError while training):
   a non-finite loss, gradient or update (nothing non-finite is ever saved), a failed
-  checkpoint write, Ctrl-C or a closed terminal (after saving), a config that differs
-  from the workdir's run, a workdir in use by another run, checkpoints of another
-  model. SIGTERM outside the training steps (set-up, restore, compile, wrap-up) raises
-  PreemptedOutsideTheLoop, SIGHUP there TerminalClosedOutsideTheLoop.
+  checkpoint write, a config that differs from the workdir's run, a workdir in use by
+  another run, checkpoints of another model. SIGTERM, Ctrl-C or a closed terminal during
+  the steps end it with StoppedBySignal once a checkpoint is saved. SIGTERM outside the
+  training steps (set-up, restore, compile, wrap-up) raises PreemptedOutsideTheLoop,
+  SIGHUP there TerminalClosedOutsideTheLoop.
   """
   with _signals_outside_the_loop():
     return _set_up_and_train(config, workdir, stop_after_steps, writer, on_start)
@@ -159,6 +160,9 @@ def _signals_outside_the_loop():
 
   def raise_outside_the_loop(signum, frame):
     del frame
+    # A second one (a sweep passes on the SIGTERM its process group also got) would land
+    # in the unwinding of the first: the lock's release, the line.
+    signal.signal(signum, signal.SIG_IGN)
     _RECEIVED_OUTSIDE_THE_LOOP.append(signum)
     raise _OUTSIDE_THE_LOOP[signum]()
 
@@ -616,20 +620,9 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
         check_guard(_local(state['guard']))  # the sync before the pause
         with chrono.paused():
           save(step)
-      if preempted:
-        if preemption.requested == 'SIGINT':
-          check_save(block=True)
-          raise TrainingError(f'interrupted (Ctrl-C) at step {step}: checkpoint saved in '
-                              f'{ckpt_dir}; run the same command to resume')
-        if preemption.requested == 'SIGHUP':
-          check_save(block=True)
-          raise TrainingError(f'the terminal closed (SIGHUP) at step {step}: checkpoint saved '
-                              f'in {ckpt_dir}; run the same command to resume (under nohup, '
-                              'tmux or screen a run outlives its terminal)')
-        logging.warning('Preempted at step %d: checkpoint saved; the next start resumes there',
-                        step)
-        result['preempted'] = True
-        break
+      if preempted and step < total_steps:  # at the last step the run finishes as usual
+        check_save(block=True)
+        raise _stopped_at(preemption.requested, step, ckpt_dir)
     if heap_wait.summary():
       logging.info('%s', heap_wait.summary())
     check_save(block=True)
@@ -828,15 +821,27 @@ def _due(step, every):
   return every > 0 and step % every == 0
 
 
+def _stopped_at(requested, step, ckpt_dir):
+  """The StoppedBySignal of a run that saved `step` on the signal `requested` (None on
+  several processes, where only SIGTERM reaches the loop)."""
+  resume = f'checkpoint saved in {ckpt_dir}; run the same command to resume'
+  if requested == 'SIGINT':
+    return errors.StoppedBySignal(f'interrupted (Ctrl-C) at step {step}: {resume}', signal.SIGINT)
+  if requested == 'SIGHUP':
+    return errors.StoppedBySignal(
+        f'the terminal closed (SIGHUP) at step {step}: {resume} (under nohup, tmux or screen a '
+        'run outlives its terminal)', signal.SIGHUP)
+  return errors.StoppedBySignal(f'preempted (SIGTERM) at step {step}: {resume}', signal.SIGTERM)
+
+
 class _Preemption:
   """SIGTERM (what a preempted TPU VM receives), Ctrl-C or a closed terminal -> stop at a
   step every host agrees on, after saving a checkpoint.
 
-  One process: a Python handler sets a flag checked after each step. SIGTERM then ends
-  the run normally (exit 0: a preempted TPU run resumes when started again); SIGINT
-  (Ctrl-C) and SIGHUP (the terminal closed; it had ended the run at once, unsaved) end it
-  with TrainingError (exit 1) once the checkpoint is written, and a second Ctrl-C exits at
-  once (status 130) without saving. A SIGHUP the run was started to ignore (nohup) stays
+  One process: a Python handler sets a flag checked after each step. Once the checkpoint
+  is written, the run ends with StoppedBySignal (status 143, 130 or 129: a run that did not
+  finish never exits 0; SIGHUP had ended it at once, unsaved), and a second Ctrl-C exits
+  at once (status 130) without saving. A SIGHUP the run was started to ignore (nohup) stays
   ignored. Several processes: JAX's preemption sync manager (set up by
   jax.distributed.initialize, notified of SIGTERM) picks the step, so all hosts save the
   same one; Ctrl-C and SIGHUP keep Python's default there.
