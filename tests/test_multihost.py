@@ -145,3 +145,29 @@ def test_a_dead_process_makes_the_other_exit(idx_dir, tmp_path):
     # the JAX distributed service detected fatal errors"); once in CI, under load, a line not
     # kept by the test. The text before Python's thread dump is shown if this fails.
     assert hosts[0].returncode == -signal.SIGABRT, out.split('Fatal Python error')[0][-3000:]
+
+
+def test_sigterm_on_one_host_stops_every_host_at_one_saved_step(idx_dir, tmp_path):
+  """A preempted pod: SIGTERM to one process, JAX's preemption sync manager picks the step,
+  every process saves it and exits with SIGTERM's status (it had been 0, as a finished run)."""
+  hosts = _start_hosts(str(tmp_path / 'w'), idx_dir, total_steps=100_000,
+                       extra=['--config.checkpoint_every_steps=0'])
+  try:
+    deadline = time.time() + 240
+    log = tmp_path / 'w' / 'train.INFO'
+    while time.time() < deadline and not (log.exists() and 'step 2/' in log.read_text()):
+      assert hosts[0].poll() is None and hosts[1].poll() is None
+      time.sleep(0.2)
+    hosts[0].send_signal(signal.SIGTERM)
+    outputs = [p.communicate(timeout=200)[0] for p in hosts]
+  finally:
+    for p in hosts:
+      if p.poll() is None:
+        p.kill()
+  saved = os.listdir(tmp_path / 'w' / 'checkpoints')
+  assert len(saved) == 1, saved
+  for p, out in zip(hosts, outputs):
+    assert p.returncode == 143, out[-3000:]
+    assert out.strip().splitlines()[-1] == (
+        f'vit_jax: preempted (SIGTERM) at step {saved[0]}: checkpoint saved in '
+        f'{tmp_path / "w" / "checkpoints"}; run the same command to resume'), out[-3000:]
