@@ -185,11 +185,13 @@ def user_env(venv, devices=1):
   return env
 
 
-# The first line of a `python -c` child that is to take Ctrl-C as a terminal's foreground
-# job does. A job a non-interactive shell starts in the background (as CI may start the
-# suite) ignores SIGINT, its children inherit that, and Python then leaves it ignored.
+# The first line of a `python -c` child that is to take Ctrl-C (and a closed terminal's
+# SIGHUP) as a terminal's foreground job does. A job a non-interactive shell starts in the
+# background (as CI may start the suite) ignores SIGINT, one under nohup SIGHUP, their
+# children inherit that, and Python then leaves it ignored.
 CTRL_C_AS_IN_A_TERMINAL = ('import signal; '
-                           'signal.signal(signal.SIGINT, signal.default_int_handler)\n')
+                           'signal.signal(signal.SIGINT, signal.default_int_handler); '
+                           'signal.signal(signal.SIGHUP, signal.SIG_DFL)\n')
 
 
 def console_script(name, cwd, *argv, timeout=300):

@@ -5,8 +5,10 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -330,9 +332,13 @@ def test_vtab_runner_dry_run_and_bad_arguments(capsys):
     assert message in str(e.value) and '\n' not in str(e.value)
 
 
-def test_ctrl_c_stops_the_tasks_with_one_line(tmp_path, capsys, monkeypatch):
-  """It printed a traceback. (sweep.run_local, which runs a task, lets the task's run save
-  and exit first: tests/test_sweep.py.)"""
+@pytest.mark.parametrize('sig, says', [('SIGINT', 'interrupted (Ctrl-C)'),
+                                       ('SIGTERM', 'stopped (SIGTERM)'),
+                                       ('SIGHUP', 'the terminal closed (SIGHUP)')])
+def test_a_stop_signal_stops_the_tasks_with_one_line(tmp_path, capsys, monkeypatch, sig, says):
+  """Ctrl-C printed a traceback; SIGTERM and SIGHUP killed vit-vtab at once (its task's run
+  left behind). (sweep.run_local, which runs a task, passes SIGTERM and SIGHUP on and lets
+  the task's run save and exit first: tests/test_sweep.py.)"""
   monkeypatch.setattr(vtab_launch.sweep, 'check_data', lambda *args, **kwargs: None)  # no data
   ran = []
 
@@ -340,15 +346,22 @@ def test_ctrl_c_stops_the_tasks_with_one_line(tmp_path, capsys, monkeypatch):
     del log_path
     ran.append(argv)
     if len(ran) == 2:
-      raise KeyboardInterrupt  # as run_local raises it once the task's run has exited
+      os.kill(os.getpid(), getattr(signal, sig))  # raised here, as in run_local's wait
+      time.sleep(5)
     return 0
 
-  with pytest.raises(SystemExit) as e:
-    vtab_launch.main(['--model=ViT-B_16', f'--workdir={tmp_path}/v', '--tasks=dtd,svhn,eurosat'],
-                     runner=runner)
-  assert e.value.code == 130 and len(ran) == 2
+  before = signal.getsignal(signal.SIGTERM)
+  hup = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as in a terminal, were the suite nohup'd
+  try:
+    with pytest.raises(SystemExit) as e:
+      vtab_launch.main(['--model=ViT-B_16', f'--workdir={tmp_path}/v', '--tasks=dtd,svhn,eurosat'],
+                       runner=runner)
+  finally:
+    signal.signal(signal.SIGHUP, hup)
+  assert e.value.code == 128 + getattr(signal, sig) and len(ran) == 2
+  assert signal.getsignal(signal.SIGTERM) == before  # given back
   assert capsys.readouterr().err.strip().splitlines() == [
-      "vit-vtab: interrupted (Ctrl-C) at task 2/3, svhn (its run's last line above says what it "
+      f"vit-vtab: {says} at task 2/3, svhn (its run's last line above says what it "
       'saved): run the same command to resume the tasks: finished ones are skipped, this one '
       'resumes from its last checkpoint'
   ]
