@@ -268,6 +268,35 @@ def test_images_from_a_folder_as_vit_predict_reads_them(tiny):
     assert not (home / 'figs2').exists()
 
 
+def test_an_unreadable_image_is_left_out_as_vit_predict_does(tiny):
+  """One damaged file among the images had stopped vit-inspect with no figure drawn; now it
+  is named in a warning, the others are drawn, and the exit status is 1 (as vit-predict)."""
+  home = tiny['tmp'] / 'damaged_user'
+  (home / 'photos').mkdir(parents=True)
+  shutil.copy(tiny['images'][0], home / 'photos' / 'a.jpg')
+  (home / 'photos' / 'b.jpg').write_bytes(open(tiny['images'][1], 'rb').read()[:40])  # cut short
+  model = [
+      'vit-inspect', '--checkpoint', tiny['path'], '--model', 'ViT-Ti_16', '--model_overrides',
+      ','.join(f'{k}={v}' for k, v in TINY.items()), '--image_size', '28'
+  ]
+  out = shell(model + ['--images', 'photos', '--outdir', 'figs'], home)
+  assert out.returncode == 1 and 'Traceback' not in out.stderr, out.stderr[-2000:]
+  warnings = [l for l in out.stderr.splitlines() if l.startswith('warning: skipped')]
+  assert len(warnings) == 1 and warnings[0].startswith('warning: skipped photos/b.jpg: '), warnings
+  assert out.stderr.splitlines()[-1] == (
+      'vit-inspect: 1 of 2 images could not be read: fix them as the warnings above say, or '
+      'leave them out')
+  assert [n for n in os.listdir(home / 'figs') if n.startswith('rollout')] == ['rollout_00_a.png']
+  with np.load(home / 'figs' / 'arrays.npz') as arrays:
+    assert arrays['images'].shape[0] == 1
+  shutil.copy(home / 'photos' / 'b.jpg', home / 'photos' / 'a.jpg')  # none readable now
+  out = shell(model + ['--images', 'photos', '--outdir', 'figs2'], home)
+  assert out.returncode == 1 and 'Traceback' not in out.stderr, out.stderr[-2000:]
+  assert out.stderr.splitlines()[-1] == (
+      'vit-inspect: none of the 2 images could be read: fix them as the warnings above say')
+  assert not (home / 'figs2').exists()
+
+
 def test_images_are_preprocessed_as_the_run_evaluates_them(tmp_path):
   """As vit-predict: TF decoding (16-bit PNGs scaled, images past Pillow's pixel limit
   read) and the run's pp.eval_crop (here a central crop)."""

@@ -321,7 +321,28 @@ def load_images(files, image_size, run_config=None):
   try:
     return image_files.load_images(files, image_files.eval_config(run_config, image_size))
   except image_files.UnreadableImage as e:
-    raise ValueError(f'Cannot read image {e.path}: {e.reason}: {e.fix}') from None
+    raise _cannot_read(e) from None
+
+
+def _cannot_read(error):
+  return ValueError(f'Cannot read image {error.path}: {error.reason}: {error.fix}')
+
+
+def load_readable_images(files, image_size, run_config=None):
+  """(the files read, their images) as load_images gives them, leaving out with a warning
+  each file that cannot be read, as vit-predict does (one had stopped vit-inspect with the
+  others unread). None readable: ValueError (one file: its reason)."""
+  skipped = []
+  config = image_files.eval_config(run_config, image_size)
+  batch = next(image_files.batches(files, config, len(files), skipped.append), None)  # all in one
+  if batch is None and len(files) == 1:
+    raise _cannot_read(skipped[0])
+  for error in skipped:
+    print(f'warning: skipped {error}', file=sys.stderr, flush=True)
+  if batch is None:
+    raise ValueError(f'none of the {len(files)} images could be read: fix them as the warnings '
+                     'above say')
+  return batch
 
 
 def inspect_model(model, params, image_size, images=None, names=None, outdir='.',
@@ -418,9 +439,9 @@ def main(argv):
       raise ValueError('inspect draws Vision Transformer figures: this model has no patch '
                        'embedding (a BiT ResNet?)')
     files = image_paths(files) if files else []
-    images = load_images(files, image_size, run_config) if files else None
+    read, images = load_readable_images(files, image_size, run_config) if files else ([], None)
     try:
-      written = inspect_model(model, params, image_size, images, files, flags_.outdir,
+      written = inspect_model(model, params, image_size, images, read, flags_.outdir,
                               flags_.num_components)
     except OSError as e:
       raise ValueError(f'Cannot write the figures to --outdir {flags_.outdir} '
@@ -430,6 +451,9 @@ def main(argv):
   if not files:
     print('No --images: rollout and attention distance need images.')
   print('\n'.join(written))
+  if len(read) < len(files):
+    sys.exit(f'vit-inspect: {len(files) - len(read)} of {len(files)} images could not be read: '
+             'fix them as the warnings above say, or leave them out')
 
 
 def run_cli():
