@@ -626,6 +626,25 @@ def test_ctrl_c_or_a_closed_terminal_saves_then_exits_non_zero(tmp_path, sig, sa
   assert 'run the same command to resume' in last
 
 
+def test_a_closed_terminal_still_gets_sighups_status(tmp_path):
+  """Where the terminal is gone, writing the last line to it fails (EIO; a pipe: EPIPE): that
+  error had become the exit status (1) and the last line's traceback."""
+  proc = subprocess.Popen([
+      os.path.join(os.path.dirname(sys.executable), 'vit-train'), *ARGS, '--workdir=run',
+      '--config.total_steps=5000', '--config.log_every_steps=5', '--config.checkpoint_every_steps=0'
+  ], cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  log = tmp_path / 'run' / 'train.INFO'
+  deadline = time.time() + 200
+  while not (log.exists() and 'step 5/' in log.read_text()):
+    assert proc.poll() is None and time.time() < deadline, 'the run did not start'
+    time.sleep(0.1)
+  proc.stderr.close()  # the terminal is gone
+  proc.send_signal(signal.SIGHUP)
+  assert proc.wait(timeout=200) == 129
+  last = log.read_text().strip().splitlines()[-1]
+  assert 'vit_jax: the terminal closed (SIGHUP) at step ' in last, last
+
+
 def _patched_cli(tmp_path, code, *extra, **env):
   """The CLI run by `code` (a script that patches vit_jax, then calls main.run()) with the
   suite's flags, --workdir=run and `extra`, in `tmp_path`."""

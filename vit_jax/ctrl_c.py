@@ -17,7 +17,11 @@ STATUS = 130  # the shell's status for a command stopped by Ctrl-C
 
 def stop_with(line, status=STATUS):
   """Exits with `status` (130: Ctrl-C's) and `line` as stderr's last line."""
-  sys.stderr.write(line + '\n')
+  try:
+    sys.stderr.write(line + '\n')
+    sys.stderr.flush()
+  except OSError:  # a closed terminal (SIGHUP): the status still says what happened
+    pass
   sys.exit(status)
 
 

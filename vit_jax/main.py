@@ -24,6 +24,7 @@ from ml_collections import config_flags
 from vit_jax import cli_help
 from vit_jax import configs
 from vit_jax import cpu_features
+from vit_jax import ctrl_c
 from vit_jax import errors
 from vit_jax import host_allocator
 from vit_jax import paths
@@ -322,8 +323,7 @@ def _exit_with(message, log_open, status=1):
     FLAGS.alsologtostderr = False  # stderr gets it once, below
     logging.error('%s', message)
     logging.flush()
-  sys.stderr.write(message + '\n')
-  sys.exit(status)
+  ctrl_c.stop_with(message, status)
 
 
 def _exit_if_a_peer_failed(error):
