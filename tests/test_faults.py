@@ -723,6 +723,26 @@ def test_a_signal_during_start_up_is_its_one_line(tmp_path, sig, lands_in):
   assert not (tmp_path / 'run').exists()
 
 
+@pytest.mark.parametrize('after_s', [0.01, 0.03])
+def test_sigterm_inside_jaxlibs_initialisation_waits_for_it(tmp_path, after_s):
+  """SIGTERM 0.2-0.3 s into vit-train, as it first imported jax, landed inside jaxlib's
+  extension initialisation: an ImportError traceback of ~85 lines (exit 1) or a crash
+  (SIGSEGV, exit 139)."""
+  code = ('import os, signal, sys, threading\n'
+          'class Preempt:\n'
+          '  def find_spec(self, name, path=None, target=None):\n'
+          '    if name == "jaxlib._jax":\n'
+          '      sys.meta_path.remove(self)\n'
+          f'      threading.Timer({after_s}, os.kill, (os.getpid(), signal.SIGTERM)).start()\n'
+          'sys.meta_path.insert(0, Preempt())\n'
+          'from vit_jax import main\n'
+          'main.run()\n')
+  proc = _patched_cli(tmp_path, code, VIT_JAX_HOST_ALLOCATOR='system')
+  status, says = _OUTSIDE_THE_LOOP_SAYS['SIGTERM']
+  assert (proc.returncode, proc.stderr.strip().splitlines()) == (status, [says
+                                                                         ]), proc.stderr[-3000:]
+
+
 def test_a_signal_pending_across_the_allocator_re_exec_lands_after_it(tmp_path):
   """vit-train re-executes itself to preload jemalloc; a signal Python took during the
   execve was lost (the run went on). It is blocked there and lands in the new process."""

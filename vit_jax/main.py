@@ -200,7 +200,10 @@ def _open_log(workdir, cpu_devices):
 def main(argv):
   cli_help.refuse_arguments(_program(argv), argv,
                             'a folder is --workdir=DIR, a config --config=NAME')
-  from vit_jax import config_checks  # pylint: disable=g-import-not-at-top
+  # The first import of jax: a signal handler's exception raised inside jaxlib's extension
+  # initialisation became an ImportError traceback or a crash (SIGSEGV); held, it lands after.
+  with ctrl_c.held(signal.SIGTERM, signal.SIGHUP):
+    from vit_jax import config_checks  # pylint: disable=g-import-not-at-top
   try:
     # Before TensorFlow and the backend start: a mistyped value is one line in ~2 s, not ~9.
     workdir = paths.resolve_folder_flag(FLAGS.workdir)  # once: orbax refuses relative paths
