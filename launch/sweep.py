@@ -163,23 +163,25 @@ def point_configs(config, sets, points):
   return out
 
 
-def preflight(configs_of_points, what='point'):
+def preflight(configs_of_points, what='point', config_flag='--set config.'):
   """vit-train's start-up checks (config_checks) of every point's config, so that a
   value only a later point has (a string, a tuple, a range) stops the sweep before the first
   point trains. The devices are not counted here, so that this process does not take the
   accelerator its points need: each point checks its batch against them at its start.
-  `what` names a point in the message (vit-vtab's are tasks)."""
+  `what` names a point in the message (vit-vtab's are tasks); a message's --config.FIELD
+  is written as this command takes it, `config_flag`FIELD (vit-vtab: --config.)."""
   for name, c in configs_of_points:
     try:
       tpu_vm.validate_for_slice(c, None)
     except tpu_vm.LaunchError as e:
-      raise SweepError(f'{what} {name}: {e}') from None
+      raise SweepError(f'{what} {name}: {str(e).replace("--config.", config_flag)}') from None
 
 
-def check_data(configs_of_points, what='point'):
+def check_data(configs_of_points, what='point', config_flag='--set config.'):
   """The datasets of points that run here, as vit-train checks them at its start (prepared,
   splits that exist and hold examples), once per dataset and splits: a dataset not built
-  stops the sweep before its first point, not every point in turn. `what` as for preflight."""
+  stops the sweep before its first point, not every point in turn. `what` and
+  `config_flag` as for preflight."""
   # pylint: disable=g-import-not-at-top,unused-import
   from vit_jax import tensorflow_quietly  # noqa: F401  (TF without its start-up notices)
   from vit_jax import input_pipeline  # (loads TF)
@@ -194,7 +196,8 @@ def check_data(configs_of_points, what='point'):
       input_pipeline.get_info(c)
       input_pipeline.validate_splits(c)
     except (ValueError, FileNotFoundError) as e:
-      raise SweepError(f'{what} {name}: {errors.one_line(e)}') from None
+      message = errors.one_line(e).replace('--config.', config_flag)
+      raise SweepError(f'{what} {name}: {message}') from None
 
 
 def build_grid(config, sweeps):
@@ -579,11 +582,12 @@ def recorded_sweep(args):
 
 def _status_of_files(point_dir, accuracy):
   """A point without sweep_status (a TPU sweep's, or one the sweep's own Ctrl-C or SIGTERM
-  stopped): 'done' once its final.npz is written, else 'not finished' where it has evaluated,
-  which is no candidate for the winner (an accuracy part-way through its schedule)."""
+  stopped): 'done' once its final.npz is written, else 'not finished' where it started (its
+  folder is there), which is no candidate for the winner (an accuracy part-way through its
+  schedule)."""
   if paths.exists(join(point_dir, 'final.npz')):
     return 'done'
-  return 'not finished' if accuracy else 'not run'
+  return 'not finished' if accuracy or paths.exists(point_dir) else 'not run'
 
 
 def _read_status(point_dir):

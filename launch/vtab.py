@@ -75,6 +75,30 @@ def task_argv(model, task, dev, workdir, overrides, python=sys.executable):
   ]
 
 
+def check_task_models(workdir, model, tasks):
+  """Refuses a task folder whose run (its config.json) is of another model than `model`: a
+  finished one is skipped and its accuracy reported as `model`'s (a workdir reused for a
+  second model had reported the first one's results under the second's name, exit 0)."""
+  for task in tasks:
+    task_dir = sweep.join(workdir, task)
+    recorded = _recorded_model(sweep.join(task_dir, 'config.json'))
+    if recorded is not None and recorded != model:
+      raise VtabError(f'{task_dir} holds a run of {recorded}, not of --model={model}: use another '
+                      f'--workdir for {model} (--model={recorded} summarizes that one)')
+
+
+def _recorded_model(path):
+  """config.json's model_name; None where there is none to read (vit-train reports a
+  damaged file itself)."""
+  try:
+    if not paths.exists(path):
+      return None
+    with paths.open_file(path, 'r') as f:
+      return json.load(f).get('model_name')
+  except Exception:  # pylint: disable=broad-except  (a remote file's errors are TensorFlow's)
+    return None
+
+
 def is_finished(task_dir):
   return paths.exists(sweep.join(task_dir, 'final.npz'))
 
@@ -122,7 +146,8 @@ def collect(workdir, tasks, statuses=None):
     task_dir = sweep.join(workdir, task)
     finished = is_finished(task_dir)
     accuracy = sweep.read_accuracy(task_dir) if finished else []
-    status = statuses.get(task) or ('done' if finished else 'not finished')
+    status = statuses.get(task) or ('done' if finished else
+                                    'not finished' if paths.exists(task_dir) else 'not run')
     rows.append({
         'task': task,
         'group': vtab.VTAB[task].group,
@@ -228,6 +253,7 @@ def main(argv=None, runner=sweep.run_local, out=None):
       raise VtabError(str(e)) from None
     check_model(args.model)
     tasks = parse_tasks(args.tasks)
+    check_task_models(args.workdir, args.model, tasks)
     task_configs = []
     for task in tasks:  # Each task's config with the overrides, as vit-train will build it.
       try:
@@ -237,11 +263,11 @@ def main(argv=None, runner=sweep.run_local, out=None):
         raise VtabError(str(e).splitlines()[0]) from None
     if not args.summarize_only:  # A bad value or workdir stops here, not every task in turn.
       try:
-        sweep.preflight(task_configs, what='task')
+        sweep.preflight(task_configs, what='task', config_flag='--config.')
         if not args.dry_run:  # A dataset not prepared stops here too, as in vit-sweep.
           unfinished = [(task, c) for task, c in task_configs
                         if not is_finished(sweep.join(args.workdir, task))]
-          sweep.check_data(unfinished, what='task')
+          sweep.check_data(unfinished, what='task', config_flag='--config.')
         sweep.check_workdir(args.workdir, create=not args.dry_run)
       except sweep.SweepError as e:
         raise VtabError(str(e)) from None

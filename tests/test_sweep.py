@@ -131,6 +131,8 @@ def test_data_not_prepared_stops_a_local_sweep_before_its_first_point(tmp_path):
   assert str(e.value).startswith(
       'vit-sweep: error: point base_lr=0.001: dataset cifar10 is not '
       f'prepared in data_dir {tmp_path / "tfds"}: run `tfds build'), e.value
+  # The flag as vit-sweep takes it: it had named --config.data_dir, which vit-sweep refuses.
+  assert str(e.value).endswith('or set --set config.data_dir to where it is prepared.'), e.value
   assert '\n' not in str(e.value) and not workdir.exists()
 
 
@@ -391,21 +393,23 @@ def test_summary_without_status_files(tmp_path):
   """As after a TPU sweep: no sweep_status, events and final.npz only; a second event file
   wins. A point without final.npz is not finished, and not the winner: it had been 'done',
   and won with the accuracy of a run stopped part-way (a preempted TPU VM)."""
-  points = sweep.grid_points([('base_lr', [0.01, 0.03, 0.1, 0.3])])
+  points = sweep.grid_points([('base_lr', [0.01, 0.03, 0.1, 0.3, 1.0])])
   write_accuracy(tmp_path / 'base_lr=0.01', [(100, 0.3)])
   write_accuracy(tmp_path / 'base_lr=0.03', [(100, 0.4), (200, 0.2)])
   write_accuracy(tmp_path / 'base_lr=0.03', [(200, 0.5)])  # Resumed: re-evaluated at 200.
   write_accuracy(tmp_path / 'base_lr=0.1', [(50, 0.6)])  # Stopped at 50 of 200.
   for done in ('base_lr=0.01', 'base_lr=0.03'):
     (tmp_path / done / 'final.npz').write_bytes(b'')
+  (tmp_path / 'base_lr=1.0' / 'checkpoints' / '100').mkdir(
+      parents=True)  # stopped before evaluating
   rows, winner = sweep.summarize(str(tmp_path), points)
   assert [(r['status'], r['final_accuracy'], r['best_accuracy'], r['steps']) for r in rows
          ] == [('done', pytest.approx(0.3), pytest.approx(0.3), 100),
                ('done', pytest.approx(0.5), pytest.approx(0.5), 200),
                ('not finished', pytest.approx(0.6), pytest.approx(0.6), 50),
-               ('not run', None, None, None)]
+               ('not run', None, None, None), ('not finished', None, None, None)]
   assert winner == 'base_lr=0.03'
-  assert sweep.summarize(str(tmp_path / 'none'), points[3:]) == ([{
+  assert sweep.summarize(str(tmp_path / 'none'), points[3:4]) == ([{
       'point': 'base_lr=0.3',
       'status': 'not run',
       'final_accuracy': None,

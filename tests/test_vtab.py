@@ -367,6 +367,35 @@ def test_a_stop_signal_stops_the_tasks_with_one_line(tmp_path, capsys, monkeypat
   ]
 
 
+@pytest.mark.parametrize('mode', [[], ['--dry-run'], ['--summarize-only']])
+def test_a_task_run_of_another_model_is_refused(tmp_path, monkeypatch, mode):
+  """A workdir reused for a second model: its finished tasks were skipped and the first
+  model's accuracies reported under the second's name, exit 0."""
+  monkeypatch.setattr(vtab_launch.sweep, 'check_data', lambda *args, **kwargs: None)  # no data
+  (tmp_path / 'v' / 'dtd').mkdir(parents=True)
+  (tmp_path / 'v' / 'dtd' / 'config.json').write_text(json.dumps({'model_name': 'ViT-Ti_16'}))
+  (tmp_path / 'v' / 'dtd' / 'final.npz').write_bytes(b'')
+
+  def runner(argv, log_path):
+    raise AssertionError(f'a task ran: {argv}')
+
+  with pytest.raises(SystemExit) as e:
+    vtab_launch.main(['--model=ViT-B_16', f'--workdir={tmp_path}/v', '--tasks=svhn,dtd', *mode],
+                     runner=runner)
+  assert str(e.value) == (
+      f'vit-vtab: error: {tmp_path}/v/dtd holds a run of ViT-Ti_16, not of --model=ViT-B_16: '
+      'use another --workdir for ViT-B_16 (--model=ViT-Ti_16 summarizes that one)')
+
+
+def test_the_table_tells_finished_started_and_unstarted_tasks_apart(tmp_path):
+  """A task never started had been 'not finished', as one stopped part-way."""
+  (tmp_path / 'dtd').mkdir()
+  (tmp_path / 'dtd' / 'final.npz').write_bytes(b'')
+  (tmp_path / 'svhn' / 'checkpoints').mkdir(parents=True)
+  rows = vtab_launch.collect(str(tmp_path), ['dtd', 'svhn', 'eurosat'])
+  assert [r['status'] for r in rows] == ['done', 'not finished', 'not run']
+
+
 @pytest.mark.parametrize('dry_run', [True, False])
 def test_a_workdir_that_is_a_file_stops_before_the_first_task(tmp_path, dry_run, monkeypatch):
   monkeypatch.setattr(vtab_launch.sweep, 'check_data', lambda *args, **kwargs: None)  # no data
