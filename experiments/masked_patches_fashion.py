@@ -15,7 +15,9 @@ on 4x4 patches.
    the mean of the patch tokens' outputs (what the objective trains).
 
 Everything goes through vit_jax.train.train_and_evaluate, as `vit-train` would run it; a
-second start reuses what finished (results.json, the runs' final.npz). Prints a Markdown
+second start reuses what finished (results.json, the runs' final.npz), and refuses a workdir
+whose results were made with other step counts, batch, learning rate, few-shot pool or
+data (other --labels and --seeds only add runs). Prints a Markdown
 table (the README's "Masked patch prediction" section shows one). Sized for ~15 minutes on
 2 CPU cores; the step counts and seeds are flags.
 """
@@ -172,6 +174,25 @@ def _majority_rate(config):
   return float(counts.max() / counts.sum())
 
 
+# The flags every result depends on; --labels and --seeds name the runs, which are kept apart.
+_RESULT_FLAGS = ('pretrain_steps', 'finetune_steps', 'finetune_batch', 'finetune_lr',
+                 'fewshot_pool', 'fewshot_draws', 'data_dir')
+
+
+def _check_same_flags(results, path):
+  """A second start with another --pretrain_steps (say) had printed the first start's table
+  as this one's, exit 0."""
+  given = {name: FLAGS[name].value for name in _RESULT_FLAGS}
+  recorded = results.setdefault('flags', given)  # a results.json of an older version: as given
+  changed = [
+      f'--{n}={recorded[n]!r} -> {given[n]!r}' for n in _RESULT_FLAGS
+      if n in recorded and recorded[n] != given[n]
+  ]
+  if changed:
+    sys.exit(f'masked_patches_fashion: {path} holds results made with other flags '
+             f'({", ".join(changed)}): pass the same flags to reuse them, or another --workdir')
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
@@ -181,6 +202,7 @@ def main(argv):
   if os.path.exists(path):
     with open(path) as f:
       results = json.load(f)
+  _check_same_flags(results, path)
 
   def save():
     with open(path, 'w') as f:

@@ -1,5 +1,9 @@
 """Masked patch prediction (vit_jax/masked_patches.py, configs/masked_patches.py)."""
+import json
+import os
 import shutil
+import subprocess
+import sys
 import types
 
 import flax
@@ -18,6 +22,7 @@ from vit_jax import train
 from vit_jax import step as step_lib
 from vit_jax.configs import common
 from vit_jax.configs import masked_patches as mp_configs
+from tests.conftest import ROOT
 
 TINY = dict(patch_size=4, hidden_size=16, mlp_dim=32, num_heads=2, num_layers=1)
 
@@ -378,3 +383,21 @@ def test_train_step_same_on_one_and_eight_devices_and_with_accumulation():
     np.testing.assert_allclose(out[key][0], out[1, 1][0], rtol=1e-5)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6), out[key][1],
                  out[1, 1][1])
+
+
+def test_the_experiment_refuses_results_made_with_other_flags(tmp_path):
+  """A second start with another --pretrain_steps had printed the first start's table as
+  its own, exit 0."""
+  recorded = dict(pretrain_steps=20, finetune_steps=10, finetune_batch=64, finetune_lr=1e-3,
+                  fewshot_pool=2000, fewshot_draws=5, data_dir='')
+  (tmp_path / 'results.json').write_text(json.dumps({'finetune': {}, 'flags': recorded}))
+  out = subprocess.run([
+      sys.executable,
+      os.path.join(ROOT, 'experiments', 'masked_patches_fashion.py'), '--workdir=.',
+      '--pretrain_steps=30', '--finetune_steps=10'
+  ], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert (out.returncode, out.stderr.strip().splitlines()[-1:]) == (1, [
+      'masked_patches_fashion: ./results.json holds results made with other flags '
+      '(--pretrain_steps=20 -> 30): pass the same flags to reuse them, or another --workdir'
+  ]), out.stderr[-3000:]
+  assert json.loads((tmp_path / 'results.json').read_text())['flags'] == recorded
