@@ -47,15 +47,23 @@ def terminate_like_ctrl_c():
     signal.signal(signum, signal.SIG_IGN)
     raise Stopped(signum)
 
+  with handling((signal.SIGTERM, signal.SIGHUP), raise_stopped):
+    yield
+
+
+@contextlib.contextmanager
+def handling(signals, handler):
+  """`handler` for each of `signals` within the block, but for one ignored from the start
+  (nohup's SIGHUP); the previous handlers are given back as it ends."""
   previous = {}
-  for sig in (signal.SIGTERM, signal.SIGHUP):
+  for sig in signals:
     if signal.getsignal(sig) != signal.SIG_IGN:
-      previous[sig] = signal.signal(sig, raise_stopped)
+      previous[sig] = signal.signal(sig, handler)
   try:
     yield
   finally:
-    for sig, handler in previous.items():
-      signal.signal(sig, handler)
+    for sig, old in previous.items():
+      signal.signal(sig, old)
 
 
 def what(interrupt):

@@ -28,6 +28,7 @@ import tensorflow as tf
 from vit_jax import checkpoint
 from vit_jax import chrono as chrono_lib
 from vit_jax import config_checks
+from vit_jax import ctrl_c
 from vit_jax import device_peaks
 from vit_jax import errors
 from vit_jax import evaluate as evaluate_lib
@@ -167,16 +168,8 @@ def _signals_outside_the_loop():
     raise _OUTSIDE_THE_LOOP[signum]()
 
   _RECEIVED_OUTSIDE_THE_LOOP.clear()
-  previous = {}
-  for sig in _OUTSIDE_THE_LOOP:
-    if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
-      continue  # started under nohup
-    previous[sig] = signal.signal(sig, raise_outside_the_loop)
-  try:
+  with ctrl_c.handling(_OUTSIDE_THE_LOOP, raise_outside_the_loop):  # nohup's SIGHUP: ignored
     yield
-  finally:
-    for sig, handler in previous.items():
-      signal.signal(sig, handler)
 
 
 def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
