@@ -87,6 +87,20 @@ def check_task_models(workdir, model, tasks):
                       f'--workdir for {model} (--model={recorded} summarizes that one)')
 
 
+def check_finished_configs(workdir, task_configs):
+  """A finished task is skipped and its accuracy reported under this command's flags, so its
+  run must be of this config as vit-train would check it on a resume (another base_lr, say,
+  had been reported as this one's); an unfinished one is checked by its own vit-train."""
+  from vit_jax import rundir  # pylint: disable=g-import-not-at-top  (loads TensorFlow)
+  for task, c in task_configs:
+    task_dir = sweep.join(workdir, task)
+    if is_finished(task_dir):
+      try:
+        rundir.check_resume_config(rundir.with_absolute_paths(c), task_dir)
+      except ValueError as e:
+        raise VtabError(f'task {task}: {e}') from None
+
+
 def _recorded_model(path):
   """config.json's model_name; None where there is none to read (vit-train reports a
   damaged file itself)."""
@@ -271,6 +285,7 @@ def main(argv=None, runner=sweep.run_local, out=None):
         sweep.check_workdir(args.workdir, create=not args.dry_run)
       except sweep.SweepError as e:
         raise VtabError(str(e)) from None
+      check_finished_configs(args.workdir, task_configs)
     statuses = None
     if args.dry_run:
       for task in tasks:

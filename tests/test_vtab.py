@@ -18,8 +18,10 @@ from tensorflow_datasets.testing import mocking
 
 from tests import data_fixtures
 from tests.conftest import console_script
+from vit_jax import configs
 from vit_jax import data_sources
 from vit_jax import input_pipeline
+from vit_jax import rundir
 from vit_jax import vtab
 from vit_jax.configs import finetune
 from vit_jax.launch import vtab as vtab_launch
@@ -385,6 +387,25 @@ def test_a_task_run_of_another_model_is_refused(tmp_path, monkeypatch, mode):
   assert str(e.value) == (
       f'vit-vtab: error: {tmp_path}/v/dtd holds a run of ViT-Ti_16, not of --model=ViT-B_16: '
       'use another --workdir for ViT-B_16 (--model=ViT-Ti_16 summarizes that one)')
+
+
+def test_a_finished_task_of_other_flags_is_refused(tmp_path, monkeypatch, capsys):
+  """A finished task is skipped and its accuracy reported under this command's flags: one run
+  with another --config.base_lr had been reported as this one's, exit 0."""
+  monkeypatch.setattr(vtab_launch.sweep, 'check_data', lambda *args, **kwargs: None)  # no data
+  monkeypatch.chdir(tmp_path)
+  config = configs.load(vtab_launch.task_config('ViT-B_16', 'dtd', False), [])
+  os.makedirs('v/dtd')
+  rundir.write_config(rundir.with_absolute_paths(config), 'v/dtd')  # as vit-train writes it
+  (tmp_path / 'v' / 'dtd' / 'final.npz').write_bytes(b'')
+  argv = ['--model=ViT-B_16', '--workdir=v', '--tasks=dtd', '--dry-run']
+  vtab_launch.main(argv)  # the same flags: skipped
+  assert capsys.readouterr().out.startswith('# final.npz present, skipped: ')
+  with pytest.raises(SystemExit) as e:
+    vtab_launch.main([*argv, f'--config.base_lr={config.base_lr * 10}'])
+  assert str(e.value).startswith(
+      f'vit-vtab: error: task dtd: workdir v/dtd holds a run with another config (base_lr '
+      f'{config.base_lr!r} -> {config.base_lr * 10!r}): use another --workdir'), e.value
 
 
 def test_the_table_tells_finished_started_and_unstarted_tasks_apart(tmp_path):

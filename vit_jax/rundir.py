@@ -126,6 +126,19 @@ def _has_results(workdir):
   return steps or tf.io.gfile.exists(os.path.join(workdir, 'final.npz'))
 
 
+def with_absolute_paths(config):
+  """A copy of `config` whose local data and checkpoint paths are absolute, as config.json
+  records them: it is read by vit-evaluate and vit-predict, and by resumed runs, from other
+  directories."""
+  config = config.copy_and_resolve_references()
+  if config.dataset.startswith('folder:'):
+    config.dataset = 'folder:' + paths.resolve(config.dataset[len('folder:'):])
+  for name in ('data_dir', 'fewshot_data_dir', 'pretrained_path'):
+    if config.get(name):
+      config[name] = paths.resolve(config[name])
+  return config
+
+
 def check_resume_config(config, workdir):
   """Refuses (ConfigError) a config whose result-changing fields differ from the one of
   the run in `workdir`, unless config.resume_changes names them ('*': any)."""

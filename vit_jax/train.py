@@ -175,7 +175,7 @@ def _signals_outside_the_loop():
 def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
   try:
     workdir = paths.resolve_folder_flag(workdir)  # orbax refuses relative checkpoint paths
-    config = _with_absolute_paths(config)
+    config = rundir.with_absolute_paths(config)
     # What needs no dataset first: a mistyped model is not reported as data that is missing.
     config_checks.validate_config(config)
     # Local files only: a gs:// one is read later (its errors are one line too), as asking
@@ -230,18 +230,6 @@ def _fewshot_evaluator(config, model):
   except ValueError as e:
     raise ValueError(f'few-shot evaluation: {e} (--config.fewshot_datasets, '
                      '--config.fewshot_shots)') from None
-
-
-def _with_absolute_paths(config):
-  """A copy of `config` whose local data and checkpoint paths are absolute: config.json is
-  read by vit-evaluate and vit-predict, and by resumed runs, from other directories."""
-  config = config.copy_and_resolve_references()
-  if config.dataset.startswith('folder:'):
-    config.dataset = 'folder:' + paths.resolve(config.dataset[len('folder:'):])
-  for name in ('data_dir', 'fewshot_data_dir', 'pretrained_path'):
-    if config.get(name):
-      config[name] = paths.resolve(config[name])
-  return config
 
 
 # on_nonfinite=skip stops a run whose updates are skipped this many steps in a row, or half
