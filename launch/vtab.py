@@ -91,14 +91,18 @@ def check_finished_configs(workdir, task_configs):
   """A finished task is skipped and its accuracy reported under this command's flags, so its
   run must be of this config as vit-train would check it on a resume (another base_lr, say,
   had been reported as this one's); an unfinished one is checked by its own vit-train."""
-  from vit_jax import rundir  # pylint: disable=g-import-not-at-top  (loads TensorFlow)
-  for task, c in task_configs:
-    task_dir = sweep.join(workdir, task)
-    if is_finished(task_dir):
-      try:
-        rundir.check_resume_config(rundir.with_absolute_paths(c), task_dir)
-      except ValueError as e:
-        raise VtabError(f'task {task}: {e}') from None
+  finished = [(task, c) for task, c in task_configs if is_finished(sweep.join(workdir, task))]
+  if not finished:
+    return  # TensorFlow stays unloaded (a --dry-run answers at once)
+  # pylint: disable=g-import-not-at-top,unused-import
+  from vit_jax import tensorflow_quietly  # noqa: F401  (TF without its start-up notices)
+  from vit_jax import rundir  # (loads TF)
+  # pylint: enable=g-import-not-at-top,unused-import
+  for task, c in finished:
+    try:
+      rundir.check_resume_config(rundir.with_absolute_paths(c), sweep.join(workdir, task))
+    except ValueError as e:
+      raise VtabError(f'task {task}: {e}') from None
 
 
 def _recorded_model(path):

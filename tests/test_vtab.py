@@ -353,13 +353,16 @@ def test_a_stop_signal_stops_the_tasks_with_one_line(tmp_path, capsys, monkeypat
     return 0
 
   before = signal.getsignal(signal.SIGTERM)
-  hup = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as in a terminal, were the suite nohup'd
+  # As in a terminal: a suite started in the background ignores Ctrl-C, one under nohup SIGHUP.
+  hup = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+  ctrl_c = signal.signal(signal.SIGINT, signal.default_int_handler)
   try:
     with pytest.raises(SystemExit) as e:
       vtab_launch.main(['--model=ViT-B_16', f'--workdir={tmp_path}/v', '--tasks=dtd,svhn,eurosat'],
                        runner=runner)
   finally:
     signal.signal(signal.SIGHUP, hup)
+    signal.signal(signal.SIGINT, ctrl_c)
   assert e.value.code == 128 + getattr(signal, sig) and len(ran) == 2
   assert signal.getsignal(signal.SIGTERM) == before  # given back
   assert capsys.readouterr().err.strip().splitlines() == [
