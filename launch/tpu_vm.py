@@ -51,6 +51,10 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # On each worker, relative to the home directory.
 CODE_DIR, VENV_DIR, LOG_DIR = 'vit_jax', 'vit_jax_venv', 'vit_jax_logs'
 PID_FILE = f'{LOG_DIR}/run.pid'
+# Left by `stop` until the next start: `watch` must not start again a run the user stopped.
+STOPPED_FILE = f'{LOG_DIR}/stopped'
+# How long `stop` waits for the run to save its checkpoint and exit.
+STOP_WAIT_S = 600
 # Left out of the tarball of the working tree.
 TAR_EXCLUDES = ('.git', '.venv', 'workdirs', '__pycache__', '*.egg-info', '.pytest_cache', 'build',
                 'dist', '*.npz')  # Checkpoints: read them from gs:// instead.
@@ -279,7 +283,7 @@ def start_script(jobs):
       f'mkdir -p "$HOME"/{LOG_DIR}',
       f'if [ -f {pid} ] && kill -0 -- -"$(cat {pid})" 2>/dev/null; then echo "$(hostname): a '
       'run is still going: vit-tpu stop ... first" >&2; exit 1; fi',
-      'rm -f ' + ' '.join(status(log) for _, log in jobs),
+      f'rm -f "$HOME"/{STOPPED_FILE} ' + ' '.join(status(log) for _, log in jobs),
       f'setsid nohup sh -c {shlex.quote(body)} > /dev/null 2>&1 < /dev/null & echo $! > {pid}',
       'echo "$(hostname): started, logs in ~/' + LOG_DIR + '/: '
       + ' '.join(f'{log}.log' for _, log in jobs) + '"'
@@ -287,9 +291,11 @@ def start_script(jobs):
 
 
 def status_script(log):
-  """Remote shell printing one line: `exit N` (the run ended), `running`, or `none`."""
+  """Remote shell printing one line: `stopped` (by `vit-tpu stop`), `exit N` (the run ended),
+  `running`, or `none`."""
   status, pid = f'"$HOME"/{LOG_DIR}/{shlex.quote(log + ".status")}', f'"$HOME"/{PID_FILE}'
-  return (f'if [ -f {status} ]; then echo "exit $(cat {status})"; '
+  return (f'if [ -f "$HOME"/{STOPPED_FILE} ]; then echo stopped; '
+          f'elif [ -f {status} ]; then echo "exit $(cat {status})"; '
           f'elif [ -f {pid} ] && kill -0 -- -"$(cat {pid})" 2>/dev/null; then echo running; '
           'else echo none; fi')
 
@@ -429,7 +435,7 @@ class Watch:
         f'{shlex.join(ssh(a, 0, status_script(a.log)))}  # running, or exit N of the run',
         '# missing at the start: created; preempted/missing later: as `vit-tpu resume`; '
         'READY but the run stopped on SIGTERM (exit 143) without final.npz: only the run '
-        'again; another exit status: stop'
+        'again; stopped by `vit-tpu stop`, or another exit status: stop'
     ])
 
   def run(self, runner):
@@ -466,6 +472,10 @@ class Watch:
         elif status == 'running':
           ended = None
           runner.say(f'{a.name}: running')
+        elif status == 'stopped':
+          raise LaunchError(f'the run on {a.name} was stopped with vit-tpu stop, so watch does '
+                            'not start it again: vit-tpu watch (or resume) with the same flags '
+                            'goes on from its last checkpoint')
         elif path_exists(final):
           continue
         elif ended != status:  # Ended: wait a poll, a preemption may be on its way.
@@ -705,9 +715,22 @@ def logs_commands(args):
 
 
 def stop_commands(args):
-  script = (f'if [ -f {PID_FILE} ]; then kill -- -"$(cat {PID_FILE})" 2>/dev/null && '
-            f'echo "$(hostname): stopped" || echo "$(hostname): not running"; rm -f {PID_FILE}; '
-            'else echo "$(hostname): not running"; fi')
+  """SIGTERM to the run's process group on every worker, then wait for it to save and exit.
+
+  The run pid file stays while the run is still going, so a start in the meantime is refused;
+  STOPPED_FILE tells `watch` not to start the run again.
+  """
+  pid, stopped = f'"$HOME"/{PID_FILE}', f'"$HOME"/{STOPPED_FILE}'
+  script = '; '.join([
+      f'mkdir -p "$HOME"/{LOG_DIR}', f'date > {stopped}',
+      f'if [ -f {pid} ] && kill -0 -- -"$(cat {pid})" 2>/dev/null; then g="$(cat {pid})"; '
+      f'kill -- -"$g"; i=0; while kill -0 -- -"$g" 2>/dev/null && [ $i -lt {STOP_WAIT_S} ]; '
+      'do sleep 1; i=$((i+1)); done; '
+      'if kill -0 -- -"$g" 2>/dev/null; then echo "$(hostname): the run has not exited '
+      f'{STOP_WAIT_S} s after SIGTERM: vit-tpu logs says what it is doing; vit-tpu stop again '
+      f'waits once more" >&2; exit 1; fi; echo "$(hostname): stopped"; '
+      'else echo "$(hostname): not running"; fi', f'rm -f {pid}'
+  ])
   return [ssh(args, 'all', script)]
 
 
@@ -985,9 +1008,10 @@ class Runner:
     return (out.strip().splitlines() or ['UNKNOWN'])[-1].strip()
 
   def run_status(self, cmd):
-    """`running`, `exit N` or `none` from status_script over ssh; None if ssh failed."""
+    """`running`, `stopped`, `exit N` or `none` from status_script over ssh; None if ssh
+    failed."""
     rc, out, _ = self.query(cmd)
-    found = re.findall(r'^(running|none|exit -?\d+)$', out, re.M)
+    found = re.findall(r'^(running|stopped|none|exit -?\d+)$', out, re.M)
     return found[-1] if rc == 0 and found else None
 
   def execute(self, steps):

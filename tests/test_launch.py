@@ -239,6 +239,46 @@ def test_run_script_in_a_shell(tmp_path):
   assert check.stdout == 'none\n'
 
 
+@pytest.mark.skipif(not all(shutil.which(c) for c in ('bash', 'setsid', 'nohup')),
+                    reason='needs bash, setsid and nohup')
+def test_stop_waits_for_the_run_to_save_and_marks_it_stopped(tmp_path):
+  """stop's script against a started run that takes a while to save on SIGTERM: it returns
+  after the run exited, status_script then says `stopped` (so watch leaves it), and the next
+  start clears that."""
+  venv_bin = tmp_path / 'vit_jax_venv' / 'bin'
+  venv_bin.mkdir(parents=True)
+  (tmp_path / 'vit_jax').mkdir()
+  (venv_bin / 'activate').write_text(f'PATH={venv_bin}:$PATH\n')
+  fake = venv_bin / 'python3'  # vit-train's SIGTERM: save (here 1 s), then exit 143.
+  fake.write_text('#!/bin/bash\ntrap \'sleep 1; echo saved > "$HOME/saved"; exit 143\' TERM\n'
+                  'echo up > "$HOME/up"\nwhile :; do sleep 0.05; done\n')
+  fake.chmod(0o755)
+  env = {**os.environ, 'HOME': str(tmp_path)}
+
+  def bash(script):
+    return subprocess.run(['bash', '-c', script], env=env, capture_output=True, text=True,
+                          check=True).stdout
+
+  [start] = commands(build('run', *run_args('--skip_preflight')))
+  [stop] = build('stop')
+  assert bash(stop[-1]).endswith('not running\n')
+  assert bash(tpu_vm.status_script('train')) == 'stopped\n'
+  assert 'started' in bash(start[-1])
+  for _ in range(200):
+    if (tmp_path / 'up').exists():
+      break
+    time.sleep(0.02)
+  assert bash(tpu_vm.status_script('train')) == 'running\n'
+  assert bash(stop[-1]).endswith(': stopped\n')
+  assert (tmp_path / 'saved').exists()  # stop returned only once the run had saved and exited.
+  assert not (tmp_path / 'vit_jax_logs' / 'run.pid').exists()
+  assert bash(tpu_vm.status_script('train')) == 'stopped\n'
+  (tmp_path / 'up').unlink()
+  bash(start[-1])
+  assert bash(tpu_vm.status_script('train')) in ('running\n', 'none\n')
+  bash(stop[-1])
+
+
 def test_workdir_checks():
   with pytest.raises(tpu_vm.LaunchError, match='v3-256 has 32 hosts.*gs://'):
     build('run', '--accelerator_type', 'v3-256', f'--config={CONFIG}', DATA, '--workdir=/tmp/w')
@@ -616,6 +656,15 @@ def test_watch_restarts_a_run_that_stopped_on_a_ready_vm(fake_gcloud, capsys, st
   verbs = _verbs(read()['calls'])
   assert 'tpu-vm delete' not in verbs and verbs.count('ssh:start') == 1
   assert f'the run stopped ({stopped}): recovery 1/20' in capsys.readouterr().out
+
+
+def test_watch_does_not_start_again_a_run_the_user_stopped(fake_gcloud):
+  write, read = fake_gcloud
+  write(nodes={NAME: {'states': ['READY']}}, run_status=['running', 'stopped'])
+  with pytest.raises(SystemExit, match='stopped with vit-tpu stop, so watch does not start it'):
+    tpu_vm.main(['watch', '--name', NAME, '--zone', ZONE, *FAKE_RUN, '--api', 'node'])
+  verbs = _verbs(read()['calls'])
+  assert verbs.count('ssh:start') == 0 and verbs.count('ssh:status') == 2
 
 
 def test_watch_creates_a_missing_slice_without_counting_it(fake_gcloud, capsys):
