@@ -859,8 +859,6 @@ def preflight_steps(args):
 
 def build_commands(action, args):
   """The steps of an action: argv lists, and Wait/Check/... objects (dry run: .show())."""
-  if action not in ACTIONS:
-    raise LaunchError(f'unknown action {action!r}: use one of {", ".join(ACTIONS)}')
   _require(args, action, 'name', 'zone')
   check_name(args.name)
   if action in ('create', 'all', 'preflight', 'resume', 'watch'):
@@ -944,6 +942,8 @@ def parser():
 def parse_args(argv):
   """Namespace with .overrides: the --config.x=value arguments, passed on to vit_jax.main."""
   args, rest = parser().parse_known_args(argv)
+  if args.action not in ACTIONS:  # Before the other flags are checked: it is the first word.
+    raise LaunchError(f'unknown action {args.action!r}: use one of {", ".join(ACTIONS)}')
   for arg in rest:
     if not re.fullmatch(r'--config\.[\w.]+=.*', arg, re.S):
       raise LaunchError(f'unknown argument {arg!r}: config overrides look like '
