@@ -289,7 +289,8 @@ def main(argv=None, runner=sweep.run_local, out=None):
         sweep.check_workdir(args.workdir, create=not args.dry_run)
       except sweep.SweepError as e:
         raise VtabError(str(e)) from None
-      check_finished_configs(args.workdir, task_configs)
+    # Also in a summary, which reports the finished tasks under this command's flags.
+    check_finished_configs(args.workdir, task_configs)
     statuses = None
     if args.dry_run:
       for task in tasks:

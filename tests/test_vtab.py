@@ -404,11 +404,19 @@ def test_a_finished_task_of_other_flags_is_refused(tmp_path, monkeypatch, capsys
   argv = ['--model=ViT-B_16', '--workdir=v', '--tasks=dtd', '--dry-run']
   vtab_launch.main(argv)  # the same flags: skipped
   assert capsys.readouterr().out.startswith('# final.npz present, skipped: ')
-  with pytest.raises(SystemExit) as e:
-    vtab_launch.main([*argv, f'--config.base_lr={config.base_lr * 10}'])
-  assert str(e.value).startswith(
-      f'vit-vtab: error: task dtd: workdir v/dtd holds a run with another config (base_lr '
-      f'{config.base_lr!r} -> {config.base_lr * 10!r}): use another --workdir'), e.value
+  for mode in ('--dry-run', '--summarize-only', None):  # None: a run
+    flags = [a for a in argv if a != '--dry-run'] + ([mode] if mode else [])
+    with pytest.raises(SystemExit) as e:
+      vtab_launch.main([*flags, f'--config.base_lr={config.base_lr * 10}'])
+    assert str(e.value).startswith(
+        f'vit-vtab: error: task dtd: workdir v/dtd holds a run with another config (base_lr '
+        f'{config.base_lr!r} -> {config.base_lr * 10!r}): use another --workdir'), e.value
+  # A summary with --dev would have called the test split's accuracy the val200 one's.
+  with pytest.raises(SystemExit, match='task dtd: workdir v/dtd holds a run with another '):
+    vtab_launch.main([*argv[:-1], '--summarize-only', '--dev'])
+  assert not os.path.exists('v/vtab_results.md')
+  vtab_launch.main([*argv[:-1], '--summarize-only'])
+  assert '| natural | dtd | - | - | done |' in capsys.readouterr().out
 
 
 def test_the_table_tells_finished_started_and_unstarted_tasks_apart(tmp_path):
