@@ -459,7 +459,7 @@ def test_execute_stops_at_the_first_failure(capsys):
     (['create', '--zone', ZONE, '--accelerator_type', 'v3-8'], 'create needs --name'),
     (['run', '--name', 'vit'], 'run needs --zone'),
     (['boot', '--name', 'vit', '--zone', ZONE], 'unknown action'),
-    (['boot', '--zone', 'z', '--worker', 'x'], "unknown action 'boot'"),  # The first word first.
+    (['boot', '--zone', 'z', '--worker', 'x'], "unknown action 'boot'"),
     (['delete', '--name', 'My_TPU', '--zone', ZONE], 'lowercase letters'),
     ([
         'create', '--name', 'vit', '--zone', ZONE, '--accelerator_type', 'v3-8', '--spot',
