@@ -575,7 +575,7 @@ def test_vit_train_takes_a_model_field_its_config_does_not_list(tmp_path):
                      '--config.model.representation_size', '0')
   assert p.returncode == 1 and os.listdir(tmp_path) == [], p.stderr
   assert p.stderr.strip().splitlines()[-1] == (
-      'vit_jax: model.representation_size 0 must be a whole number >= 1: set '
+      'vit-train: model.representation_size 0 must be a whole number >= 1: set '
       '--config.model.representation_size'), p.stderr[-2000:]
   p = console_script('vit-train', tmp_path, '--config=finetune:ViT-B_16,cifar10', '--workdir=w',
                      '--config.model.clasifier=gap')

@@ -110,7 +110,7 @@ def test_good_run_leaves_a_complete_workdir(good):
 def test_divergence_stops_at_once_and_saves_nothing(tmp_path):
   rc, err, last = _cli(tmp_path, 'run', '--config.base_lr=1e6')
   assert rc == 1, err[-3000:]
-  assert last.startswith('vit_jax: loss nan') and 'training diverged' in last, last
+  assert last.startswith('vit-train: loss nan') and 'training diverged' in last, last
   assert '--config.base_lr' in last and 'warmup_steps' in last
   assert 'step 30/30' not in err and 'Final' not in err
   assert _steps(tmp_path / 'run') == []  # a non-finite state is never checkpointed
@@ -125,7 +125,7 @@ def test_a_short_run_that_skips_half_its_steps_in_a_row_stops(tmp_path):
   rc, err, last = _cli(tmp_path, 'run', '--config.base_lr=1e30', '--config.on_nonfinite=skip',
                        '--config.total_steps=40')
   assert rc == 1, err[-3000:]
-  assert last.startswith('vit_jax: steps 2-30 all had a non-finite loss, gradient or update and '
+  assert last.startswith('vit-train: steps 2-30 all had a non-finite loss, gradient or update and '
                          'were skipped (on_nonfinite=skip): training makes no progress'), last
   assert not os.path.exists(tmp_path / 'run' / 'final.npz')
 
@@ -138,7 +138,7 @@ def test_an_update_that_overflows_is_never_saved(tmp_path):
   rc, err, last = _cli(tmp_path, 'run', *small, '--config.base_lr=1e30')
   assert rc == 1, err[-3000:]
   assert re.fullmatch(
-      r'vit_jax: loss [0-9.]+, gradient norm [0-9.]+, update norm inf at step 2: training '
+      r'vit-train: loss [0-9.]+, gradient norm [0-9.]+, update norm inf at step 2: training '
       r'diverged, so it stopped \(the checkpoint of step 1 is kept\); try a lower '
       r'--config.base_lr \(now 1e\+30\), a longer --config.warmup_steps \(now 2\)', last), last
   assert _steps(tmp_path / 'run') == ['1']
@@ -162,7 +162,7 @@ def test_a_run_that_skips_every_update_stops(tmp_path):
                        '--config.total_steps=300')
   assert rc == 1, err[-3000:]
   assert last == (
-      'vit_jax: steps 2-110 all had a non-finite loss, gradient or update and were skipped '
+      'vit-train: steps 2-110 all had a non-finite loss, gradient or update and were skipped '
       '(on_nonfinite=skip): training makes no progress, so it stopped (the checkpoint of step '
       '100 is kept); try a lower --config.base_lr (now 1e+30), a longer --config.warmup_steps '
       '(now 2)'), last
@@ -178,7 +178,7 @@ def test_turning_polyak_averaging_on_at_resume_names_the_field(good, tmp_path):
                        '--config.resume_changes=polyak_decay,total_steps')
   assert rc == 1, err[-3000:]
   assert last == (
-      f'vit_jax: workdir {run} holds a run with polyak_decay 0.0: 0.99 would turn Polyak '
+      f'vit-train: workdir {run} holds a run with polyak_decay 0.0: 0.99 would turn Polyak '
       'averaging on, which a resume cannot (the checkpoints hold its sums, or none): keep '
       '--config.polyak_decay=0.0, use another --workdir, or fine-tune from that run with '
       f'--config.pretrained_path={run}/final.npz'), last
@@ -205,14 +205,14 @@ def test_changed_config_is_refused(good, tmp_path):
   config = _read(run / 'config.json')
   rc, err, last = _cli(tmp_path, 'run', '--config.seed=1', '--config.model.hidden_size=32')
   assert rc == 1, err[-3000:]
-  assert last.startswith('vit_jax: workdir') and 'another config' in last, last
+  assert last.startswith('vit-train: workdir') and 'another config' in last, last
   assert 'model.hidden_size 64 -> 32' in last and 'seed 0 -> 1' in last
   assert '--config.resume_changes=model.hidden_size,seed' in last
   assert _read(run / 'config.json') == config  # written only after the check passes
   assert _steps(run) == ['10', '20', '30']
   # A mistyped name had let nothing through, and the refusal above named it again.
   rc, err, last = _cli(tmp_path, 'run', '--config.seed=1', '--config.resume_changes=sead')
-  assert (rc, last) == (1, "vit_jax: resume_changes names 'sead', which is no config field: set "
+  assert (rc, last) == (1, "vit-train: resume_changes names 'sead', which is no config field: set "
                         '--config.resume_changes to fields of the config (e.g. '
                         "base_lr,total_steps), or '*' for any"), err[-3000:]
   assert _read(run / 'config.json') == config and _steps(run) == ['10', '20', '30']
@@ -226,7 +226,7 @@ def test_a_damaged_config_json_stops_a_resume_with_another_config(good, tmp_path
   rc, err, last = _cli(tmp_path, 'run', '--config.batch_size=64')
   assert rc == 1, err[-3000:]
   assert re.match(
-      r"vit_jax: \S+/config.json cannot be read \(.*\), so this config cannot be "
+      r"vit-train: \S+/config.json cannot be read \(.*\), so this config cannot be "
       r"checked .*: restore the file, or pass --config.resume_changes='\*'", last), last
   assert _read(run / 'final.npz') == final
 
@@ -240,7 +240,7 @@ def test_a_lost_config_json_stops_a_resume_until_resume_changes_star(good, tmp_p
   rc, err, last = _cli(tmp_path, 'run', '--config.base_lr=0.01', '--config.total_steps=40')
   assert rc == 1, err[-3000:]
   assert re.match(
-      r"vit_jax: \S+/config.json is missing, so this config cannot be checked against the "
+      r"vit-train: \S+/config.json is missing, so this config cannot be checked against the "
       r"run's: restore the file, or pass --config.resume_changes='\*'", last), last
   assert not (run / 'config.json').exists() and _steps(run) == ['10', '20', '30']
   rc, err, _ = _cli(tmp_path, 'run', "--config.resume_changes=*")
@@ -304,7 +304,7 @@ def test_total_steps_below_the_saved_step_is_refused(good, tmp_path):
                        '--config.resume_changes=total_steps')
   assert rc == 1, err[-3000:]
   assert re.match(
-      r'vit_jax: workdir \S+ holds a run at step 30, past total_steps 20: set '
+      r'vit-train: workdir \S+ holds a run at step 30, past total_steps 20: set '
       r'--config.total_steps to 30 or more', last), last
   assert _read(run / 'config.json') == config
 
@@ -515,7 +515,7 @@ def test_failed_save_stops_at_once(tmp_path):
   assert rc == 1, err[-3000:]
   # Which save meets the limit first depends on how orbax chunks its files; whichever it
   # is, the run stops by the next save at the latest, not at the end.
-  failed = re.search(r'^vit_jax: the checkpoint of step (\d+) could not be written', last)
+  failed = re.search(r'^vit-train: the checkpoint of step (\d+) could not be written', last)
   assert failed, err[-3000:]
   assert 'File too large' in last
   # orbax's failed write tasks are reported once, by our line, not as tracebacks.
@@ -618,7 +618,7 @@ def test_ctrl_c_or_a_closed_terminal_saves_then_exits_non_zero(tmp_path, sig, sa
   _, err = proc.communicate(timeout=200)
   last = err.strip().splitlines()[-1]
   assert proc.returncode == 128 + sig, err[-3000:]  # the shell's: not a failure of the run
-  assert last.startswith('vit_jax: ' + says), last
+  assert last.startswith('vit-train: ' + says), last
   # train.INFO ends with it too: where the user of a closed terminal looks.
   assert log.read_text().strip().splitlines()[-1].endswith(last)
   step = int(last.split('at step ')[1].split(':')[0])
@@ -642,7 +642,7 @@ def test_a_closed_terminal_still_gets_sighups_status(tmp_path):
   proc.send_signal(signal.SIGHUP)
   assert proc.wait(timeout=200) == 129
   last = log.read_text().strip().splitlines()[-1]
-  assert 'vit_jax: the terminal closed (SIGHUP) at step ' in last, last
+  assert 'vit-train: the terminal closed (SIGHUP) at step ' in last, last
 
 
 def _patched_cli(tmp_path, code, *extra, **env):
@@ -653,9 +653,9 @@ def _patched_cli(tmp_path, code, *extra, **env):
 
 
 _OUTSIDE_THE_LOOP_SAYS = {
-    'SIGTERM': (143, 'vit_jax: preempted (SIGTERM) outside the training steps (set-up, compile '
+    'SIGTERM': (143, 'vit-train: preempted (SIGTERM) outside the training steps (set-up, compile '
                 'or wrap-up): the saved checkpoints are kept; run the same command to resume'),
-    'SIGHUP': (129, 'vit_jax: the terminal closed (SIGHUP) outside the training steps (set-up, '
+    'SIGHUP': (129, 'vit-train: the terminal closed (SIGHUP) outside the training steps (set-up, '
                'compile or wrap-up): the saved checkpoints are kept; run the same command to '
                'resume (under nohup, tmux or screen a run outlives its terminal)')
 }
@@ -694,7 +694,7 @@ def test_a_signal_before_the_loop_releases_the_lock_and_says_so(tmp_path, lands_
   assert 'step 1/' not in proc.stderr and not (tmp_path / 'run' / 'final.npz').exists()
 
 
-_INTERRUPTED_BEFORE_TRAINING = ('vit_jax: interrupted (Ctrl-C) before training started: '
+_INTERRUPTED_BEFORE_TRAINING = ('vit-train: interrupted (Ctrl-C) before training started: '
                                 'nothing new was saved; run the same command to start again')
 
 
@@ -811,19 +811,19 @@ def test_a_pretrained_path_that_cannot_be_read_is_one_line(tmp_path):
   traceback."""
   rc, err, last = _cli(tmp_path, 'run', '--config.pretrained_path=nope.npz')
   assert rc == 1 and 'Traceback' not in err, err[-3000:]
-  assert last.startswith(f'vit_jax: pretrained_path {tmp_path / "nope.npz"} does not exist: '
+  assert last.startswith(f'vit-train: pretrained_path {tmp_path / "nope.npz"} does not exist: '
                          'set --config.pretrained_path to a checkpoint .npz'), last
   assert not (tmp_path / 'run').exists()
   (tmp_path / 'damaged.npz').write_bytes(b'not a zip file')
   rc, err, last = _cli(tmp_path, 'run', '--config.pretrained_path=damaged.npz')
   assert rc == 1 and 'Traceback' not in err, err[-3000:]
-  assert last.startswith('vit_jax: pretrained_path ') and last.endswith(
+  assert last.startswith('vit-train: pretrained_path ') and last.endswith(
       'damaged.npz is not a readable .npz (zip) file: check the path and download'), last
   # Pickled (object) arrays: refused unread, and one line (had been a traceback).
   np.savez(tmp_path / 'pickled.npz', a=np.array([{'x': 1}], dtype=object))
   rc, err, last = _cli(tmp_path, 'run', '--config.pretrained_path=pickled.npz')
   assert rc == 1 and 'Traceback' not in err, err[-3000:]
-  assert last == (f'vit_jax: pretrained_path {tmp_path / "pickled.npz"} holds pickled (object) '
+  assert last == (f'vit-train: pretrained_path {tmp_path / "pickled.npz"} holds pickled (object) '
                   'arrays, which are never loaded: re-export it with numeric arrays only (e.g. '
                   'checkpoint.save_npz)'), last
   # Readable, of another model: had been a traceback (in-process: the CLI prints the same
@@ -860,34 +860,34 @@ def test_a_pretrained_file_of_non_numbers_is_one_line(good, tmp_path, bad):
 def test_bad_value_is_one_line_from_the_cli(tmp_path):
   rc, err, last = _cli(tmp_path, 'run', '--config.mesh_data=3')
   assert rc == 1
-  assert last == ('vit_jax: mesh_data 3 does not fit the 8 devices: set --config.mesh_data '
+  assert last == ('vit-train: mesh_data 3 does not fit the 8 devices: set --config.mesh_data '
                   'to -1 (all) or a divisor of 8 (1, 2, 4, 8)'), last
   assert 'Traceback' not in err
   rc, err, last = _cli(tmp_path, 'run', '--config.model.num_heads=3')  # was a traceback
   assert rc == 1 and 'Traceback' not in err
-  assert last.startswith('vit_jax: model.num_heads 3 does not divide model.hidden_size 64'), last
+  assert last.startswith('vit-train: model.num_heads 3 does not divide model.hidden_size 64'), last
   rc, err, last = _cli(tmp_path, 'run', '--config.eval_split=tset')
   assert rc == 1 and 'Traceback' not in err
-  assert last == ("vit_jax: eval_split 'tset': Unknown split 'tset'. Should be one of ['train', "
+  assert last == ("vit-train: eval_split 'tset': Unknown split 'tset'. Should be one of ['train', "
                   "'test']: set --config.eval_split"), last
   # Without XLA_FLAGS, as in a user's shell: the quickstart splits the CPU in two devices.
   rc, err, last = _cli(tmp_path, 'run', '--config.batch_size=33', devices=None)
   assert rc == 1 and 'Traceback' not in err
-  assert last == ('vit_jax: batch_size 33 must be a multiple of the 2 devices: set '
+  assert last == ('vit-train: batch_size 33 must be a multiple of the 2 devices: set '
                   '--config.batch_size or --config.cpu_devices=1'), last
   rc, err, last = _cli(tmp_path, 'run', '--config.cpu_devices=0', devices=None)
   assert rc == 1 and 'Traceback' not in err
-  assert last == ('vit_jax: cpu_devices 0 must be a whole number >= 1: set --config.cpu_devices '
+  assert last == ('vit-train: cpu_devices 0 must be a whole number >= 1: set --config.cpu_devices '
                   '(1: the CPU is one device)'), last
   # Typed as a user types them: nan had turned clipping off silently; a grid of a word and
   # a number (a tuple of one string to ml_collections) had been a TypeError's traceback.
   rc, err, last = _cli(tmp_path, 'run', '--config.grad_clip_norm=nan')
   assert rc == 1 and 'Traceback' not in err
-  assert last == ('vit_jax: grad_clip_norm nan is not a finite number: set '
+  assert last == ('vit-train: grad_clip_norm nan is not a finite number: set '
                   '--config.grad_clip_norm to a number'), last
   rc, err, last = _cli(tmp_path, 'run', '--config.lr_grid=0.01,inf')
   assert rc == 1 and 'Traceback' not in err
-  assert last == ("vit_jax: lr_grid ('0.01,inf',) must hold learning rates > 0: set "
+  assert last == ("vit-train: lr_grid ('0.01,inf',) must hold learning rates > 0: set "
                   '--config.lr_grid, e.g. to 0.003,0.01'), last
   assert not (tmp_path / 'run').exists()
 
@@ -915,8 +915,8 @@ def test_a_damaged_fashion_mnist_file_is_one_line_that_names_it(tmp_path):
     else:
       with pytest.raises(train.ConfigError) as e:
         train.train_and_evaluate(_config(data_dir=str(tmp_path / name)), str(tmp_path / 'run'))
-      last = f'vit_jax: {e.value}'
-    assert last.startswith(f'vit_jax: {tmp_path / name / images} '), last
+      last = f'vit-train: {e.value}'
+    assert last.startswith(f'vit-train: {tmp_path / name / images} '), last
     assert last.endswith(fix) and 'train_split' not in last, last
   assert not (tmp_path / 'run').exists()
 
@@ -931,7 +931,7 @@ def test_a_bad_value_is_refused_before_tensorflow_and_the_backend_start(tmp_path
   ], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
   lines = proc.stderr.strip().splitlines()
   assert proc.returncode == 1, proc.stderr[-3000:]
-  assert lines[-1].startswith('vit_jax: model.num_heads 3 does not divide'), lines[-1]
+  assert lines[-1].startswith('vit-train: model.num_heads 3 does not divide'), lines[-1]
   imported = {l.rsplit('|', 1)[-1].strip() for l in lines if l.startswith('import time:')}
   assert {'jax', 'vit_jax.config_checks'} <= imported, sorted(imported)[:20]
   assert not {'tensorflow', 'vit_jax.rundir', 'vit_jax.train'} & imported
@@ -945,7 +945,7 @@ def test_an_empty_workdir_is_refused_not_taken_as_the_current_folder(tmp_path, w
   message = ('--workdir is empty (an unset shell variable?): pass a folder, e.g. '
              '--workdir=workdirs/NAME')
   rc, err, last = _cli(tmp_path, workdir)
-  assert (rc, last) == (1, f'vit_jax: {message}') and 'Traceback' not in err, err[-2000:]
+  assert (rc, last) == (1, f'vit-train: {message}') and 'Traceback' not in err, err[-2000:]
   monkeypatch.chdir(tmp_path)
   with pytest.raises(train.ConfigError, match=re.escape(message)):
     train.train_and_evaluate(_config(), workdir)
@@ -1046,7 +1046,7 @@ def test_a_kshot_pool_smaller_than_the_shots_is_one_line_before_the_workdir(tmp_
       "(('fashion_mnist_local', 'train[:16]', 'test[:16]'),)")
   assert rc == 1 and 'Traceback' not in err, err[-3000:]
   assert re.fullmatch(
-      r'vit_jax: few-shot evaluation: Class \d+ \(.*\) has \d examples, fewer than 10 shots: '
+      r'vit-train: few-shot evaluation: Class \d+ \(.*\) has \d examples, fewer than 10 shots: '
       r'.* \(--config.fewshot_datasets, --config.fewshot_shots\)', last), last
   assert not (tmp_path / 'run').exists()
 
@@ -1166,14 +1166,14 @@ def test_second_ctrl_c_aborts_at_once(tmp_path):
                  'time.sleep(30)')
   assert proc.returncode == 130, proc.stderr[-3000:]
   assert proc.stderr.strip().splitlines()[-1] == (
-      'vit_jax: second Ctrl-C: stopped at once, without saving this step: run the same command '
+      'vit-train: second Ctrl-C: stopped at once, without saving this step: run the same command '
       'to resume from the last complete checkpoint (from step 0 if none was written)')
 
 
 def test_full_disk_at_start_up_is_one_line(tmp_path):
   rc, err, last = _cli(tmp_path, 'run', file_size_limit=1)
   assert rc == 1, err[-3000:]
-  assert last.startswith('vit_jax: cannot write to workdir ') and 'File too large' in last, last
+  assert last.startswith('vit-train: cannot write to workdir ') and 'File too large' in last, last
   assert 'Traceback' not in err
 
 
@@ -1181,7 +1181,7 @@ def test_workdir_that_cannot_be_created_is_one_line(tmp_path):
   (tmp_path / 'a_file').write_text('')
   rc, err, last = _cli(tmp_path, 'a_file/run')
   assert rc == 1
-  assert last == (f'vit_jax: cannot create workdir {tmp_path}/a_file/run: {tmp_path}/a_file is '
+  assert last == (f'vit-train: cannot create workdir {tmp_path}/a_file/run: {tmp_path}/a_file is '
                   'not a directory: choose a writable --workdir'), last
   assert 'Traceback' not in err
 
@@ -1222,7 +1222,7 @@ def test_a_step_far_larger_than_the_host_is_one_line(tmp_path):
                        memory_limit=12 << 30)
   assert rc == 1, err[-3000:]
   assert re.fullmatch(
-      r'vit_jax: the train step \(batch_size 32, accum_steps 1\) needs [0-9.]+ MiB per '
+      r'vit-train: the train step \(batch_size 32, accum_steps 1\) needs [0-9.]+ MiB per '
       r'device, more than the [0-9.]+ MiB available \(its state and its share of the host\'s '
       r'free memory; --config.device_memory_mb sets it\): raise --config.accum_steps .*',
       last), last
@@ -1293,7 +1293,7 @@ def test_accum_steps_0_picks_the_fewest_that_fit(tmp_path, caplog):
 def test_step_that_does_not_fit_is_one_line(tmp_path):
   rc, err, last = _cli(tmp_path, 'run', '--config.device_memory_mb=1')
   assert rc == 1, err[-3000:]
-  assert last.startswith('vit_jax: the train step (batch_size 32, accum_steps 1) needs '), last
+  assert last.startswith('vit-train: the train step (batch_size 32, accum_steps 1) needs '), last
   for fix in ('--config.accum_steps', '--config.remat=True', '--config.fsdp=True',
               '--config.batch_size'):
     assert fix in last

@@ -161,7 +161,7 @@ def test_a_bad_allocator_value_stops_vit_train_in_one_line(tmp_path, idx_dir):
   proc = _quickstart(tmp_path, idx_dir, 'jemallok')
   assert proc.returncode != 0
   assert proc.stderr.strip().splitlines() == [
-      'vit_jax: VIT_JAX_HOST_ALLOCATOR=jemallok: no such file; set it to auto, jemalloc, '
+      'vit-train: VIT_JAX_HOST_ALLOCATOR=jemallok: no such file; set it to auto, jemalloc, '
       'system, or the path of a libjemalloc.so.2'
   ]
   assert not os.path.exists(tmp_path / 'workdirs')

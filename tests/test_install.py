@@ -68,12 +68,12 @@ def test_a_mistake_found_after_start_up_is_the_only_line(wheel_venv, tmp_path):
   scratch = tmp_path / 'tmp'
   scratch.mkdir()
   env = dict(user_env(wheel_venv), TMPDIR=str(scratch))
-  unprepared = (f'vit_jax: dataset cifar10 is not prepared in data_dir {tmp_path}/tfds: run '
+  unprepared = (f'vit-train: dataset cifar10 is not prepared in data_dir {tmp_path}/tfds: run '
                 f'`tfds build cifar10 --data_dir={tmp_path}/tfds` or set --config.data_dir to '
                 'where it is prepared.')
   for cmd, line in [
       (['vit-train', '--config=quickstart', '--workdir=runs/x',
-        '--config.batch_size=0'], 'vit_jax: batch_size 0 must be > 0: set --config.batch_size'),
+        '--config.batch_size=0'], 'vit-train: batch_size 0 must be > 0: set --config.batch_size'),
       (['vit-predict', '--checkpoint=nope.npz', '--model=ViT-B_16',
         'cat.jpg'], 'vit-predict: cat.jpg: no such file or folder: pass image files or folders'),
       ([

@@ -136,7 +136,7 @@ def test_a_dead_process_makes_the_other_exit(idx_dir, tmp_path):
   # absl::Status: std::bad_cast, abort; jax_enable_recoverability left process 0 hanging.)
   if hosts[0].returncode == 1:
     last = out.strip().splitlines()[-1]
-    assert last.startswith('vit_jax: process 0 of 2 stopped: ') and last.endswith(
+    assert last.startswith('vit-train: process 0 of 2 stopped: ') and last.endswith(
         'start every process again with the same command: they resume from the last checkpoint'
     ), last
   else:
@@ -169,5 +169,5 @@ def test_sigterm_on_one_host_stops_every_host_at_one_saved_step(idx_dir, tmp_pat
   for p, out in zip(hosts, outputs):
     assert p.returncode == 143, out[-3000:]
     assert out.strip().splitlines()[-1] == (
-        f'vit_jax: preempted (SIGTERM) at step {saved[0]}: checkpoint saved in '
+        f'vit-train: preempted (SIGTERM) at step {saved[0]}: checkpoint saved in '
         f'{tmp_path / "w" / "checkpoints"}; run the same command to resume'), out[-3000:]

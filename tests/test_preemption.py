@@ -87,7 +87,7 @@ def test_killed_three_times_and_preempted_once_equals_uninterrupted(idx_dir, tmp
   # on a run that had not finished.
   err = _finish(proc, status=143)
   last = err.strip().splitlines()[-1]
-  assert last.startswith('vit_jax: preempted (SIGTERM) at step '), last
+  assert last.startswith('vit-train: preempted (SIGTERM) at step '), last
   assert last.endswith('run the same command to resume'), last
   stopped_at = int(last.split(' at step ')[1].split(':')[0])
   assert str(stopped_at) in os.listdir(os.path.join(workdir, 'checkpoints'))

@@ -432,7 +432,7 @@ def test_a_later_event_file_wins_whatever_its_counter(tmp_path):
 _POINT_THAT_SAVES_ON_CTRL_C = '\n'.join([
     'import signal, sys, time',
     'def saved(*_):',
-    '  print("vit_jax: interrupted (Ctrl-C) at step 7: checkpoint saved", flush=True)',
+    '  print("vit-train: interrupted (Ctrl-C) at step 7: checkpoint saved", flush=True)',
     '  sys.exit(1)',
     'signal.signal(signal.SIGINT, saved)',
     'print("step 1", flush=True)',
@@ -473,7 +473,8 @@ def test_ctrl_c_lets_the_point_save_then_stops_the_sweep_with_one_line(tmp_path)
       'says what it saved): run the same command to resume the sweep, each point from its '
       'last checkpoint'
   ]
-  assert out.strip().splitlines()[-1] == 'vit_jax: interrupted (Ctrl-C) at step 7: checkpoint saved'
+  last = out.strip().splitlines()[-1]
+  assert last == 'vit-train: interrupted (Ctrl-C) at step 7: checkpoint saved'
   assert 'checkpoint saved' in (tmp_path / 'sw' / 'base_lr=0.1' / 'sweep.log').read_text()
   assert not (tmp_path / 'sw' / 'base_lr=0.2').exists()
 
@@ -488,7 +489,7 @@ _POINT_THAT_SAVES_ON_A_STOP_SIGNAL = '\n'.join([
     '  if len(got) > 1:',
     '    return',
     '  time.sleep(1)  # saving',
-    '  print(f"vit_jax: stopped at step 7: checkpoint saved ({len(got)} signals)", flush=True)',
+    '  print(f"vit-train: stopped at step 7: checkpoint saved ({len(got)} signals)", flush=True)',
     '  sys.exit(128 + signum)',
     'signal.signal(signal.SIGTERM, saved)',
     'signal.signal(signal.SIGHUP, saved)',
@@ -525,7 +526,7 @@ def test_sigterm_or_sighup_lets_the_point_save_then_stops_the_sweep(tmp_path, si
       f"vit-sweep: {says} at point 1/2, base_lr=0.1 (its run's last line above says what it "
       'saved): run the same command to resume the sweep, each point from its last checkpoint'
   ]
-  assert out.strip().splitlines()[-1].startswith('vit_jax: stopped at step 7: checkpoint saved')
+  assert out.strip().splitlines()[-1].startswith('vit-train: stopped at step 7: checkpoint saved')
   assert 'checkpoint saved' in (tmp_path / 'sw' / 'base_lr=0.1' / 'sweep.log').read_text()
   assert not (tmp_path / 'sw' / 'base_lr=0.2').exists()
 
@@ -613,7 +614,7 @@ def test_tpu_sweep_names_a_config_file_as_the_workers_see_it(tmp_path, capsys, m
 # Ctrl-C to the sweep alone.
 _POINT_SAVED_THEN_CTRL_C = '\n'.join([
     'import os, signal, sys, time',
-    'print("vit_jax: interrupted (Ctrl-C) at step 7: checkpoint saved", flush=True)',
+    'print("vit-train: interrupted (Ctrl-C) at step 7: checkpoint saved", flush=True)',
     'os.kill(os.getppid(), signal.SIGINT)',
     'time.sleep(0.5)',
     'sys.exit(1)',
@@ -627,7 +628,7 @@ def test_the_points_last_line_is_kept_when_ctrl_c_comes_with_it(tmp_path):
                        env=dict(os.environ,
                                 PYTHONPATH=REPO), capture_output=True, text=True, timeout=120)
   assert out.returncode == 130, out.stderr[-2000:]
-  saved = 'vit_jax: interrupted (Ctrl-C) at step 7: checkpoint saved'
+  saved = 'vit-train: interrupted (Ctrl-C) at step 7: checkpoint saved'
   assert out.stdout.strip().splitlines()[-1] == saved, out.stdout[-2000:]
   assert (tmp_path / 'sw' / 'base_lr=0.1' / 'sweep.log').read_text() == saved + '\n'
 

@@ -537,5 +537,5 @@ def test_cli_bad_override_is_one_line(idx_dir, tmp_path, override, message):
   ])
   assert proc.returncode != 0
   last_line = proc.stderr.strip().splitlines()[-1]
-  assert last_line.startswith(f'vit_jax: {message}'), last_line
+  assert last_line.startswith(f'vit-train: {message}'), last_line
   assert 'Traceback' not in proc.stderr

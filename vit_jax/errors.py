@@ -1,6 +1,9 @@
-"""The errors a run ends with (vit-train prints each as one line, `vit_jax: <message>`), and
+"""The errors a run ends with (vit-train prints each as one line, `vit-train: <message>`), and
 the plain words every command uses for a value of the wrong type."""
 import re
+
+# What vit-train's one-line errors start with (`python -m vit_jax.main` is the same program).
+PROGRAM = 'vit-train'
 
 
 class ConfigError(ValueError):

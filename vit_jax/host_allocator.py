@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 
+from vit_jax import errors
 from vit_jax import xla_cpu_flags
 
 CHOICE = 'VIT_JAX_HOST_ALLOCATOR'  # auto (the default), jemalloc, system, or a library's path
@@ -115,7 +116,7 @@ def reexec_with_jemalloc():
   except OSError as e:
     signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     print(
-        f'vit_jax: cannot re-execute with {env[PRELOADED]} preloaded ({e.strerror}); '
+        f'{errors.PROGRAM}: cannot re-execute with {env[PRELOADED]} preloaded ({e.strerror}); '
         "going on with the C library's malloc", file=sys.stderr)
 
 

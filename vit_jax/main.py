@@ -132,7 +132,7 @@ def parse_flags(argv):
 
 
 def _program(argv):
-  return 'vit-train' if argv[0].endswith('main.py') else os.path.basename(argv[0])  # python -m
+  return errors.PROGRAM if argv[0].endswith('main.py') else os.path.basename(argv[0])  # python -m
 
 
 def _field_lines(config, prefix=''):
@@ -176,13 +176,13 @@ def _open_log(workdir, cpu_devices):
   try:
     os.makedirs(log_dir, exist_ok=True)
   except OSError as e:
-    sys.exit(f'vit_jax: cannot create {log_dir} ({e.strerror}): choose another --workdir'
+    sys.exit(f'{errors.PROGRAM}: cannot create {log_dir} ({e.strerror}): choose another --workdir'
              + (' or --local_log_dir' if log_dir != workdir else ''))
   name = 'train' if jax.process_index() == 0 else f'train.process{jax.process_index()}'
   try:
     logging.get_absl_handler().use_absl_log_file(name, log_dir)
   except OSError as e:  # absl: "Can't find a writable directory for logs"
-    sys.exit(f'vit_jax: cannot write the log in {log_dir} ({errors.one_line(e)}): fix its '
+    sys.exit(f'{errors.PROGRAM}: cannot write the log in {log_dir} ({errors.one_line(e)}): fix its '
              'permissions or choose another --workdir'
              + (' or --local_log_dir' if log_dir != workdir else ''))
   FLAGS.alsologtostderr = True
@@ -209,7 +209,7 @@ def main(argv):
     workdir = paths.resolve_folder_flag(FLAGS.workdir)  # once: orbax refuses relative paths
     config_checks.validate_before_devices(FLAGS.config)
   except ValueError as e:
-    sys.exit(f'vit_jax: {e}')
+    sys.exit(f'{errors.PROGRAM}: {e}')
   # pylint: disable=g-import-not-at-top,unused-import
   from vit_jax import tensorflow_quietly  # noqa: F401  (before rundir imports TensorFlow)
   from vit_jax import rundir
@@ -221,7 +221,7 @@ def main(argv):
     xla_cpu_flags.apply(dtype=FLAGS.config.dtype, recorded=recorded, log=False)
     cpu_devices = sharding.split_host_cpu(FLAGS.config)
   except ValueError as e:  # a bad VIT_JAX_XLA_CPU_FLAGS or cpu_devices value
-    sys.exit(f'vit_jax: {e}')
+    sys.exit(f'{errors.PROGRAM}: {e}')
   initialize_distributed()
   from vit_jax import train  # pylint: disable=g-import-not-at-top  (after distributed init)
   _started()
@@ -236,7 +236,7 @@ def main(argv):
     # config) leaves the log of the run that owns it as train.INFO.
     train.train_and_evaluate(FLAGS.config, workdir, on_start=open_log)
   except train.ConfigError as e:  # TrainingError's status: 1, or a signal's
-    _exit_with(f'vit_jax: {e}', log_open, getattr(e, 'status', 1))
+    _exit_with(f'{errors.PROGRAM}: {e}', log_open, getattr(e, 'status', 1))
   except Exception as e:  # pylint: disable=broad-except
     _exit_if_a_peer_failed(e)
     raise
@@ -251,13 +251,16 @@ def main(argv):
 # A signal outside the training steps (start-up, set-up, restore, compile, wrap-up): the one
 # line. The exit status is the shell's for the signal (128 + its number), as in the loop.
 _EXIT_ON_SIGNAL = {
-    signal.SIGTERM: 'vit_jax: preempted (SIGTERM) outside the training steps (set-up, compile or '
-                    'wrap-up): the saved checkpoints are kept; run the same command to resume',
-    signal.SIGHUP: 'vit_jax: the terminal closed (SIGHUP) outside the training steps (set-up, '
-                   'compile or wrap-up): the saved checkpoints are kept; run the same command to '
-                   'resume (under nohup, tmux or screen a run outlives its terminal)',
-    signal.SIGINT: 'vit_jax: interrupted (Ctrl-C) before training started: nothing new was '
-                   'saved; run the same command to start again',
+    signal.SIGTERM:
+        f'{errors.PROGRAM}: preempted (SIGTERM) outside the training steps (set-up, compile or '
+        'wrap-up): the saved checkpoints are kept; run the same command to resume',
+    signal.SIGHUP:
+        f'{errors.PROGRAM}: the terminal closed (SIGHUP) outside the training steps (set-up, '
+        'compile or wrap-up): the saved checkpoints are kept; run the same command to '
+        'resume (under nohup, tmux or screen a run outlives its terminal)',
+    signal.SIGINT:
+        f'{errors.PROGRAM}: interrupted (Ctrl-C) before training started: nothing new was '
+        'saved; run the same command to start again',
 }
 
 
@@ -339,7 +342,7 @@ def _exit_if_a_peer_failed(error):
     return
   logging.flush()
   sys.stderr.write(
-      f'vit_jax: process {jax.process_index()} of {jax.process_count()} stopped: '
+      f'{errors.PROGRAM}: process {jax.process_index()} of {jax.process_count()} stopped: '
       f'{errors.one_line(re.sub(r"(Error dispatching computation: )+", "", str(error)))}'
       '; if another process stopped (killed, preempted or crashed: see its log), '
       'start every process again with the same command: they resume from the last '
@@ -355,7 +358,7 @@ def run():
     try:
       host_allocator.reexec_with_jemalloc()  # before JAX starts: see host_allocator.py
     except ValueError as e:  # a bad VIT_JAX_HOST_ALLOCATOR value
-      sys.exit(f'vit_jax: {e}')
+      sys.exit(f'{errors.PROGRAM}: {e}')
     cli_help.run(main, __name__, flags_parser=parse_flags)
   except _StoppedWhileStarting as stopped:
     _exit_outside_the_loop(stopped.signum, log_open=[])

@@ -841,9 +841,9 @@ class _Preemption:
     del frame
     if signum == signal.SIGINT and self.requested is not None:
       os.write(
-          2, b'vit_jax: second Ctrl-C: stopped at once, without saving this step: run the same '
-          b'command to resume from the last complete checkpoint (from step 0 if none was written)'
-          b'\n')
+          2, f'{errors.PROGRAM}: second Ctrl-C: stopped at once, without saving this step: run '
+          'the same command to resume from the last complete checkpoint (from step 0 if none '
+          'was written)\n'.encode())
       os._exit(130)  # pylint: disable=protected-access
     if self.requested is None:
       if signum == signal.SIGINT:
