@@ -39,7 +39,6 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 
 from vit_jax import ctrl_c
@@ -228,7 +227,9 @@ def default_python():
 
 
 def tarball_path(name):
-  return os.path.join(tempfile.gettempdir(), f'vit_jax-{name}.tar.gz')
+  """In the user's own cache, not the shared /tmp, where a fixed name could be planted."""
+  cache = os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache')
+  return os.path.join(cache, 'vit_jax', f'{name}.tar.gz')
 
 
 def _project(args):
@@ -620,12 +621,14 @@ def setup_commands(args):
                         'to copy): pass --repo_url=https://github.com/OWNER/vit_jax.git '
                         '[--branch B]')
     tarball = tarball_path(args.name)
+    commands.append(['mkdir', '-p', os.path.dirname(tarball)])
     commands.append(
         ['tar', '-czf', tarball, *(f'--exclude={p}' for p in TAR_EXCLUDES), '-C', REPO_ROOT, '.'])
     commands.append([
         'gcloud', 'compute', 'tpus', 'tpu-vm', 'scp', tarball, f'{args.name}:{CODE_DIR}.tar.gz',
         '--zone', args.zone
     ] + _project(args) + ['--worker=all'] + _internal_ip(args))
+    commands.append(['rm', '-f', tarball])
   commands.append(ssh(args, 'all', setup_script(args)))
   return commands
 
@@ -635,6 +638,15 @@ def check_workdir(args):
   hosts = num_hosts(args.accelerator_type)
   warnings = []
   if not args.workdir.startswith('gs://'):
+    # The run starts in ~/vit_jax, which every `setup` deletes and ships again; '~' is not
+    # expanded (the command is quoted).
+    relative = not os.path.isabs(args.workdir)
+    if relative or re.match(rf'/(root|home/[^/]+)/{CODE_DIR}(/|$)', args.workdir):
+      where = f'is relative, so on the VM it would be in ~/{CODE_DIR}' if relative else (
+          f'is in ~/{CODE_DIR}')
+      raise LaunchError(f'--workdir {args.workdir} {where}, which vit-tpu setup deletes with '
+                        'the code it replaces: use --workdir=gs://BUCKET/... (kept after delete '
+                        f'too), or an absolute path outside ~/{CODE_DIR}')
     if hosts and hosts > 1:
       raise LaunchError(f'{args.accelerator_type} has {hosts} hosts, which must share the '
                         f'workdir: use --workdir=gs://BUCKET/...')
@@ -1038,7 +1050,9 @@ def _failure_fix(cmd):
 
 
 def _not_found(cmd):
-  return LaunchError(f'{cmd[0]} not found: install the Google Cloud CLI '
+  if cmd[0] != 'gcloud':
+    return LaunchError(f'{cmd[0]} not found: install it, or put it on PATH')
+  return LaunchError('gcloud not found: install the Google Cloud CLI '
                      '(https://cloud.google.com/sdk/docs/install) and run gcloud auth login')
 
 

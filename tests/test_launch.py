@@ -134,8 +134,10 @@ def test_num_hosts(accel, hosts):
 
 
 def test_setup_copies_the_working_tree():
-  tar, scp, ssh = build('setup')
+  mkdir, tar, scp, rm, ssh = build('setup')
   tarball = tpu_vm.tarball_path(NAME)
+  assert tarball.startswith(os.path.expanduser('~'))  # Not the shared /tmp.
+  assert mkdir == ['mkdir', '-p', os.path.dirname(tarball)] and rm == ['rm', '-f', tarball]
   assert tar[:3] == ['tar', '-czf', tarball] and tar[-3:] == ['-C', tpu_vm.REPO_ROOT, '.']
   assert '--exclude=.venv' in tar and '--exclude=.git' in tar
   assert scp == GCLOUD + ['scp', tarball, f'{NAME}:vit_jax.tar.gz', '--zone', ZONE, '--worker=all']
@@ -149,7 +151,7 @@ def test_setup_copies_the_working_tree():
   assert 'python3.11 -m venv vit_jax_venv' in script
   _bash_syntax_ok(script)
   # --internal-ips: ssh and scp reach the workers by their internal addresses.
-  _, scp, ssh = build('setup', '--internal-ips', '--python', 'python3.12')
+  _, _, scp, _, ssh = build('setup', '--internal-ips', '--python', 'python3.12')
   assert scp[-2:] == ['--worker=all', '--internal-ip']
   assert ssh[:-1] == ssh_prefix()[:-1] + ['--internal-ip', '--command']
   assert 'python3.12 -m venv' in ssh[-1]
@@ -291,6 +293,18 @@ def test_workdir_checks():
   assert len(a.warnings) == 1 and 'every host' in a.warnings[0]
   with pytest.raises(tpu_vm.LaunchError, match='watch creates the TPU VM again.*gs://'):
     build('watch', '--accelerator_type', 'v3-8', f'--config={CONFIG}', DATA, '--workdir=/tmp/w')
+  # The run starts in ~/vit_jax, which the next `setup` deletes: its checkpoints went with it.
+  for workdir, where in [('workdirs/qs', 'is relative, so on the VM it would be in ~/vit_jax'),
+                         ('~/w', 'is relative, so on the VM it would be in ~/vit_jax'),
+                         ('/home/me/vit_jax/w', 'is in ~/vit_jax'),
+                         ('/root/vit_jax', 'is in ~/vit_jax')]:
+    with pytest.raises(tpu_vm.LaunchError) as e:
+      build('run', '--accelerator_type', 'v3-8', f'--config={CONFIG}', DATA, f'--workdir={workdir}')
+    assert str(e.value) == (f'--workdir {workdir} {where}, which vit-tpu setup deletes with the '
+                            'code it replaces: use --workdir=gs://BUCKET/... (kept after delete '
+                            'too), or an absolute path outside ~/vit_jax')
+  build('run', '--accelerator_type', 'v3-8', f'--config={CONFIG}', DATA,
+        '--workdir=/home/me/vit_jax_runs/w')
 
 
 def test_preflight_validates_the_config_for_the_slice():
@@ -400,10 +414,10 @@ def test_all_is_preflight_create_setup_run():
   assert [type(s).__name__ for s in steps[:2]] == ['Check', 'Check']
   assert steps[2] == build('create', '--accelerator_type', 'v3-8')[0]
   assert steps[3].cmd == build('create', '--accelerator_type', 'v3-8')[1].cmd
-  assert steps[4][0] == 'tar' and steps[5][4] == 'scp'
-  assert steps[6][-1] == build('setup')[-1][-1]
-  assert steps[7] == build('run', *run_args())[-1]
-  assert len(steps) == 8
+  assert steps[4:8] == build('setup')[:4]  # mkdir, tar, scp, rm
+  assert steps[8][-1] == build('setup')[-1][-1]
+  assert steps[9] == build('run', *run_args())[-1]
+  assert len(steps) == 10
   with pytest.raises(tpu_vm.LaunchError, match='all needs --workdir'):
     build('all', '--accelerator_type', 'v3-8', '--config=c')  # Nothing is created.
   with pytest.raises(tpu_vm.LaunchError, match='batch_size'):
@@ -433,7 +447,8 @@ def test_dry_run_prints_and_runs_nothing(monkeypatch, capsys):
       assert out == ''.join(tpu_vm._show(s) + '\n' for s in steps)  # pylint: disable=protected-access
       # Every line is a command, or a comment: the output reads as a shell script.
       lines = [shlex.split(l, comments=True) for l in out.splitlines()]
-      assert [l for l in lines if l] == [l for l in lines if l and l[0] in ('gcloud', 'tar')]
+      assert [l for l in lines if l
+             ] == [l for l in lines if l and l[0] in ('gcloud', 'mkdir', 'tar', 'rm')]
 
 
 def test_execute_stops_at_the_first_failure(capsys):
@@ -452,6 +467,9 @@ def test_execute_stops_at_the_first_failure(capsys):
 
   with pytest.raises(tpu_vm.LaunchError, match='install the Google Cloud CLI'):
     tpu_vm.execute([['gcloud']], call=missing)
+  with pytest.raises(tpu_vm.LaunchError) as e:  # It had sent a missing tar to gcloud's docs.
+    tpu_vm.execute([['tar', '-czf', 'x']], call=missing)
+  assert str(e.value) == 'tar not found: install it, or put it on PATH'
 
 
 @pytest.mark.parametrize('argv,message', [
