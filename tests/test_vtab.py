@@ -440,16 +440,26 @@ def test_a_workdir_that_is_a_file_stops_before_the_first_task(tmp_path, dry_run,
   assert f'{tmp_path}/afile is not a directory: choose ' in str(e.value)
 
 
-@pytest.mark.parametrize('argv,message', [
-    (['--model=ViT-B16', '--dry-run'], "--model 'ViT-B16' is not a model of vit_jax.models: did "
-     'you mean ViT-B_16'),
-    (['--model=ViT-B_16', '--tasks=', '--dry-run'], "--tasks '' names no task"),
-    (['--model=ViT-B_16', '--tasks= , ', '--dry-run'], "--tasks ' , ' names no task"),
-    (['--model=ViT-B_16', '--tasks=dtdd', '--dry-run'], 'dtdd is not a VTAB-1k task (did you '
-     'mean dtd?)'),
-    (['--model=ViT-B_16', '--summarize-only'], 'nothing to summarize in vt: it does not exist; '
-     'run without --summarize-only first'),
-])
+@pytest.mark.parametrize(
+    'argv,message',
+    [
+        (['--model=ViT-B16', '--dry-run'
+         ], "--model 'ViT-B16' is not a model of vit_jax.models: did "
+         'you mean ViT-B_16'),
+        (['--model=ViT-B_16', '--tasks=', '--dry-run'], "--tasks '' names no task"),
+        (['--model=ViT-B_16', '--tasks= , ', '--dry-run'], "--tasks ' , ' names no task"),
+        (['--model=ViT-B_16', '--tasks=dtdd', '--dry-run'], 'dtdd is not a VTAB-1k task (did you '
+         'mean dtd?)'),
+        (['--model=ViT-B_16', '--summarize-only'], 'nothing to summarize in vt: it does not exist; '
+         'run without --summarize-only first'),
+        # It had trained every task on CIFAR-10 and reported that under the VTAB tasks' names.
+        (['--model=ViT-B_16', '--dry-run', '--config.dataset=cifar10'
+         ], '--config.dataset is set by '
+         'each task from its VTAB definition: leave it out; vit-train --config=finetune:MODEL,'
+         'vtab/TASK --config.dataset=... runs one task on other data'),
+        (['--model=ViT-B_16', '--config.eval_split=train'], '--config.eval_split is set by each '
+         'task from its VTAB definition: leave it out (--dev: the val200 protocol)'),
+    ])
 def test_vtab_bad_arguments_from_the_command_line(tmp_path, argv, message):
   """Refused before any task starts or any file is written: one line, exit 1."""
   p = console_script('vit-vtab', tmp_path, '--workdir=vt', *argv)
