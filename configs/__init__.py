@@ -199,6 +199,7 @@ OTHER_NAMES = {
     'total_epochs': ('num_epochs',),
     'pretrained_dir': ('pretrained_path',),
     'model_init': ('pretrained_path',),
+    'model_file': ('pretrained_path',),
     'optax_name': ('optimizer',),
     'ema': ('polyak_decay',),
     'half_precision': ('dtype',),
@@ -229,3 +230,9 @@ def check_override_names(config, args):
                          'every field is listed with its meaning in configs/common.py (installed: '
                          'vit_jax.configs.common)')
       node, done = node[part], done + [part]
+    if hasattr(node, 'keys') and '=' in arg:  # absl: "Failed to parse 'X' as a ConfigDict"
+      path = match.group(1)
+      variant = ('; a model variant is chosen with --config.model_name=ViT-L_16'
+                 if path == 'model' else '')
+      raise ValueError(f'--config.{path} is a group of fields ({", ".join(list(node)[:3])}, '
+                       f'...): set one as --config.{path}.FIELD=VALUE{variant}')

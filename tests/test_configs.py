@@ -493,6 +493,21 @@ def test_an_unknown_field_suggests_the_nearest_names(override, hint):
     configs.load('quickstart', [override])
 
 
+@pytest.mark.parametrize('override,message', [
+    ('--config.model=ViT-L_16', '--config.model is a group of fields (attention_dropout_rate, '
+     'dropout_rate, hidden_size, ...): set one as --config.model.FIELD=VALUE; a model variant '
+     'is chosen with --config.model_name=ViT-L_16'),
+    ('--config.pp=x', '--config.pp is a group of fields ('),
+])
+def test_a_value_for_a_group_of_fields_names_its_fields(override, message):
+  """absl had said "Failed to parse 'ViT-L_16' as a ConfigDict: ValueError('malformed node
+  or string ...')"."""
+  with pytest.raises(ValueError) as e:
+    configs.load('quickstart', [override])
+  assert str(e.value).startswith(message), e.value
+  assert configs.load('quickstart', ['--config.model.num_layers=2']).model.num_layers == 2
+
+
 def test_the_other_codebases_names_lead_to_fields():
   """Every name in configs.OTHER_NAMES is not a field, and every name it suggests is one."""
   fields = set(configs.load('quickstart'))

@@ -457,8 +457,10 @@ def test_a_workdir_that_is_a_file_stops_before_the_first_task(tmp_path, dry_run,
          ], '--config.dataset is set by '
          'each task from its VTAB definition: leave it out; vit-train --config=finetune:MODEL,'
          'vtab/TASK --config.dataset=... runs one task on other data'),
-        (['--model=ViT-B_16', '--config.eval_split=train'], '--config.eval_split is set by each '
-         'task from its VTAB definition: leave it out (--dev: the val200 protocol)'),
+        (['--model=ViT-B_16', '--config.model_name=ViT-L_16'], '--config.model_name: vit-vtab '
+         'takes the model as --model=NAME'),
+        (['--model=ViT-B_16', '--config.num_classes=10'], '--config.num_classes is set by each '
+         'task from its VTAB definition: leave it out'),
     ])
 def test_vtab_bad_arguments_from_the_command_line(tmp_path, argv, message):
   """Refused before any task starts or any file is written: one line, exit 1."""
