@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from vit_jax import checkpoint
+from vit_jax import image_files
 from vit_jax import inspection as vit_inspect
 from vit_jax import models
 from vit_jax import preprocessing
@@ -266,6 +267,14 @@ def test_images_from_a_folder_as_vit_predict_reads_them(tiny):
     assert out.returncode == 1 and 'Traceback' not in out.stderr, out.stderr[-2000:]
     assert out.stderr.splitlines()[-1] == f'vit-inspect: {message}'
     assert not (home / 'figs2').exists()
+
+
+def test_a_trailing_comma_in_images_names_no_file(tmp_path):
+  """`--images shoe.png,` had stopped with 'vit-inspect: : no such file or folder'."""
+  Image.new('L', (8, 8)).save(tmp_path / 'shoe.png')
+  assert image_files.find([str(tmp_path / 'shoe.png'), '']) == [str(tmp_path / 'shoe.png')]
+  with pytest.raises(ValueError, match='^No images: pass image files or folders'):
+    image_files.find([''])
 
 
 def test_an_unreadable_image_is_left_out_as_vit_predict_does(tiny):

@@ -32,6 +32,8 @@ def find(items):
   """Files as given, and the image files under folders (sorted; hidden ones left out)."""
   out = []
   for item in items:
+    if not item:  # --images a.png, (a trailing comma)
+      continue
     if os.path.isdir(item):
       found = []
       for d, dirs, files in os.walk(item):
