@@ -404,9 +404,9 @@ def test_a_bad_config_is_named_before_missing_data(tmp_path):
     train.train_and_evaluate(c, str(tmp_path / 'missing'))
 
 
-def _main(args, env_extra=None):
+def _main(args, env_extra=None, cwd=ROOT):
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2', **(env_extra or {}))
-  return subprocess.run([sys.executable, '-m', 'vit_jax.main', *args], cwd=ROOT, env=env,
+  return subprocess.run([sys.executable, '-m', 'vit_jax.main', *args], cwd=cwd, env=env,
                         capture_output=True, text=True, timeout=600)
 
 
@@ -502,6 +502,17 @@ def test_a_second_config_flag_is_one_line(tmp_path, second):
   assert proc.stderr.strip().splitlines()[-1] == (
       f"vit-train: --config is given more than once ('quickstart', '{second[9:]}'): give one "
       'config and set its fields with --config.FIELD=VALUE (see --help)'), proc.stderr[-2000:]
+
+
+def test_a_second_workdir_or_a_missing_flag_is_one_line(tmp_path):
+  # absl had run in the last --workdir given, and named a flag left out in its own words.
+  proc = _main(['--config=quickstart', '--workdir=w2', '--workdir', 'w3'], cwd=tmp_path)
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "vit-train: --workdir is given more than once ('w2', 'w3'): give one (see --help)")
+  proc = _main(['--config=quickstart'], cwd=tmp_path)
+  assert proc.stderr.strip().splitlines()[-1] == (
+      'vit-train: --workdir is required: pass --workdir=... (see --help)')
+  assert proc.returncode == 1 and os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize('override,expected', [

@@ -58,4 +58,6 @@ def plain_value_error(line):
   integer' (the same words from every command)."""
   for pattern, plain in _CONVERSION_ERRORS:
     line = re.sub(f'(?<=: ){pattern}$', plain, line)
-  return line
+  # absl's words for a required flag left out.
+  return re.sub(r'^flag --(\w+)=None: Flag --\1 must have a value other than None\.$',
+                r'--\1 is required: pass --\1=...', line)
