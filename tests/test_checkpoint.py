@@ -163,6 +163,21 @@ def test_parameters_that_are_not_finite_floats_are_refused(tmp_path, value, says
     checkpoint.load_npz(str(path))
 
 
+def test_a_published_file_out_of_reach_names_its_download(monkeypatch):
+  """Offline, the finetune configs' gs:// checkpoint: the fix names the https address curl
+  takes (it had said 'gsutil cp or curl' and no address)."""
+
+  def unreachable(path, mode):
+    raise OSError(f'{path}: could not reach storage.googleapis.com')
+
+  monkeypatch.setattr(checkpoint.paths, 'open_file', unreachable)
+  with pytest.raises(checkpoint.UnreadableFileError) as e:
+    checkpoint.load_npz('gs://vit_models/imagenet21k/ViT-B_16.npz')
+  assert str(e.value).endswith(
+      ': download it (curl -O https://storage.googleapis.com/vit_models/imagenet21k/ViT-B_16.npz'
+      ', or gsutil cp) and pass the local file'), e.value
+
+
 def test_an_npz_without_arrays_is_called_empty_not_pickled(tmp_path):
   path = tmp_path / 'empty.npz'
   np.savez(path)

@@ -58,8 +58,11 @@ def _read_npz(path):
     # OSError locally; tf.errors.OpError from gs:// (TensorFlow is imported only there).
     if not isinstance(e, OSError) and not type(e).__module__.startswith('tensorflow'):
       raise
-    fix = ('download it (gsutil cp or curl) and pass the local file'
-           if paths.is_remote(path) else 'check the path and download')
+    fix = 'check the path and download'
+    if paths.is_remote(path):
+      public = re.sub('^gs://', 'https://storage.googleapis.com/', str(path))  # gs:// by curl
+      fix = (f'download it (curl -O {public}, or gsutil cp) and pass the local file'
+             if public != path else 'download it and pass the local file')
     raise UnreadableFileError(path, f'cannot be read ({errors.one_line(e)})', fix) from None
   if not zipfile.is_zipfile(data):
     raise UnreadableFileError(path, 'is not a readable .npz (zip) file',

@@ -357,8 +357,9 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
         f'workdir {workdir} holds checkpoints of another model ({e}): use another --workdir, '
         'or fine-tune from that run with '
         f'--config.pretrained_path={shlex.quote(os.path.join(workdir, "final.npz"))}') from None
-  except checkpoint.UnreadableFileError as e:  # the pretrained file, damaged
-    raise ConfigError(f'pretrained_path {e}') from None
+  except checkpoint.UnreadableFileError as e:  # the pretrained file, damaged or unreachable
+    local = ' as --config.pretrained_path=FILE' if str(e).endswith('the local file') else ''
+    raise ConfigError(f'pretrained_path {e}{local}') from None
   except checkpoint.IncompatibleCheckpointError as e:  # the pretrained file, another model
     raise ConfigError(f'pretrained_path {config.pretrained_path} does not fit model '
                       f'{config.model_name}: {e}') from None
