@@ -122,7 +122,8 @@ def _define_flags():
   flags.DEFINE_string(
       'labels', None, 'A text file of class names, one per line (for a '
       'published checkpoint; a run knows its dataset\'s names).')
-  flags.DEFINE_integer('top_k', 5, 'Classes shown per image (at most the number of classes).')
+  flags.DEFINE_integer(
+      'top_k', 5, 'Classes shown per image (a number above the model\'s classes shows them all).')
 
 
 def main(argv):
