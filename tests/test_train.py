@@ -371,22 +371,32 @@ def test_fewshot_evaluation_runs_inside_training(idx_dir, tmp_path, caplog):
           f'fashion_mnist_local/3shot {out[keys[1]]:.4f}  mean/1shot') in caplog.text
 
 
-@pytest.mark.parametrize('overrides,message', [
-    (dict(image_size=30), 'image_size 30 is not divisible by patch size 7'),
-    (dict(batch_size=12), '^batch_size 12 must be a multiple of the 8 devices'),
-    (dict(batch_size=24, accum_steps=2), '^batch_size 24 / accum_steps 2 must be a multiple of '
-     'the 8 devices'),
-    (dict(accum_steps=3), '^accum_steps 3 must be >= 1 and divide batch_size 16'),
-    (dict(prefetch=-1), '^prefetch -1 is negative: set --config.prefetch'),
-    (dict(dtype='float16'), "dtype 'float16' is unknown"),
-    (dict(warmup_steps=5), 'warmup_steps 5 >= total_steps 3'),
-    (dict(vtab_task='clevr_cnt'), "vtab_task 'clevr_cnt' is not a VTAB-1k task"),
-    (dict(polyak_decay=1.0), 'polyak_decay 1.0 is not in'),
-    (dict(profile_steps=2), 'profile_first_step 0 / profile_steps 2: set'),
-    (dict(profile_first_step=4, profile_steps=1), "profile_first_step 4 is after the run's last "
-     'step 3, so nothing would be traced'),
-    (dict(peak_flops_per_device=-1.0), 'peak_flops_per_device -1 is not a peak in FLOP/s'),
-])
+@pytest.mark.parametrize(
+    'overrides,message',
+    [
+        (dict(image_size=30), 'image_size 30 is not divisible by patch size 7'),
+        # It had said 'patch size 56', a number the user never set.
+        ({
+            'model.resnet_layers': (3, 4)
+        },
+         re.escape(
+             'image_size 28 is not divisible by 56 pixels per token (patch size 7 on the ResNet stem of '
+             'the hybrid, resnet_layers (3, 4), which divides by 8)')),
+        (dict(batch_size=12), '^batch_size 12 must be a multiple of the 8 devices'),
+        (dict(batch_size=24, accum_steps=2), '^batch_size 24 / accum_steps 2 must be a multiple of '
+         'the 8 devices'),
+        (dict(accum_steps=3), '^accum_steps 3 must be >= 1 and divide batch_size 16'),
+        (dict(prefetch=-1), '^prefetch -1 is negative: set --config.prefetch'),
+        (dict(dtype='float16'), "dtype 'float16' is unknown"),
+        (dict(warmup_steps=5), 'warmup_steps 5 >= total_steps 3'),
+        (dict(vtab_task='clevr_cnt'), "vtab_task 'clevr_cnt' is not a VTAB-1k task"),
+        (dict(polyak_decay=1.0), 'polyak_decay 1.0 is not in'),
+        (dict(profile_steps=2), 'profile_first_step 0 / profile_steps 2: set'),
+        (dict(profile_first_step=4,
+              profile_steps=1), "profile_first_step 4 is after the run's last "
+         'step 3, so nothing would be traced'),
+        (dict(peak_flops_per_device=-1.0), 'peak_flops_per_device -1 is not a peak in FLOP/s'),
+    ])
 def test_bad_config_fails_at_start_up(idx_dir, tmp_path, overrides, message):
   with pytest.raises(ValueError, match=message):
     _run(idx_dir, tmp_path, 'bad', **overrides)

@@ -92,8 +92,12 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
     raise ValueError(f'image_size {config.image_size} must be >= 1 (pixels per side): set '
                      '--config.image_size')
   if config.image_size % stride:
-    raise ValueError(f'image_size {config.image_size} is not divisible by patch size {stride}: '
-                     f'set --config.image_size to a multiple of {stride}')
+    patch = fields.get('patch_size')
+    what = f'patch size {stride}' if stride == patch else (
+        f'{stride} pixels per token (patch size {patch} on the ResNet stem of the hybrid, '
+        f'resnet_layers {tuple(fields["resnet_layers"])}, which divides by {stride // patch})')
+    raise ValueError(f'image_size {config.image_size} is not divisible by {what}: set '
+                     f'--config.image_size to a multiple of {stride}')
   # An accum_steps that does not divide batch_size is optim.validate's to name.
   accum = max(config.accum_steps, 1)
   # Devices this process split its CPU into may be the reason.
