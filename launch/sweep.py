@@ -163,18 +163,25 @@ def point_configs(config, sets, points):
   return out
 
 
-def preflight(configs_of_points, what='point', config_flag='--set config.'):
+def preflight(configs_of_points, what='point', config_flag='--set config.', swept=()):
   """vit-train's start-up checks (config_checks) of every point's config, so that a
   value only a later point has (a string, a tuple, a range) stops the sweep before the first
   point trains. The devices are not counted here, so that this process does not take the
   accelerator its points need: each point checks its batch against them at its start.
   `what` names a point in the message (vit-vtab's are tasks); a message's --config.FIELD
-  is written as this command takes it, `config_flag`FIELD (vit-vtab: --config.)."""
+  is written as this command takes it, `config_flag`FIELD (vit-vtab: --config.), or
+  --sweep config.FIELD for a field in `swept`."""
+
+  def as_given(match):
+    field = match.group(1)
+    return f'--sweep config.{field}' if field in swept else f'{config_flag}{field}'
+
   for name, c in configs_of_points:
     try:
       tpu_vm.validate_for_slice(c, None)
     except tpu_vm.LaunchError as e:
-      raise SweepError(f'{what} {name}: {str(e).replace("--config.", config_flag)}') from None
+      raise SweepError(f'{what} {name}: '
+                       + re.sub(r'--config\.([\w.]+)', as_given, str(e))) from None
 
 
 def check_data(configs_of_points, what='point', config_flag='--set config.'):
@@ -668,8 +675,11 @@ def main(argv=None, runner=run_local, out=None):
     # A model.X the config does not list is checked against each point's variant, as
     # vit-train does it (configs.split_model_fields), when the points' configs are built.
     for key in [k for k, _ in sets] + [p[0] for p in points[0][1]]:
-      if not (_has_field(config, key) or key.startswith('model.')):
-        raise SweepError(f'config.{key} is not a field of {args.config}: check the name')
+      if not key.startswith('model.'):
+        try:  # vit-train's words: the nearest names, or the fields of a group given a value
+          configs.check_override_names(config, [f'--config.{key}=...'])
+        except ValueError as e:
+          raise SweepError(str(e).replace('--config.', 'config.')) from None
     for flag in overrides(sets, [a for _, point in points for a in point]):
       key, _, text = flag[len('--config.'):].partition('=')
       if _has_field(config, key):
@@ -679,7 +689,7 @@ def main(argv=None, runner=run_local, out=None):
       raise SweepError(f'config.{sorted(swept & {k for k, _ in sets})[0]} is both --set and '
                        'swept: keep one')
     configs_of_points = point_configs(args.config, sets, points)
-    preflight(configs_of_points)
+    preflight(configs_of_points, swept={k for k, _ in points[0][1]})
     # A dry run shows what would run, so it is refused too; a gs:// one reads no bucket.
     if not (args.dry_run and paths.is_remote(args.workdir)):
       check_same_sweep(args.workdir, args.config, config, grid, sets)

@@ -187,7 +187,16 @@ def test_tpu_sweep_chains_the_points(capsys):
         (['--config=configs/quickstart.py', '--workdir=w'], 'no lr_grid'),
         (['--config=configs/nope.py', '--workdir=w'], 'no config file configs/nope.py'),
         ([f'--config={FINETUNE}', '--workdir=w', '--sweep', 'config.base_lrr=[1]'
-         ], 'config.base_lrr is not a field'),
+         ], "config.base_lrr: the config has no field 'base_lrr' (did you mean base_lr?)"),
+        ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.model=ViT-L_16'
+         ], 'config.model is a group of fields (attention_dropout_rate, dropout_rate, ...): set '
+         'one as config.model.FIELD=VALUE; a model variant is chosen with config.model_name='),
+        # The flag a value came from: --sweep had been called --set.
+        ([f'--config={FINETUNE}', '--workdir=w', '--sweep', 'config.batch_size=[0,4]'
+         ], 'point batch_size=0: preflight (devices not checked): batch_size 0 must be > 0: set '
+         '--sweep config.batch_size'),
+        ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.batch_size=0'
+         ], 'batch_size 0 must be > 0: set --set config.batch_size'),
         ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.total_steps'], "--set"),
         ([f'--config={FINETUNE}', '--workdir=w', '--set', 'config.base_lr=0.1'], 'both --set and'),
         ([f'--config={FINETUNE}', '--workdir=w', '--tpu', 'vit'], '--tpu needs --zone'),
