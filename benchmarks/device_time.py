@@ -481,6 +481,8 @@ def main():
     print(json.dumps(result, default=float))
     return
   harness.jax_environment(args.allocator)  # a bad --allocator: its one line before any side
+  if args.torch != 'none':
+    harness.require_torch('device_time.py')
   load_start = harness.loadavg()
   results = []
   sides = ['vit_jax'] + ([] if args.torch == 'none' else ['torch'])

@@ -5,6 +5,7 @@ JSON, load and memory of the process, the model/batch flags, and PyTorch's side 
 (The PyTorch workers import only this; the JAX side is bare_step.py.)
 """
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -199,6 +200,12 @@ def check_batch_splits(batch, devices):
   if batch % devices:
     raise SystemExit(f'--batch {batch} does not split over {devices} devices: give a '
                      'multiple of --devices')
+
+
+def require_torch(script):
+  """One line naming the install, not a worker's ModuleNotFoundError and a broken pipe."""
+  if importlib.util.find_spec('torch') is None:
+    sys.exit(f"{script}: PyTorch is not installed: pip install -c constraints.txt '.[bench]'")
 
 
 def torch_sgd_step(model, batch, image_size, bf16, compile_model=False):

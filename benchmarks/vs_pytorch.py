@@ -145,6 +145,7 @@ class Worker:
 
 # ----------------------------------------------------------------- JAX side
 def main():
+  harness.require_torch('vs_pytorch.py')
   harness.reexec_under_allocator(args.allocator)
   # JAX only here: the PyTorch worker (this file with --worker) must not load it.
   os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')  # a GPU's memory is shared

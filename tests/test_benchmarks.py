@@ -57,6 +57,17 @@ def test_train_step(tmp_path):
   assert r['program_host_mib'] > 5  # this one-block step's program: 14-15 MiB measured
 
 
+@pytest.mark.skipif(importlib.util.find_spec('torch') is not None, reason='PyTorch is installed')
+def test_vs_pytorch_without_pytorch_names_the_install():
+  """It had ended in the worker's ModuleNotFoundError and a BrokenPipeError."""
+  proc = subprocess.run([
+      sys.executable,
+      os.path.join(REPO, 'benchmarks', 'vs_pytorch.py'), '--models', 'ViT-Ti_16', '--steps', '1'
+  ], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert (proc.returncode, proc.stderr) == (
+      1, "vs_pytorch.py: PyTorch is not installed: pip install -c constraints.txt '.[bench]'\n")
+
+
 def test_vs_pytorch(tmp_path):
   pytest.importorskip('torch')
   library = harmless_preload()  # stands in for jemalloc, as in test_allocator
