@@ -82,6 +82,7 @@ def load(spec, overrides=()):
     raise ValueError(f'{path}: {call} failed ({errors.one_line(e)}): fix the config file or '
                      "the argument after ':' in --config") from None
   _check_complete(config, path)
+  before = config  # (the overrides are applied to a config loaded anew)
   overrides, model_fields = split_model_fields(config, overrides)
   check_override_names(config, overrides)
   if overrides:
@@ -94,7 +95,28 @@ def load(spec, overrides=()):
       raise ValueError(errors.plain_value_error(str(e).strip().splitlines()[0])) from None
     config = flag_values.config
   add_model_fields(config, model_fields)
+  check_model_name_takes_effect(before, config)
   return config
+
+
+def check_model_name_takes_effect(config, final):
+  """Refuses a --config.model_name whose variant differs from the config's only in fields
+  the config's own model sets otherwise: the quickstart's 4-layer ViT had trained as
+  'ViT-L_16', the name recorded in config.json and nothing else changed."""
+  if final.model_name == config.model_name:
+    return
+  from vit_jax.models import variants  # pylint: disable=g-import-not-at-top  (JAX: see above)
+  old, new = variants.VARIANTS.get(config.model_name), variants.VARIANTS.get(final.model_name)
+  if old is None or new is None or old['family'] != new['family']:
+    return  # config_checks names these
+  differ = sorted(k for k in new if new[k] != old[k])
+  kept = [k for k in differ if k in final.model and final.model[k] != new[k]]
+  if differ and kept == differ:
+    raise ValueError(
+        f'--config.model_name={final.model_name} changes only the name: the config sets '
+        f'{", ".join(f"model.{k}" for k in kept)}, every field where {final.model_name} differs '
+        f'from {config.model_name}: set them too (--config.model.FIELD=VALUE), or start from a '
+        f'config for {final.model_name} (e.g. --config=finetune:{final.model_name},<dataset>)')
 
 
 _MODEL_FIELD = re.compile(r'^--?config\.model\.(\w+)(?:=(.*))?$', re.S)

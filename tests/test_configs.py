@@ -582,6 +582,31 @@ def test_a_model_of_another_family_than_the_config_s_is_one_line():
       '--config=finetune:R50x1,<dataset>) or one of your own')
 
 
+def test_a_model_name_that_would_change_only_the_name_is_refused(tmp_path):
+  """The quickstart sets every size of its ViT in config.model: with --config.model_name=
+  ViT-L_16 it had trained its 4-layer model under that name."""
+  message = ('--config.model_name=ViT-L_16 changes only the name: the config sets '
+             'model.hidden_size, model.mlp_dim, model.num_heads, model.num_layers, every field '
+             'where ViT-L_16 differs from ViT-Ti_16: set them too (--config.model.FIELD=VALUE), '
+             'or start from a config for ViT-L_16 (e.g. --config=finetune:ViT-L_16,<dataset>)')
+  with pytest.raises(ValueError) as e:
+    configs.load('quickstart', ['--config.model_name=ViT-L_16'])
+  assert str(e.value) == message
+  proc = subprocess.run([
+      sys.executable, '-m', 'vit_jax.main', '--config=quickstart', '--workdir=w',
+      '--config.model_name', 'ViT-L_16'
+  ], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+  assert (proc.returncode, proc.stderr) == (1, f'vit-train: {message} (see --help)\n')
+  # Where the name does change the model, it is taken: all of ViT-L's sizes given, or a
+  # hybrid's ResNet stem, which the quickstart does not set.
+  sizes = dict(hidden_size=1024, mlp_dim=4096, num_heads=16, num_layers=24)
+  large = configs.load('quickstart', ['--config.model_name=ViT-L_16']
+                       + [f'--config.model.{k}={v}' for k, v in sizes.items()])
+  assert large.model_name == 'ViT-L_16' and large.model.num_layers == 24
+  assert configs.load('quickstart',
+                      ['--config.model_name=R50+ViT-B_16']).model_name == ('R50+ViT-B_16')
+
+
 def test_vit_train_takes_a_model_field_its_config_does_not_list(tmp_path):
   """From the shell, as the pretrained_keep_prelogits error tells a fine-tuning user to
   do: the field reaches the config checks (here refused there), a misspelt one is refused

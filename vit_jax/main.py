@@ -132,6 +132,8 @@ def parse_flags(argv):
     rest = FLAGS(argv)
     _ = FLAGS.config  # raises if the config file failed to load
     configs.add_model_fields(FLAGS.config, model_fields)
+    if config is not None:
+      configs.check_model_name_takes_effect(config, FLAGS.config)
     return rest
   except BrokenPipeError:  # --help piped into a reader that stopped: console_scripts' to end
     raise
