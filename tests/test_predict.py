@@ -475,3 +475,9 @@ def test_a_flag_value_of_the_wrong_type_is_in_plain_words(program, flag, tmp_pat
   out = shell([program, '--workdir', 'run', f'{flag}=abc'], tmp_path)
   assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
       f'{program}: flag {flag}=abc: expected an integer (see --help)'), out.stderr[-2000:]
+  # Before a model is loaded (vit-evaluate had refused a batch size 0 after 5-7 s).
+  out = shell([program, '--workdir', 'run', f'{flag}=0'], tmp_path)
+  assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == {
+      'vit-evaluate': 'vit-evaluate: flag --batch_size=0: 0 is not a positive integer (see --help)',
+      'vit-predict': 'vit-predict: --top_k=0: pass 1 or more (classes shown per image)'
+  }[program], out.stderr[-2000:]

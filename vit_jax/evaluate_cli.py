@@ -70,7 +70,7 @@ def _define_flags():
                     'Seeds of the k-shot draws.')
   flags.DEFINE_float('l2_reg', _DEFAULTS.fewshot_l2_reg,
                      'Ridge regulariser of the few-shot regression.')
-  flags.DEFINE_integer('batch_size', 64, 'Global evaluation batch size.')
+  flags.DEFINE_integer('batch_size', 64, 'Global evaluation batch size.', lower_bound=1)
   return flags.FLAGS
 
 
