@@ -468,6 +468,19 @@ def test_help_and_refused_arguments_answer_before_tensorflow_loads(home):
                                                                 True), (argv, lines[-5:])
 
 
+@pytest.mark.parametrize('argv,line', [
+    (['vit-evaluate', '--workdir=a', '--workdir', 'b'
+     ], "vit-evaluate: --workdir is given more than once ('a', 'b'): give one (see --help)"),
+    (['vit-inspect', '--workdir=a', '--images=x.png', '--images', 'y.png'
+     ], "vit-inspect: --images is given more than once ('x.png', 'y.png'): give one, its values "
+     'comma-separated (see --help)'),
+])
+def test_a_flag_given_twice_is_refused(argv, line, tmp_path):
+  """absl takes the last: `--workdir=a --workdir=b` had evaluated b without a word."""
+  out = shell(argv, tmp_path)
+  assert (out.returncode, out.stderr.strip().splitlines()[-1]) == (1, line), out.stderr[-2000:]
+
+
 @pytest.mark.parametrize('program,flag', [('vit-evaluate', '--batch_size'),
                                           ('vit-predict', '--top_k')])
 def test_a_flag_value_of_the_wrong_type_is_in_plain_words(program, flag, tmp_path):

@@ -50,12 +50,38 @@ def one_line_flag_errors(program):
 
   def parse(argv):
     try:
-      return flags.FLAGS(argv)
+      rest = flags.FLAGS(argv)
     except flags.Error as e:
       sys.exit(f'{program}: {errors.plain_value_error(str(e).strip().splitlines()[0])} '
                '(see --help)')
+    name, values = _given_twice(argv)
+    if name:
+      listed = ', its values comma-separated' if 'list' in flags.FLAGS[name].flag_type() else ''
+      sys.exit(f'{program}: --{name} is given more than once ({", ".join(map(repr, values))}): '
+               f'give one{listed} (see --help)')
+    return rest
 
   return parse
+
+
+def _given_twice(argv):
+  """(name, its values) of the first single-valued flag given more than once in argv (absl
+  takes the last: `--workdir=a --workdir=b` ran on b), else (None, None)."""
+  seen = {}
+  args = argv[1:argv.index('--')] if '--' in argv else argv[1:]
+  for i, arg in enumerate(args):
+    if not arg.startswith('-') or arg in ('-', '--'):
+      continue
+    name, eq, value = arg.lstrip('-').partition('=')
+    flag = flags.FLAGS[name] if name in flags.FLAGS else None
+    if flag is None or isinstance(flag, flags.MultiFlag) or flag.boolean:
+      continue
+    if not eq:
+      value = args[i + 1] if i + 1 < len(args) else ''
+    seen.setdefault(name, []).append(value)
+    if len(seen[name]) > 1:
+      return name, seen[name]
+  return None, None
 
 
 def refuse_arguments(program, argv, hint):
