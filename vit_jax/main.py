@@ -90,14 +90,17 @@ def _value_indices(argv, name):
   return sorted(found)
 
 
-def _config_value_index(argv):
-  """Index of the --config value in argv, or None; a second --config or --workdir is
-  refused (absl would take the last: a config on top of the first's overrides, the run in
-  the second folder)."""
+def _check_workdir_given_once(argv):
+  """absl would take the last --workdir: the run in the second folder, without a word."""
   workdirs = _value_indices(argv, 'workdir')
   if len(workdirs) > 1:
     values = ', '.join(repr(_flag_value(argv[i])) for i in workdirs)
     raise ValueError(f'--workdir is given more than once ({values}): give one')
+
+
+def _config_value_index(argv):
+  """Index of the --config value in argv, or None; a second --config is refused (absl would
+  take the last, on top of the first's overrides)."""
   found = _value_indices(argv, 'config')
   if len(found) > 1:
     values = ', '.join(repr(_flag_value(argv[i])) for i in found)
@@ -117,6 +120,7 @@ def parse_flags(argv):
   argv = list(argv)
   config, model_fields = None, {}
   try:
+    _check_workdir_given_once(argv)
     i = _config_value_index(argv)
     if i is not None:
       value = _flag_value(argv[i])
