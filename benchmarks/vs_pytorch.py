@@ -145,8 +145,8 @@ class Worker:
 
 # ----------------------------------------------------------------- JAX side
 def main():
+  harness.reexec_under_allocator(args.allocator)  # a bad --allocator: its line first
   harness.require_torch('vs_pytorch.py')
-  harness.reexec_under_allocator(args.allocator)
   # JAX only here: the PyTorch worker (this file with --worker) must not load it.
   os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')  # a GPU's memory is shared
   import bare_step  # pylint: disable=import-outside-toplevel
