@@ -54,19 +54,28 @@ def one_line_flag_errors(program):
     except flags.Error as e:
       sys.exit(f'{program}: {errors.plain_value_error(str(e).strip().splitlines()[0])} '
                '(see --help)')
-    name, values = _given_twice(argv)
-    if name:
-      listed = ', its values comma-separated' if 'list' in flags.FLAGS[name].flag_type() else ''
-      sys.exit(f'{program}: --{name} is given more than once ({", ".join(map(repr, values))}): '
-               f'give one{listed} (see --help)')
+    try:
+      check_given_once(argv)
+    except ValueError as e:
+      sys.exit(f'{program}: {e} (see --help)')
     return rest
 
   return parse
 
 
+def check_given_once(argv):
+  """A ValueError for a single-valued flag given more than once in argv (absl takes the
+  last: `--workdir=a --workdir=b` ran on b)."""
+  name, values = _given_twice(argv)
+  if name:
+    listed = ', its values comma-separated' if 'list' in flags.FLAGS[name].flag_type() else ''
+    raise ValueError(f'--{name} is given more than once ({", ".join(map(repr, values))}): give '
+                     f'one{listed}')
+
+
 def _given_twice(argv):
-  """(name, its values) of the first single-valued flag given more than once in argv (absl
-  takes the last: `--workdir=a --workdir=b` ran on b), else (None, None)."""
+  """(name, its values) of the first single-valued flag given more than once in argv, else
+  (None, None)."""
   seen = {}
   args = argv[1:argv.index('--')] if '--' in argv else argv[1:]
   for i, arg in enumerate(args):

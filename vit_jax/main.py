@@ -83,27 +83,13 @@ def initialize_distributed():
     jax.distributed.initialize(heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_seconds)
 
 
-def _value_indices(argv, name):
-  """Indices of the values of flag `name` in argv ('--name=V' or '--name V')."""
-  found = [i for i, arg in enumerate(argv) if arg.startswith((f'--{name}=', f'-{name}='))]
-  found += [i + 1 for i, arg in enumerate(argv[:-1]) if arg in (f'--{name}', f'-{name}')]
-  return sorted(found)
-
-
-def _check_workdir_given_once(argv):
-  """absl would take the last --workdir: the run in the second folder, without a word."""
-  workdirs = _value_indices(argv, 'workdir')
-  if len(workdirs) > 1:
-    values = ', '.join(repr(_flag_value(argv[i])) for i in workdirs)
-    raise ValueError(f'--workdir is given more than once ({values}): give one')
-
-
 def _config_value_index(argv):
-  """Index of the --config value in argv, or None; a second --config is refused (absl would
-  take the last, on top of the first's overrides)."""
-  found = _value_indices(argv, 'config')
+  """Index of the --config value in argv ('--config=V' or '--config V'), or None; a second
+  --config is refused (absl would take the last, on top of the first's overrides)."""
+  found = [i for i, arg in enumerate(argv) if arg.startswith(('--config=', '-config='))]
+  found += [i + 1 for i, arg in enumerate(argv[:-1]) if arg in ('--config', '-config')]
   if len(found) > 1:
-    values = ', '.join(repr(_flag_value(argv[i])) for i in found)
+    values = ', '.join(repr(_flag_value(argv[i])) for i in sorted(found))
     raise ValueError(f'--config is given more than once ({values}): give one config and '
                      'set its fields with --config.FIELD=VALUE')
   return found[0] if found else None
@@ -120,8 +106,8 @@ def parse_flags(argv):
   argv = list(argv)
   config, model_fields = None, {}
   try:
-    _check_workdir_given_once(argv)
     i = _config_value_index(argv)
+    cli_help.check_given_once(argv)  # --workdir, ... (--config: just above, in its words)
     if i is not None:
       value = _flag_value(argv[i])
       argv[i] = argv[i][:len(argv[i]) - len(value)] + configs.resolve(value)
