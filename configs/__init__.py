@@ -83,6 +83,7 @@ def load(spec, overrides=()):
                      "the argument after ':' in --config") from None
   _check_complete(config, path)
   before = config  # (the overrides are applied to a config loaded anew)
+  check_overrides_once(overrides)
   overrides, model_fields = split_model_fields(config, overrides)
   check_override_names(config, overrides)
   if overrides:
@@ -229,6 +230,25 @@ OTHER_NAMES = {
     'max_steps': ('total_steps',),
     'num_steps': ('total_steps',),
 }
+
+
+def check_overrides_once(args):
+  """A one-line ValueError for a config field set more than once in `args` (ml_collections,
+  like absl, takes the last: `--config.total_steps=2 ... --config.total_steps=3` ran 3)."""
+  seen = {}
+  for i, arg in enumerate(args):
+    match = re.match(r'^--?(no)?config\.([\w.]+)(=(.*))?$', arg, re.S)
+    if not match:
+      continue
+    negated, path, eq, value = match.groups()
+    if not eq:  # `--config.x VALUE`, or a boolean `--config.flag` / `--noconfig.flag`
+      following = args[i + 1] if i + 1 < len(args) else ''
+      value = ('False'
+               if negated else following if following and not following.startswith('-') else 'True')
+    seen.setdefault(path, []).append(value)
+    if len(seen[path]) > 1:
+      raise ValueError(f'--config.{path} is given more than once '
+                       f'({", ".join(map(repr, seen[path]))}): give one')
 
 
 def check_override_names(config, args):

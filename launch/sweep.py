@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 
+from vit_jax import cli_help
 from vit_jax import configs
 from vit_jax import ctrl_c
 from vit_jax import errors
@@ -616,6 +617,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parser():
   p = _Parser(prog='vit-sweep', description=__doc__.split('\n')[0])
+  p.register('action', None, cli_help.StoreOnce)  # a flag given twice is refused
   p.add_argument('--config', help='e.g. finetune:ViT-B_16,cifar10,dev (or a config file)')
   p.add_argument('--workdir', required=True, help='one sub-directory per point (may be gs://)')
   p.add_argument('--sweep', action='append', default=[],
@@ -672,6 +674,11 @@ def main(argv=None, runner=run_local, out=None):
     grid = build_grid(config, args.sweep)
     points = grid_points(grid)
     sets = [parse_set(s) for s in args.sets]
+    set_keys = [k for k, _ in sets]
+    for key in set_keys:
+      if set_keys.count(key) > 1:
+        raise SweepError(f'config.{key} is given more than once in --set '
+                         f'({", ".join(repr(v) for k, v in sets if k == key)}): give one')
     # A model.X the config does not list is checked against each point's variant, as
     # vit-train does it (configs.split_model_fields), when the points' configs are built.
     for key in [k for k, _ in sets] + [p[0] for p in points[0][1]]:

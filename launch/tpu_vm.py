@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 
+from vit_jax import cli_help
 from vit_jax import ctrl_c
 from vit_jax import paths
 
@@ -912,6 +913,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parser():
   p = _Parser(prog='vit-tpu', description=__doc__.split('\n')[0])
+  p.register('action', None, cli_help.StoreOnce)  # a flag given twice is refused
   p.add_argument('action', help=' | '.join(ACTIONS))
   p.add_argument('--name', help='TPU VM name (and queued resource name)')
   p.add_argument('--zone', help='e.g. europe-west4-a, us-central2-b')

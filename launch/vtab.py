@@ -21,6 +21,7 @@ import json
 import shlex
 import sys
 
+from vit_jax import cli_help
 from vit_jax import configs
 from vit_jax import ctrl_c
 from vit_jax import models
@@ -249,6 +250,7 @@ def parser():
       epilog='Any --config.FIELD=VALUE is passed to every task\'s vit-train and checked '
       'before the first task starts; the fields and their values: vit-train '
       '--config=finetune:ViT-B_16,vtab/dtd --help.')
+  p.register('action', None, cli_help.StoreOnce)  # a flag given twice is refused
   p.add_argument('--model', required=True, help='a finetune.py model, e.g. ViT-B_16')
   p.add_argument('--workdir', required=True, help='one sub-directory per task (may be gs://)')
   p.add_argument('--tasks', default=None, help='comma-separated VTAB-1k tasks (default: all 19)')

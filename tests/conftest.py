@@ -194,6 +194,26 @@ CTRL_C_AS_IN_A_TERMINAL = ('import signal; '
                            'signal.signal(signal.SIGHUP, signal.SIG_DFL)\n')
 
 
+def with_flags(argv, extra):
+  """argv with `extra` in place of the flags it gives again: the commands refuse a flag given
+  twice (absl took the last one), so a test's flag must replace its base command's."""
+  given = set()
+  for i, arg in enumerate(extra):
+    name, eq, _ = arg.lstrip('-').partition('=')
+    takes_value = eq or (i + 1 < len(extra) and not extra[i + 1].startswith('-'))
+    if arg.startswith('--') and takes_value and name not in ('set', 'sweep'):
+      given.add(name)
+  out, skip = [], False
+  for arg in argv:
+    if skip:
+      skip = False
+    elif arg.startswith('--') and arg[2:].partition('=')[0] in given:
+      skip = '=' not in arg  # '--name value': the value goes too
+    else:
+      out.append(arg)
+  return out + list(extra)
+
+
 def console_script(name, cwd, *argv, timeout=300):
   """This venv's console script `name` (vit-sweep, vit-vtab, ...), run as a user runs it
   from `cwd`."""

@@ -582,6 +582,30 @@ def test_a_model_of_another_family_than_the_config_s_is_one_line():
       '--config=finetune:R50x1,<dataset>) or one of your own')
 
 
+@pytest.mark.parametrize(
+    'overrides,message',
+    [
+        (['--config.total_steps=2', '--config.seed=1', '--config.total_steps', '3'
+         ], "--config.total_steps is given more than once ('2', '3'): give one"),
+        (['--config.fsdp', '--noconfig.fsdp'], "--config.fsdp is given more than once ('True', "
+         "'False'): give one"),
+        # A variant field the config does not list (split off before the config is parsed).
+        (['--config.model.representation_size=8', '--config.model.representation_size=9'
+         ], "--config.model.representation_size is given more than once ('8', '9'): give one"),
+    ])
+def test_a_config_field_given_twice_is_refused(tmp_path, overrides, message):
+  """ml_collections took the last value, silently."""
+  with pytest.raises(ValueError) as e:
+    configs.load('quickstart', overrides)
+  assert str(e.value) == message
+  proc = subprocess.run(
+      [sys.executable, '-m', 'vit_jax.main', '--config=quickstart', '--workdir=w', *overrides],
+      cwd=tmp_path, capture_output=True, text=True, timeout=120)
+  assert (proc.returncode, proc.stderr) == (1, f'vit-train: {message} (see --help)\n')
+  assert os.listdir(tmp_path) == []
+  assert configs.load('quickstart', ['--config.total_steps=2', '--config.seed=2']).seed == 2
+
+
 def test_a_model_name_that_would_change_only_the_name_is_refused(tmp_path):
   """The quickstart sets every size of its ViT in config.model: with --config.model_name=
   ViT-L_16 it had trained its 4-layer model under that name."""

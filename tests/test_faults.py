@@ -30,6 +30,7 @@ from vit_jax.configs import quickstart
 from tests.conftest import built_once
 from tests.conftest import CTRL_C_AS_IN_A_TERMINAL
 from tests.conftest import own_compilation_cache
+from tests.conftest import with_flags
 
 ARGS = [
     '--config=quickstart', '--config.total_steps=30', '--config.warmup_steps=2',
@@ -51,7 +52,9 @@ def _cli(cwd, workdir, *extra, devices=8, file_size_limit=None, memory_limit=Non
   """vit-train's (rc, stderr, last line). file_size_limit: "disk full" for files past it
   (Python ignores SIGXFSZ); memory_limit: bytes of address space, past which allocations
   fail (a test of the memory check cannot then take the host's memory if the check breaks)."""
-  command = [sys.executable, '-m', 'vit_jax.main', *ARGS, f'--workdir={workdir}', *extra]
+  command = [
+      sys.executable, '-m', 'vit_jax.main', *with_flags([*ARGS, f'--workdir={workdir}'], extra)
+  ]
   limits = [
       (name, n) for name, n in (('RLIMIT_FSIZE', file_size_limit), ('RLIMIT_AS', memory_limit)) if n
   ]
@@ -606,8 +609,10 @@ def test_ctrl_c_or_a_closed_terminal_saves_then_exits_non_zero(tmp_path, sig, sa
   # A closed terminal (SIGHUP) had ended the run at once: no save, no line, status 129.
   # Both had exited 1, as a failed run does. (SIGTERM: tests/test_preemption.py.)
   proc = subprocess.Popen([
-      sys.executable, '-m', 'vit_jax.main', *ARGS, '--workdir=run', '--config.total_steps=5000',
-      '--config.log_every_steps=5', '--config.checkpoint_every_steps=0'
+      sys.executable, '-m', 'vit_jax.main', *with_flags(ARGS, [
+          '--workdir=run', '--config.total_steps=5000', '--config.log_every_steps=5',
+          '--config.checkpoint_every_steps=0'
+      ])
   ], cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   log = tmp_path / 'run' / 'train.INFO'
   deadline = time.time() + 200
@@ -630,8 +635,11 @@ def test_a_closed_terminal_still_gets_sighups_status(tmp_path):
   """Where the terminal is gone, writing the last line to it fails (EIO; a pipe: EPIPE): that
   error had become the exit status (1) and the last line's traceback."""
   proc = subprocess.Popen([
-      os.path.join(os.path.dirname(sys.executable), 'vit-train'), *ARGS, '--workdir=run',
-      '--config.total_steps=5000', '--config.log_every_steps=5', '--config.checkpoint_every_steps=0'
+      os.path.join(os.path.dirname(sys.executable), 'vit-train'),
+      *with_flags(ARGS, [
+          '--workdir=run', '--config.total_steps=5000', '--config.log_every_steps=5',
+          '--config.checkpoint_every_steps=0'
+      ])
   ], cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   log = tmp_path / 'run' / 'train.INFO'
   deadline = time.time() + 200
@@ -648,8 +656,9 @@ def test_a_closed_terminal_still_gets_sighups_status(tmp_path):
 def _patched_cli(tmp_path, code, *extra, **env):
   """The CLI run by `code` (a script that patches vit_jax, then calls main.run()) with the
   suite's flags, --workdir=run and `extra`, in `tmp_path`."""
-  return subprocess.run([sys.executable, '-c', code, *ARGS, '--workdir=run', *extra], cwd=tmp_path,
-                        env=dict(_env(), **env), capture_output=True, text=True, timeout=300)
+  return subprocess.run([sys.executable, '-c', code, *with_flags([*ARGS, '--workdir=run'], extra)],
+                        cwd=tmp_path, env=dict(_env(),
+                                               **env), capture_output=True, text=True, timeout=300)
 
 
 _OUTSIDE_THE_LOOP_SAYS = {

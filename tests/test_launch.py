@@ -29,8 +29,9 @@ def build(action, *extra):
   return tpu_vm.build_commands(action, args(action, *extra))
 
 
-def run_args(*extra):
-  return ('--accelerator_type', 'v3-8', f'--config={CONFIG}', '--workdir=gs://b/w', DATA, *extra)
+def run_args(*extra, accelerator_type='v3-8', config=CONFIG):
+  return ('--accelerator_type', accelerator_type, f'--config={config}', '--workdir=gs://b/w', DATA,
+          *extra)
 
 
 def commands(steps):
@@ -313,15 +314,15 @@ def test_preflight_validates_the_config_for_the_slice():
   assert 'gs://b/tfds' in steps[0].what and 'gs://b/w' in steps[1].what
   # 512 is a multiple of v3-8's 8 devices, not of v3-2048's 2048.
   with pytest.raises(tpu_vm.LaunchError, match=r'v3-2048: 2048 devices.*batch_size 512'):
-    build('preflight', *run_args('--accelerator_type', 'v3-2048'))
+    build('preflight', *run_args(accelerator_type='v3-2048'))
   with pytest.raises(tpu_vm.LaunchError, match='batch_size 12 .* 8 devices'):
     build('preflight', *run_args('--config.batch_size=12'))
   # v4-8 has 4 devices: 12 fits there (eval_batch_size 512 too).
-  build('preflight', *run_args('--config.batch_size=12', '--accelerator_type', 'v4-8'))
+  build('preflight', *run_args('--config.batch_size=12', accelerator_type='v4-8'))
   with pytest.raises(tpu_vm.LaunchError, match="config has no field 'base_lrr'"):
     build('preflight', *run_args('--config.base_lrr=1'))
   with pytest.raises(tpu_vm.LaunchError, match='no config file'):
-    build('preflight', *run_args('--config=nope:x'))
+    build('preflight', *run_args(config='nope:x'))
 
 
 def test_preflight_data_dir():
@@ -648,9 +649,10 @@ def test_watch_recovers_from_preemption_queued(fake_gcloud, capsys):
   }}, run_status=['preempt'], on_start=[{
       'run_status': ['running', 'done']
   }], create_states={'queued': ['WAITING_FOR_RESOURCES', 'PROVISIONING', 'ACTIVE']})
-  assert tpu_vm.main(
-      ['watch', '--name', NAME, '--zone', 'us-east5-b', *FAKE_RUN, '--accelerator_type',
-       'v6e-8']) == 0
+  assert tpu_vm.main([
+      'watch', '--name', NAME, '--zone', 'us-east5-b',
+      *[a if a != 'v3-8' else 'v6e-8' for a in FAKE_RUN]
+  ]) == 0
   verbs = _verbs(read()['calls'])
   i = verbs.index('queued-resources delete')
   assert verbs[i - 1] == 'queued-resources describe'  # SUSPENDED
@@ -824,7 +826,24 @@ def test_a_malformed_accelerator_type_or_zone_is_refused(tmp_path, argv, message
   """tpu-v4 was blamed on the runtime ('no default runtime for tpu-v4: pass
   --runtime_version'); v4 (given a runtime), v4-9 and a zone us-central2-bb were only warned
   about, and passed on to gcloud."""
-  p = vit_tpu(tmp_path, 'create', '--name', NAME, '--zone', 'us-central2-b', *argv, '--dry-run')
+  zone = () if '--zone' in argv else ('--zone', 'us-central2-b')
+  p = vit_tpu(tmp_path, 'create', '--name', NAME, *zone, *argv, '--dry-run')
+  assert _error_line(p) == p.stderr.splitlines()[-1] == f'vit-tpu: error: {message}'
+  assert p.stdout == ''
+
+
+@pytest.mark.parametrize('argv,message', [
+    (('run', '--name', NAME, '--name', 'vit2', '--zone', ZONE, '--dry-run'),
+     f"--name is given more than once ({NAME!r}, 'vit2'): give one"),
+    (('logs', '--name', NAME, '--zone', ZONE, '--lines', '5', '--lines=6'),
+     '--lines is given more than once (5, 6): give one'),
+    (('run', '--name', NAME, '--zone', ZONE, '--config=quickstart', '--workdir=gs://b/w',
+      '--config.seed=1', '--config.seed=2', '--dry-run'),
+     "--config 'quickstart': --config.seed is given more than once ('1', '2'): give one"),
+])
+def test_a_flag_given_twice_is_refused(tmp_path, argv, message):
+  """argparse, and ml_collections for a config field, had taken the last value."""
+  p = vit_tpu(tmp_path, *argv)
   assert _error_line(p) == p.stderr.splitlines()[-1] == f'vit-tpu: error: {message}'
   assert p.stdout == ''
 

@@ -23,6 +23,7 @@ import pytest
 from tests import data_fixtures
 from tests.conftest import built_once
 from tests.conftest import ROOT
+from tests.conftest import with_flags
 
 README = os.path.join(ROOT, 'README.md')
 USER_DATA = 'fashion'  # the user's Fashion-MNIST IDX folder, relative to their directory
@@ -77,26 +78,6 @@ def _flag(argv, name):
     if arg == f'--{name}' and i + 1 < len(argv):
       return argv[i + 1]
   return None
-
-
-def _with(argv, extra):
-  """argv with `extra` in place of the flags it gives again: the commands refuse a flag given
-  twice (absl took the last one), so an appended one must replace the README's."""
-  given = set()
-  for i, arg in enumerate(extra):
-    name, eq, _ = arg.lstrip('-').partition('=')
-    takes_value = eq or (i + 1 < len(extra) and not extra[i + 1].startswith('-'))
-    if arg.startswith('--') and takes_value and name not in ('set', 'sweep'):
-      given.add(name)
-  out, skip = [], False
-  for arg in argv:
-    if skip:
-      skip = False
-    elif arg.startswith('--') and arg[2:].partition('=')[0] in given:
-      skip = '=' not in arg  # '--name value': the value goes too
-    else:
-      out.append(arg)
-  return out + list(extra)
 
 
 def rule(argv):
@@ -196,7 +177,7 @@ def test_the_two_setup_commands_come_first():
 @pytest.mark.parametrize('argv', [a for a in readme_commands()[1] if rule(a)[0] == 'run'],
                          ids=lambda a: shlex.join(a)[:60])
 def test_runs_as_written(argv, user_dir):
-  out = _shell(_with(argv, rule(argv)[1]), user_dir)
+  out = _shell(with_flags(argv, rule(argv)[1]), user_dir)
   if argv[0] == 'vit-evaluate':
     assert out.stdout.splitlines()[0].split() == ['mode', 'metric', 'value']
   if argv[0] == 'vit-predict':
@@ -215,9 +196,10 @@ def test_runs_as_written(argv, user_dir):
 def test_experiments_run_as_written_in_miniature(argv, user_dir, tmp_path):
   """From the repository root, as the README runs them, on the user's small data."""
   out = _shell(
-      _with(argv,
-            rule(argv)[1]
-            + [f'--workdir={tmp_path / "run"}', f'--data_dir={user_dir / USER_DATA}']), ROOT)
+      with_flags(
+          argv,
+          rule(argv)[1] + [f'--workdir={tmp_path / "run"}', f'--data_dir={user_dir / USER_DATA}']),
+      ROOT)
   assert '| labelled images | from scratch | masked patch pre-trained |' in out.stdout
   # Not TensorFlow's start-up notices (vit_jax/tensorflow_quietly.py) before anything else.
   assert not re.search('absl::InitializeLog|oneDNN custom operations', out.stderr), out.stderr[:800]

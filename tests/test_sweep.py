@@ -570,22 +570,38 @@ def test_real_local_sweep(tmp_path, monkeypatch, capsys):
   assert 'Final test top-1 accuracy' in out  # Streamed.
 
 
-@pytest.mark.parametrize('argv,message', [
-    (['--config.total_steps=3', '--dry-run'], "unknown argument '--config.total_steps=3': "
-     "vit-sweep sets a config field for every point with --set 'config.total_steps=3'"),
-    (['--config.total_steps', '3', '--dry-run'], "--set 'config.total_steps=VALUE'"),
-    (['--bogus', '--dry-run'], 'unrecognized arguments: --bogus'),
-    (['--summarize-only'], 'nothing to summarize in sw: it does not exist; run without '
-     '--summarize-only first'),
-    (['--config=my.py', '--workdir=gs://b/sw', '--tpu=vit', '--zone=us-central2-b', '--dry-run'
-     ], "--config 'my.py' is a file outside"),
-])
+SWEEP_FLAGS = ['--config=finetune:ViT-B_16,cifar10,dev', '--workdir=sw']
+
+
+@pytest.mark.parametrize(
+    'argv,message',
+    [
+        ([*SWEEP_FLAGS, '--config.total_steps=3', '--dry-run'], "unknown argument "
+         "'--config.total_steps=3': vit-sweep sets a config field for every point with --set "
+         "'config.total_steps=3'"),
+        ([*SWEEP_FLAGS, '--config.total_steps', '3', '--dry-run'
+         ], "--set 'config.total_steps=VALUE'"),
+        ([*SWEEP_FLAGS, '--bogus', '--dry-run'], 'unrecognized arguments: --bogus'),
+        ([*SWEEP_FLAGS, '--summarize-only'], 'nothing to summarize in sw: it does not exist; run '
+         'without --summarize-only first'),
+        ([
+            '--config=my.py', '--workdir=gs://b/sw', '--tpu=vit', '--zone=us-central2-b',
+            '--dry-run'
+        ], "--config 'my.py' is a file outside"),
+        # argparse had taken the last value, and --set the last of a field.
+        ([*SWEEP_FLAGS, '--workdir=sw2', '--dry-run'
+         ], "--workdir is given more than once ('sw', 'sw2'): give one"),
+        ([*SWEEP_FLAGS, '--config', 'quickstart', '--dry-run'],
+         "--config is given more than once ('finetune:ViT-B_16,cifar10,dev', 'quickstart'): give "
+         'one'),
+        ([*SWEEP_FLAGS, '--set', 'config.total_steps=3', '--set=config.total_steps=4', '--dry-run'
+         ], "config.total_steps is given more than once in --set ('3', '4'): give one"),
+    ])
 def test_bad_arguments_from_the_command_line(tmp_path, argv, message):
   """Refused before any point runs or any file is written: one line, exit 1."""
   (tmp_path / 'my.py').write_text('from vit_jax.configs.finetune import get_config as g\n'
                                   'def get_config():\n  return g("ViT-B_16,cifar10,dev")\n')
-  p = console_script('vit-sweep', tmp_path, '--config=finetune:ViT-B_16,cifar10,dev',
-                     '--workdir=sw', *argv)
+  p = console_script('vit-sweep', tmp_path, *argv)
   assert p.returncode == 1 and p.stdout == '', p.stdout + p.stderr
   [line] = [l for l in p.stderr.splitlines() if l.startswith('vit-sweep: ')]
   assert line.startswith('vit-sweep: error: ') and message in line, p.stderr

@@ -461,6 +461,16 @@ def test_a_workdir_that_is_a_file_stops_before_the_first_task(tmp_path, dry_run,
          'takes the model as --model=NAME'),
         (['--model=ViT-B_16', '--config.num_classes=10'], '--config.num_classes is set by each '
          'task from its VTAB definition: leave it out'),
+        # argparse and ml_collections had taken the last value.
+        (['--model=ViT-B_16', '--tasks=dtd', '--tasks', 'svhn', '--dry-run'
+         ], "--tasks is given more than once ('dtd', 'svhn'): give one, its values "
+         'comma-separated'),
+        (['--model=ViT-B_16', '--model=ViT-L_16', '--dry-run'
+         ], "--model is given more than once ('ViT-B_16', 'ViT-L_16'): give one"),
+        ([
+            '--model=ViT-B_16', '--tasks=dtd', '--config.base_lr=0.1', '--config.base_lr=0.2',
+            '--dry-run'
+        ], "--config.base_lr is given more than once ('0.1', '0.2'): give one"),
     ])
 def test_vtab_bad_arguments_from_the_command_line(tmp_path, argv, message):
   """Refused before any task starts or any file is written: one line, exit 1."""

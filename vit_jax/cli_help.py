@@ -1,6 +1,7 @@
 """How the absl programs run as console scripts (vit-train, vit-evaluate, ...) start:
 `--help`, one-line flag errors, JAX's start-up notice that a TPU runtime is missing, and
-Ctrl-C as one line (status 130), not a traceback.
+Ctrl-C as one line (status 130), not a traceback. A single-valued flag given twice is
+refused here in all seven commands, the argparse ones (vit-sweep, vit-vtab, vit-tpu) too.
 
 absl's `--help` prints `__main__`'s docstring and the flags its module declared. Run as a
 console script, `__main__` is pip's wrapper, with no docstring and no flags, so
@@ -15,6 +16,7 @@ one is (a TPU VM), the line explains a run that fell back to the CPU, and it sta
 INFO chatter of orbax, JAX's internals and TFDS is dropped too: TFDS's "Constructing
 tf.data.Dataset ..." lines stood above the one line that refuses a dataset not prepared.
 """
+import argparse
 import importlib.util
 import logging
 import os
@@ -71,6 +73,21 @@ def check_given_once(argv):
     listed = ', its values comma-separated' if 'list' in flags.FLAGS[name].flag_type() else ''
     raise ValueError(f'--{name} is given more than once ({", ".join(map(repr, values))}): give '
                      f'one{listed}')
+
+
+class StoreOnce(argparse.Action):
+  """argparse's 'store', refusing a second value (argparse, like absl, keeps the last:
+  `vit-sweep --workdir=a ... --workdir=b` ran in b). Register it as each parser's default
+  action: `parser.register('action', None, StoreOnce)`."""
+
+  def __call__(self, parser, namespace, values, option_string=None):
+    given = namespace.__dict__.setdefault('_given_once', {})
+    if self.dest in given and option_string:
+      listed = ', its values comma-separated' if 'comma-separated' in (self.help or '') else ''
+      parser.error(f'{option_string} is given more than once ({given[self.dest]!r}, {values!r}): '
+                   f'give one{listed}')
+    given[self.dest] = values
+    setattr(namespace, self.dest, values)
 
 
 def _given_twice(argv):

@@ -112,6 +112,7 @@ def parse_flags(argv):
       value = _flag_value(argv[i])
       argv[i] = argv[i][:len(argv[i]) - len(value)] + configs.resolve(value)
       config = configs.load(value)
+      configs.check_overrides_once(argv)
       argv, model_fields = configs.split_model_fields(config, argv)  # added after parsing
       sys.argv[:] = argv  # the config flag reads its --config.x overrides from sys.argv
       configs.check_override_names(config, argv)
