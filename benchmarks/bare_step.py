@@ -17,6 +17,7 @@ import harness  # noqa: F401  (puts the repo on sys.path)
 import jax
 import numpy as np
 
+from vit_jax import config_checks
 from vit_jax import device_peaks
 from vit_jax import flops as vflops
 from vit_jax import host_allocator
@@ -28,6 +29,7 @@ from vit_jax import sharding
 from vit_jax import step as step_lib
 from vit_jax import xla_cpu_flags
 from vit_jax.configs import common as common_config
+from vit_jax.models import remat as remat_lib
 
 
 def setup(devices=1, dtypes=('float32',)):
@@ -144,7 +146,32 @@ def make_config(model_name, batch, *, dtype='float32', remat=False, accum_steps=
   c.warmup_steps = 10
   c.total_steps = 10_000
   c.weight_decay = 0.0
+  _check(c)
   return c
+
+
+# vit-train's words for a field, and the benchmark flag that sets it.
+_FLAG_OF_FIELD = {
+    '--config.model_name': '--models',
+    '--config.image_size': '--image_size',
+    '--config.dtype': '--dtypes',
+    '--config.remat': '--remat',
+    '--config.model.': '--override ',
+}
+
+
+def _check(config):
+  """vit-train's start-up checks of the config (a model, size, dtype or remat a benchmark
+  flag got wrong): one line naming the benchmark's flag, not a traceback from the model."""
+  try:
+    models.get_variant(config.model_name, **config.model)  # its words for a name or a field
+    remat_lib.policy_name(config.remat)
+    config_checks.validate_before_devices(config)
+  except ValueError as e:
+    message = str(e).splitlines()[0]
+    for field, flag in _FLAG_OF_FIELD.items():
+      message = message.replace(field, flag)
+    sys.exit(f'{os.path.basename(sys.argv[0])}: {config.model_name}: {message}')
 
 
 class BareStep:

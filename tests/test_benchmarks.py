@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import harmless_preload
+from tests.conftest import with_flags
 from vit_jax import host_memory
 from vit_jax.models import accelerator
 from vit_jax.models import attention
@@ -319,6 +320,24 @@ def test_a_count_below_one_is_refused_in_one_line(script, flag, value, why):
   """As a user types it: before, --batch 0 ran into a NaN loss and --steps 0 an IndexError."""
   line = _refusal(script, f'--{flag}', value)
   assert line == f'{script}.py: error: argument --{flag}: {why}'
+
+
+@pytest.mark.parametrize('flags,line', [
+    (['--models', 'ViT-X_16'], "train_step.py: ViT-X_16: Unknown model 'ViT-X_16' (did you mean "
+     'ViT-S_16?); known: '),
+    (['--image_size', '15'], 'train_step.py: ViT-Ti_16: image_size 15 is not divisible by patch '
+     'size 16: set --image_size to a multiple of 16'),
+    (['--dtypes', 'bf16'], "train_step.py: ViT-Ti_16: dtype 'bf16' is unknown: set --dtypes to one "
+     'of '),
+    (['--remat', 'bogus'], "train_step.py: ViT-Ti_16: remat 'bogus' is unknown: set --remat to one "
+     'of '),
+    (['--override', 'num_layer=2'], 'train_step.py: ViT-Ti_16: Unknown field(s) num_layer for '
+     'ViT-Ti_16 (vit family); fields: '),
+])
+def test_a_bad_model_flag_is_refused_in_one_line(flags, line):
+  """A model, size, dtype or remat the step cannot build had ended in the model's traceback."""
+  base = ['--models', 'ViT-Ti_16', '--batch', '2']
+  assert _refusal('train_step', *with_flags(base, flags)).startswith(line)
 
 
 @pytest.mark.parametrize('change', ['fused_attention', 'tokens_padded_once'])
