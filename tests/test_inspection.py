@@ -229,8 +229,8 @@ def test_outdir_that_cannot_be_a_folder(tiny):
   out = shell(model + ['--images', 'bad.jpg'], home)
   assert out.returncode == 1 and 'Traceback' not in out.stderr, out.stderr[-2000:]
   assert out.stderr.splitlines()[-1] == (
-      'vit-inspect: Cannot read image bad.jpg: not a JPEG, PNG, GIF, BMP or WebP image: convert '
-      'it to JPEG, PNG, GIF, BMP or WebP')
+      'vit-inspect: bad.jpg: not a JPEG, PNG, GIF, BMP or WebP image: convert it to JPEG, PNG, '
+      'GIF, BMP or WebP')
   assert not (home / 'inspect').exists()  # the default --outdir: not left behind empty
   assert not (home / 'gs:').exists()
   out = shell(model + ['--num_components', '0'], home)

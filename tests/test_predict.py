@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from PIL import Image
+from PIL import ImageOps
 
 from vit_jax.configs import quickstart
 from vit_jax import checkpoint
@@ -103,6 +104,57 @@ def test_folder_with_unreadable_and_hidden_files(home):
   ]
   assert not any(s in out.stderr for s in TF_INTERNALS), out.stderr[-2000:]
   assert '.hidden' not in out.stderr + out.stdout and '.cache' not in out.stderr + out.stdout
+
+
+def test_a_phone_photo_is_read_as_a_viewer_shows_it(home, tmp_path):
+  """A JPEG whose EXIF orientation says to turn it (a portrait photo stored sideways) had
+  been predicted lying on its side: an ankle boot of Fashion-MNIST came out a dress."""
+  rows = np.linspace(0, 255, 28)[:, None] * np.ones((1, 40))
+  stored = np.stack([rows, rows[::-1], np.zeros_like(rows)], -1)  # a gradient down the rows
+  exif = Image.Exif()
+  exif[0x0112] = 6  # stored turned 90 degrees counter-clockwise
+  Image.fromarray(stored.astype(np.uint8)).save(tmp_path / 'photo.jpg', quality=100,
+                                                exif=exif.tobytes())
+  ImageOps.exif_transpose(Image.open(tmp_path / 'photo.jpg')).save(tmp_path / 'upright.png')
+  config = image_files.eval_config(None, 28)
+  photo, upright = (
+      image_files.read_image(str(tmp_path / f), config) for f in ('photo.jpg', 'upright.png'))
+  assert np.abs(photo
+                - upright).mean() < 0.02  # PIL's and TensorFlow's JPEG decoders (not turned: 0.46)
+  out = shell(['vit-predict', '--workdir', f'{home}/wd', 'photo.jpg', 'upright.png'], tmp_path)
+  assert out.returncode == 0, out.stderr[-2000:]
+  lines = out.stdout.splitlines()
+  assert lines[0] == 'photo.jpg' and lines[6] == 'upright.png', lines
+  for a, b in zip(lines[1:6], lines[7:12]):
+    assert a.split()[1:] == b.split()[1:] and abs(float(a.split()[0]) - float(b.split()[0])) < 0.02
+
+
+def test_an_empty_file_and_a_folder_of_other_formats_name_their_fix(home, tmp_path):
+  (tmp_path / 'empty.png').write_bytes(b'')
+  save_random(str(tmp_path / 'scans/a.tiff'))
+  (tmp_path / 'scans/notes.txt').write_text('not an image, not named\n')
+  out = shell(['vit-predict', '--workdir', f'{home}/wd', 'empty.png'], tmp_path)
+  assert out.returncode == 1 and ours(out.stderr)[0] == (
+      'warning: skipped empty.png: empty (0 bytes): replace it with the image it should hold')
+  out = shell(['vit-predict', '--workdir', f'{home}/wd', 'scans'], tmp_path)
+  assert out.returncode == 1 and out.stderr.strip().splitlines()[-2:] == [
+      'warning: left out 1 image file(s) under scans of a format not read (e.g. scans/a.tiff): '
+      'convert them to JPEG, PNG, GIF, BMP or WebP',
+      'vit-predict: scans holds no image files (.jpg, .jpeg, .png, .gif, .bmp, .webp, searched '
+      'in its subfolders too): pass folders or files of JPEG, PNG, GIF, BMP or WebP images'
+  ], out.stderr[-2000:]
+
+
+def test_a_workdir_that_does_not_exist_is_not_called_a_run_without_its_config(tmp_path):
+  """A typo had read as a broken run: 'has no config.json', as an empty folder does."""
+  out = shell(['vit-evaluate', '--workdir', 'workdirs/quickstrat'], tmp_path)
+  assert (out.returncode, out.stderr.strip().splitlines()[-1]) == (
+      1, f'vit-evaluate: {tmp_path}/workdirs/quickstrat does not exist: pass the --workdir of a '
+      'vit-train run'), out.stderr[-2000:]
+  (tmp_path / 'empty').mkdir()
+  out = shell(['vit-evaluate', '--workdir', 'empty'], tmp_path)
+  assert out.stderr.strip().splitlines()[-1] == (
+      f'vit-evaluate: {tmp_path}/empty has no config.json: pass the --workdir of a vit-train run')
 
 
 def test_bmps_of_a_colour_table_predict_as_their_colours(tmp_path):

@@ -367,6 +367,8 @@ def load_run(workdir):
     if paths.exists(workdir) and not paths.is_remote(workdir) and not os.path.isdir(workdir):
       raise ValueError(f'{workdir} is a file: pass the --workdir (a folder) of a vit-train '
                        'run') from None
+    if not paths.exists(workdir):  # a typo, as a rule: not a run that lost its config
+      raise ValueError(f'{workdir} does not exist: pass the --workdir of a vit-train run') from None
     if paths.exists(final_path):  # the run's file, without the config that says its model
       raise ValueError(
           f'{workdir} has a final.npz but no config.json: run its vit-train command again with '

@@ -1,6 +1,7 @@
 """Image files as vit-predict and vit-inspect read them: found under folders, then decoded
 and preprocessed exactly as the run evaluates them (preprocessing.preprocess_eval: its
-resolution and evaluation crop; gray and 16-bit images too).
+resolution and evaluation crop; gray and 16-bit images too), a JPEG turned as its EXIF
+orientation says (jpeg_orientation).
 
 Finding the files imports no TensorFlow: a command refused for a path it was given says so
 before TensorFlow's import (~5 s), which the first decode makes.
@@ -8,13 +9,19 @@ before TensorFlow's import (~5 s), which the first decode makes.
 import functools
 import os
 import re
+import sys
 
 import ml_collections
 import numpy as np
 
+from vit_jax import jpeg_orientation
+
 # What tf.io.decode_image reads; folders (here and folder datasets) are searched for these.
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.gif', '.bmp', '.webp')
 FORMATS = 'JPEG, PNG, GIF, BMP or WebP'  # the same, as messages name them (not TIFF)
+# Images of formats it does not read: in a folder they are named in a warning (the folder's
+# other files, .txt or .json, are passed over without a word).
+OTHER_IMAGE_EXTENSIONS = ('.tif', '.tiff', '.heic', '.heif', '.avif', '.jxl', '.jp2', '.ppm')
 # How files of those formats begin (WebP: b'RIFF', 4 bytes of size, b'WEBP').
 _SIGNATURES = (b'\xff\xd8\xff', b'\x89PNG\r\n\x1a\n', b'GIF87a', b'GIF89a', b'BM')
 
@@ -35,15 +42,19 @@ def find(items):
     if not item:  # --images a.png, (a trailing comma)
       continue
     if os.path.isdir(item):
-      found = []
+      found, others = [], []
       for d, dirs, files in os.walk(item):
         dirs[:] = [x for x in dirs if not x.startswith('.')]
-        found += [
-            os.path.join(d, f) for f in files
-            if not f.startswith('.') and f.lower().endswith(IMAGE_EXTENSIONS)
-        ]
+        shown = [os.path.join(d, f) for f in files if not f.startswith('.')]
+        found += [f for f in shown if f.lower().endswith(IMAGE_EXTENSIONS)]
+        others += [f for f in shown if f.lower().endswith(OTHER_IMAGE_EXTENSIONS)]
+      if others:
+        print(
+            f'warning: left out {len(others)} image file(s) under {item} of a format not read '
+            f'(e.g. {sorted(others)[0]}): convert them to {FORMATS}', file=sys.stderr)
       if not found:
-        raise ValueError(f'{item} holds no image files ({", ".join(IMAGE_EXTENSIONS)})')
+        raise ValueError(f'{item} holds no image files ({", ".join(IMAGE_EXTENSIONS)}, searched '
+                         f'in its subfolders too): pass folders or files of {FORMATS} images')
       out.extend(sorted(found))
     elif os.path.isfile(item):
       out.append(item)
@@ -95,6 +106,8 @@ def read_image(path, config):
     data = tf.io.read_file(path)
   except tf.errors.OpError as e:
     raise UnreadableImage(path, _short_reason(e), 'check that it can be read') from None
+  if not tf.strings.length(data):
+    raise UnreadableImage(path, 'empty (0 bytes)', 'replace it with the image it should hold')
   # Told apart here, a file of another format is not decoded: where TensorFlow's C++ log is
   # on (a notebook), it logs a failed decode ("Local rendezvous is aborting ...").
   head = data.numpy()[:34]
@@ -104,6 +117,10 @@ def read_image(path, config):
   if bmp_trouble:
     raise UnreadableImage(path, *bmp_trouble)
   try:
+    turn = jpeg_orientation.orientation(data.numpy()) if head.startswith(b'\xff\xd8') else 1
+    if turn != 1:  # a phone's portrait photo, say: turned as a viewer shows it
+      stored = tf.io.decode_jpeg(data, channels=3).numpy()
+      return preprocessing.preprocess_eval(jpeg_orientation.upright(stored, turn), config).numpy()
     return preprocessing.preprocess_eval(palette_bmp.as_png(data), config).numpy()
   except tf.errors.OpError as e:
     raise UnreadableImage(path, f'damaged or cut short ({_short_reason(e)})',

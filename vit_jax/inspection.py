@@ -318,14 +318,7 @@ def image_paths(items):
 def load_images(files, image_size, run_config=None):
   """Image files -> float32 [n, S, S, 3] in [-1, 1]: decoded and preprocessed as vit-predict
   does (the run's evaluation crop; 16-bit and gray images too)."""
-  try:
-    return image_files.load_images(files, image_files.eval_config(run_config, image_size))
-  except image_files.UnreadableImage as e:
-    raise _cannot_read(e) from None
-
-
-def _cannot_read(error):
-  return ValueError(f'Cannot read image {error.path}: {error.reason}: {error.fix}')
+  return image_files.load_images(files, image_files.eval_config(run_config, image_size))
 
 
 def load_readable_images(files, image_size, run_config=None):
@@ -336,7 +329,7 @@ def load_readable_images(files, image_size, run_config=None):
   config = image_files.eval_config(run_config, image_size)
   batch = next(image_files.batches(files, config, len(files), skipped.append), None)  # all in one
   if batch is None and len(files) == 1:
-    raise _cannot_read(skipped[0])
+    raise skipped[0]  # an UnreadableImage: "PATH: its reason: the fix", as vit-predict says
   for error in skipped:
     print(f'warning: skipped {error}', file=sys.stderr, flush=True)
   if batch is None:
