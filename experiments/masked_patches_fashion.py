@@ -35,6 +35,8 @@ import numpy as np
 from vit_jax import tensorflow_quietly  # noqa: F401  (first: before TensorFlow loads)
 from vit_jax import checkpoint
 from vit_jax import cli_help
+from vit_jax import config_checks
+from vit_jax import errors
 from vit_jax import evaluate
 from vit_jax import input_pipeline
 from vit_jax import masked_patches
@@ -44,21 +46,40 @@ from vit_jax.configs import quickstart
 
 flags.DEFINE_string('workdir', '/tmp/masked_patches_fashion', 'Runs and results.json go here.')
 flags.DEFINE_string('data_dir', '', 'Folder of the Fashion-MNIST IDX files ("" = default).')
-flags.DEFINE_integer('pretrain_steps', 800, 'Masked patch prediction steps (batch 128).')
-flags.DEFINE_integer('finetune_steps', 150, 'Fine-tuning steps of every labelled run.')
-flags.DEFINE_integer('finetune_batch', 64, 'Fine-tuning batch size.')
-flags.DEFINE_float('finetune_lr', 1e-3, 'Fine-tuning base learning rate (Adam, cosine).')
+flags.DEFINE_integer('pretrain_steps', 800, 'Masked patch prediction steps (batch 128).',
+                     lower_bound=1)
+flags.DEFINE_integer('finetune_steps', 150, 'Fine-tuning steps of every labelled run.',
+                     lower_bound=1)
+flags.DEFINE_integer('finetune_batch', 64, 'Fine-tuning batch size.', lower_bound=1)
+flags.DEFINE_float('finetune_lr', 1e-3, 'Fine-tuning base learning rate (Adam, cosine).',
+                   lower_bound=0)
 flags.DEFINE_list('labels', ['600', '6000'], 'Labelled training images (first n of train).')
 flags.DEFINE_list('seeds', ['0', '1', '2'], 'Fine-tuning seeds.')
-flags.DEFINE_integer('fewshot_pool', 2000, 'Training images the 5-shot draws come from.')
-flags.DEFINE_integer('fewshot_draws', 5, 'Random 5-shot draws (seeds 0..n-1).')
+flags.DEFINE_integer(
+    'fewshot_pool', 2000, 'Training images the 5-shot draws come from (each class needs 5: in '
+    'Fashion-MNIST the first 200 hold 16 or more of each).', lower_bound=50)
+flags.DEFINE_integer('fewshot_draws', 5, 'Random 5-shot draws (seeds 0..n-1).', lower_bound=1)
 FLAGS = flags.FLAGS
+TRAIN_IMAGES = 60_000  # Fashion-MNIST's training split
+
+
+def _whole_numbers(low, high):
+  """A flag validator: every item of a list flag a whole number in [low, high]; checked when
+  the flags are parsed, not after the pre-training they would have run behind."""
+  return lambda items: bool(items) and all(item.strip().isdigit() and low <= int(item) <= high
+                                           for item in items)
+
+
+flags.register_validator('labels', _whole_numbers(1, TRAIN_IMAGES),
+                         f'give whole numbers from 1 to {TRAIN_IMAGES:,}, comma-separated')
+flags.register_validator('seeds', _whole_numbers(0, 2**31 - 1),
+                         'give whole numbers 0 or more, comma-separated')
 
 
 def pretrain_config():
   c = mp_configs.get_config('quickstart')
   c.total_steps = FLAGS.pretrain_steps
-  c.warmup_steps = max(1, FLAGS.pretrain_steps // 10)
+  c.warmup_steps = FLAGS.pretrain_steps // 10  # (0 below 10 steps: a warm-up must end first)
   c.eval_every_steps = c.checkpoint_every_steps = 0  # only at the end
   c.log_every_steps = 100
   if FLAGS.data_dir:
@@ -74,7 +95,7 @@ def finetune_config(labels, seed, pretrained):
   c.shuffle_buffer = labels
   c.batch_size = FLAGS.finetune_batch
   c.total_steps = FLAGS.finetune_steps
-  c.warmup_steps = max(1, FLAGS.finetune_steps // 10)
+  c.warmup_steps = FLAGS.finetune_steps // 10
   c.base_lr = FLAGS.finetune_lr
   c.eval_every_steps = c.checkpoint_every_steps = 0
   c.log_every_steps = 50
@@ -143,7 +164,7 @@ def table(results):
   for labels in FLAGS.labels:
     s = [results['finetune'][f'{labels}/scratch/{x}'] for x in FLAGS.seeds]
     m = [results['finetune'][f'{labels}/masked/{x}'] for x in FLAGS.seeds]
-    pct = 100 * int(labels) / 60000
+    pct = 100 * int(labels) / TRAIN_IMAGES
     lines.append(f'| {labels} ({pct:g}%), test accuracy % {_over(seeds, "seed")} | {_stats(s)} | '
                  f'{_stats(m)} | {100 * (np.mean(m) - np.mean(s)):+.1f} |')
   for name, what in (('class_token', 'the class token (pre-logits)'),
@@ -193,9 +214,25 @@ def _check_same_flags(results, path):
              f'({", ".join(changed)}): pass the same flags to reuse them, or another --workdir')
 
 
+def _check_configs():
+  """vit-train's start-up checks of every run's config, before the first run starts (each
+  run had checked its own: a fine-tuning refused after the pre-training's minutes)."""
+  runs = [('the pre-training', pretrain_config())]
+  runs += [
+      (f'the fine-tuning on {n} labels', finetune_config(int(n), 0, None)) for n in FLAGS.labels
+  ]
+  for what, config in runs:
+    try:
+      config_checks.validate_before_devices(config)
+    except ValueError as e:
+      sys.exit(f'masked_patches_fashion: {what} is refused: {errors.one_line(e)} (its config is '
+               'made from this script\'s flags: see --help)')
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  _check_configs()
   os.makedirs(FLAGS.workdir, exist_ok=True)
   path = os.path.join(FLAGS.workdir, 'results.json')
   results = {'finetune': {}}
@@ -209,6 +246,17 @@ def main(argv):
       json.dump(results, f, indent=1)
 
   t0 = time.time()
+  # The randomly initialised model's few-shot accuracy first: it needs no training, and a
+  # pool without 5 images of a class is refused before the minutes of training, not after.
+  probe = finetune_config(int(FLAGS.labels[0]), 0, None)
+  if 'patch_mean' not in results.get('fewshot', {}).get('random_init', {}):
+    try:
+      random_init = fewshot(probe, None)
+    except ValueError as e:
+      sys.exit(f'masked_patches_fashion: the 5-shot draws from the first {FLAGS.fewshot_pool} '
+               f'training images (--fewshot_pool): {errors.one_line(e)}')
+    results['fewshot'] = {'random_init': random_init}
+    save()
   pre_dir = os.path.join(FLAGS.workdir, 'pretrain')
   pre = pretrain_config()
   if 'pretrain' not in results:
@@ -235,9 +283,8 @@ def main(argv):
         save()
         print(f'{key}: {r["accuracy"]:.4f} ({time.time() - t0:.0f} s)', flush=True)
 
-  if 'patch_mean' not in results.get('fewshot', {}).get('masked', {}):
-    probe = finetune_config(int(FLAGS.labels[0]), 0, None)
-    results['fewshot'] = {'random_init': fewshot(probe, None), 'masked': fewshot(probe, final)}
+  if 'patch_mean' not in results['fewshot'].get('masked', {}):
+    results['fewshot']['masked'] = fewshot(probe, final)
     save()
   print(f'\nall done in {time.time() - t0:.0f} s\n')
   print(table(results))

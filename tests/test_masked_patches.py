@@ -1,4 +1,5 @@
 """Masked patch prediction (vit_jax/masked_patches.py, configs/masked_patches.py)."""
+import gzip
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from vit_jax import train
 from vit_jax import step as step_lib
 from vit_jax.configs import common
 from vit_jax.configs import masked_patches as mp_configs
+from tests import data_fixtures
 from tests.conftest import ROOT
 
 TINY = dict(patch_size=4, hidden_size=16, mlp_dim=32, num_heads=2, num_layers=1)
@@ -401,3 +403,47 @@ def test_the_experiment_refuses_results_made_with_other_flags(tmp_path):
       '(--pretrain_steps=20 -> 30): pass the same flags to reuse them, or another --workdir'
   ]), out.stderr[-3000:]
   assert json.loads((tmp_path / 'results.json').read_text())['flags'] == recorded
+
+
+@pytest.mark.parametrize('flag,line', [
+    ('--labels=600,abc', "masked_patches_fashion.py: flag --labels=['600', 'abc']: give whole "
+     'numbers from 1 to 60,000, comma-separated (see --help)'),
+    ('--seeds=x', "masked_patches_fashion.py: flag --seeds=['x']: give whole numbers 0 or more, "
+     'comma-separated (see --help)'),
+    ('--pretrain_steps=0', 'masked_patches_fashion.py: flag --pretrain_steps=0: 0 is not a '
+     'positive integer (see --help)'),
+    ('--fewshot_pool=20', 'masked_patches_fashion.py: flag --fewshot_pool=20: 20 is not integer '
+     '>= 50 (see --help)'),
+    ('--finetune_lr=0', 'masked_patches_fashion: the fine-tuning on 600 labels is refused: '
+     'base_lr 0.0 must be > 0: set --config.base_lr (its config is made from this script\'s '
+     'flags: see --help)'),
+])
+def test_the_experiment_refuses_a_bad_flag_before_it_trains(tmp_path, flag, line):
+  """--labels=600,abc had pre-trained and fine-tuned for minutes, then ended in int()'s
+  traceback; --pretrain_steps=0 in a ConfigError's."""
+  out = subprocess.run([
+      sys.executable,
+      os.path.join(ROOT, 'experiments', 'masked_patches_fashion.py'), '--workdir=mp', flag
+  ], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert (out.returncode, out.stderr.strip().splitlines()[-1]) == (1, line), out.stderr[-3000:]
+  assert os.listdir(tmp_path) == []
+
+
+def test_the_experiment_checks_its_few_shot_pool_before_it_trains(tmp_path):
+  """A class with fewer than 5 images in the pool had ended the run in a traceback after all
+  of its training; the random init's few-shot accuracy, which needs none, now comes first."""
+  data = data_fixtures.write_idx(str(tmp_path / 'fashion'), num_train=60)
+  labels = np.arange(60) % 9  # class 9 only twice, at the end
+  labels[-2:] = 9
+  with gzip.open(os.path.join(data, 'train-labels-idx1-ubyte.gz'), 'wb') as f:
+    f.write(np.array([2049, 60], '>i4').tobytes() + labels.astype(np.uint8).tobytes())
+  out = subprocess.run([
+      sys.executable,
+      os.path.join(ROOT, 'experiments', 'masked_patches_fashion.py'), '--workdir=mp',
+      '--data_dir=fashion', '--fewshot_pool=60', '--labels=20', '--pretrain_steps=1'
+  ], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert (out.returncode, out.stderr.strip().splitlines()[-1]) == (
+      1, 'masked_patches_fashion: the 5-shot draws from the first 60 training images '
+      '(--fewshot_pool): Class 9 has 2 examples, fewer than 5 shots: use a larger few-shot train '
+      'split or fewer shots'), out.stderr[-3000:]
+  assert os.listdir(tmp_path / 'mp') == []  # no pre-training started, no results written
