@@ -241,10 +241,11 @@ def check_overrides_once(args):
     if not match:
       continue
     negated, path, eq, value = match.groups()
-    if not eq:  # `--config.x VALUE`, or a boolean `--config.flag` / `--noconfig.flag`
-      following = args[i + 1] if i + 1 < len(args) else ''
-      value = ('False'
-               if negated else following if following and not following.startswith('-') else 'True')
+    following = args[i + 1] if i + 1 < len(args) else ''
+    if negated:  # `--noconfig.flag`
+      value = 'False'
+    elif not eq:  # `--config.x VALUE`, or a boolean `--config.flag`
+      value = following if following and not following.startswith('-') else 'True'
     seen.setdefault(path, []).append(value)
     if len(seen[path]) > 1:
       raise ValueError(f'--config.{path} is given more than once '

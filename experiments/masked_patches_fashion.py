@@ -79,7 +79,7 @@ flags.register_validator('seeds', _whole_numbers(0, 2**31 - 1),
 def pretrain_config():
   c = mp_configs.get_config('quickstart')
   c.total_steps = FLAGS.pretrain_steps
-  c.warmup_steps = FLAGS.pretrain_steps // 10  # (0 below 10 steps: a warm-up must end first)
+  c.warmup_steps = FLAGS.pretrain_steps // 10  # 0 under 10 steps: it must stay below them
   c.eval_every_steps = c.checkpoint_every_steps = 0  # only at the end
   c.log_every_steps = 100
   if FLAGS.data_dir:
