@@ -11,6 +11,7 @@ import pytest
 from PIL import Image
 from PIL import ImageOps
 
+from tests.conftest import with_flags
 from vit_jax.configs import quickstart
 from vit_jax import checkpoint
 from vit_jax import image_files
@@ -460,6 +461,19 @@ def test_a_folder_run_keeps_its_class_names_for_predict_and_evaluate(tmp_path):
   assert train.returncode == 0, train.stderr[-2000:]
   assert 'folder:' + str(tmp_path / 'pets') + ': 3 classes (Ant, cat, dog); train: 6 images, ' \
       'test: 3 images' in train.stderr
+  assert (tmp_path / 'wd' / 'class_names.txt').read_text() == 'Ant\ncat\ndog\n'
+  # Resumed with a class folder renamed: the labels, numbered by the sorted names, had
+  # shifted without a word, and class_names.txt been rewritten in the new order.
+  for split in ('train', 'test'):
+    os.rename(tmp_path / 'pets' / split / 'Ant', tmp_path / 'pets' / split / 'bee')
+  again = shell(
+      with_flags(train.args, ['--config.total_steps=4', '--config.resume_changes=total_steps']),
+      tmp_path)
+  assert (again.returncode, again.stderr.strip().splitlines()[-1]) == (
+      1, f"vit-train: folder:{tmp_path}/pets names its class 0 'bee' where the run in "
+      f"{tmp_path}/wd trained 'Ant' (class_names.txt): its labels would no longer be the head's; "
+      'give the classes their names back, or use another --workdir for this data'
+  ), again.stderr[-2000:]
   assert (tmp_path / 'wd' / 'class_names.txt').read_text() == 'Ant\ncat\ndog\n'
   os.rename(tmp_path / 'pets', tmp_path / 'pets_moved')
   out = shell(['vit-predict', '--workdir', 'wd', '--top_k', '3', 'zoo/test/cat/00007.png'],

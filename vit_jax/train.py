@@ -106,6 +106,23 @@ def _local(tree):
   return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
 
 
+def _check_resumed_classes(config, workdir, num_classes):
+  """The head's class i is the dataset's label i: a resumed run whose dataset now names its
+  classes otherwise (a class folder renamed: labels from the sorted names shift) is refused,
+  before its first step overwrites class_names.txt with the new order."""
+  recorded = rundir.recorded_class_names(workdir)
+  if recorded is None or masked_patches.is_masked(config):
+    return
+  names = list(input_pipeline.class_names(config))
+  if not len(names) == len(recorded) == num_classes or names == recorded:
+    return  # (another number of classes: the head's shape does not fit the checkpoint's)
+  i = next(i for i, (a, b) in enumerate(zip(recorded, names)) if a != b)
+  raise ConfigError(f'{config.dataset} names its class {i} {names[i]!r} where the run in '
+                    f'{workdir} trained {recorded[i]!r} ({rundir.CLASS_NAMES_FILE}): its labels '
+                    'would no longer be the head\'s; give the classes their names back, or use '
+                    'another --workdir for this data')
+
+
 def train_and_evaluate(config, workdir, *, stop_after_steps=None, writer=None, on_start=None):
   """Trains `config` in `workdir`, resuming from its latest checkpoint; returns metrics.
 
@@ -370,6 +387,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                       f'{total_steps}: set --config.total_steps to {start} or more, or use '
                       'another --workdir')
   if start:
+    _check_resumed_classes(config, workdir, num_classes)
     logging.info('Resuming from the checkpoint of step %d in %s', start, workdir)
   # config.json describes the saved results: a resumed run that saves nothing (diverged,
   # refused, killed) leaves the one they were made with.
