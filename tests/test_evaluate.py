@@ -117,6 +117,14 @@ def test_standardised_fit_matches_numpy_and_ignores_feature_scales():
   assert np.all(fit[:, -1] == 0) and np.all(held[:, -1] == 1)
 
 
+def test_dataset_labels_tell_folders_of_one_name_apart():
+  """vit-evaluate had kept one row of two folders named data, and left one out of the mean."""
+  datasets = ['folder:/x/c1/data', 'folder:/y/c2/data/', 'folder:ds1', 'cifar100', 'folder:/z/d']
+  assert config_checks.dataset_labels(datasets) == ['c1/data', 'c2/data', 'ds1', 'cifar100', 'd']
+  assert config_checks.dataset_labels(['folder:/r/a/x', 'folder:/s/a/x']) == ['r/a/x', 's/a/x']
+  assert config_checks.dataset_labels(['folder:/a/x', 'folder:/a/x']) == ['x', 'x']  # one, twice
+
+
 def test_fewshot_config_errors_name_the_fix():
   from vit_jax.configs import common  # pylint: disable=g-import-not-at-top
   c = common.get_config()
@@ -129,8 +137,12 @@ def test_fewshot_config_errors_name_the_fix():
   c.fewshot_datasets = ('cifar100',)
   with pytest.raises(ValueError, match="entry 'cifar100' is not \\(dataset, k-shot pool split"):
     config_checks.validate_fewshot(c)
+  # Two folders of one name are told apart (they had been refused as one named twice); one
+  # folder listed twice is refused.
   c.fewshot_datasets = (('folder:/a/pets', 'train', 'test'), ('folder:/b/pets/', 'train', 'test'))
-  with pytest.raises(ValueError, match="names 'pets' twice"):
+  assert [t[0] for t in config_checks.fewshot_tasks(c)] == ['a/pets', 'b/pets']
+  c.fewshot_datasets = (('folder:/a/pets', 'train', 'test'), ('folder:/a/pets/', 'train', 'test'))
+  with pytest.raises(ValueError, match="names 'folder:/a/pets/' twice: list each dataset once"):
     config_checks.validate_fewshot(c)
   c.fewshot_datasets = (('folder:/a/pets', 'train', 'test'),)
   for field, value in (('fewshot_shots', ('a', 'b')), ('fewshot_shots', (0, 5)),

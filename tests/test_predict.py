@@ -498,6 +498,32 @@ def test_a_folder_run_keeps_its_class_names_for_predict_and_evaluate(tmp_path):
   assert out.stdout.splitlines()[1].split()[:3] == ['fewshot', 'zoo', '1-shot'], out.stdout
 
 
+def test_few_shot_datasets_of_one_folder_name_are_two_rows(home, tmp_path):
+  """Rows were keyed by the folder's name: of two folders named data, one was left out of
+  the table and of the mean, without a word."""
+  from tests import data_fixtures  # pylint: disable=g-import-not-at-top
+  for parent, first in (('c1', 0), ('c2', 20)):
+    for split in ('train', 'test'):
+      data_fixtures.write_folder(str(tmp_path / parent / 'data'), split, {
+          'a': [first, first + 1],
+          'b': [first + 2, first + 3]
+      })
+  out = shell([
+      'vit-evaluate', '--workdir', f'{home}/wd', '--mode', 'fewshot', '--fewshot_datasets',
+      'folder:c1/data,folder:c2/data', '--shots', '1', '--seeds', '0'
+  ], tmp_path)
+  assert out.returncode == 0, out.stderr[-2000:]
+  rows = [line.split()[:3] for line in out.stdout.splitlines()[1:]]
+  assert rows == [['fewshot', 'c1/data', '1-shot'], ['fewshot', 'c2/data', '1-shot'],
+                  ['fewshot', 'mean', '1-shot']], out.stdout
+  out = shell([
+      'vit-evaluate', '--workdir', f'{home}/wd', '--mode', 'fewshot', '--fewshot_datasets',
+      'folder:c1/data,folder:c1/data'
+  ], tmp_path)
+  assert (out.returncode, out.stderr.strip().splitlines()[-1]) == (
+      1, 'vit-evaluate: --fewshot_datasets names folder:c1/data twice: list each dataset once')
+
+
 @pytest.mark.parametrize('program', ['vit-predict', 'vit-evaluate', 'vit-inspect'])
 def test_a_mistyped_flag_is_one_line(program, tmp_path):
   """As vit-train's: not absl's 'FATAL Flags parsing error' and its help hint."""

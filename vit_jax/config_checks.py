@@ -169,11 +169,27 @@ def validate_before_devices(config):
 
 
 # --------------------------------------------------------------- few-shot fields
-def dataset_label(dataset):
-  """The short name of a dataset in metrics and tables ('folder:<dir>': the folder's name)."""
-  if dataset.startswith('folder:'):
-    return dataset[len('folder:'):].rstrip('/').rsplit('/', 1)[-1]
-  return dataset
+def dataset_labels(datasets):
+  """The short names of datasets in metrics and tables: a TFDS name as it is, 'folder:<dir>'
+  by the folder's name, or by as many of its last path components as tell it from another
+  folder of that name (two folders named data had shared one row). A dataset listed twice
+  gets one label twice."""
+  parts = [
+      d[len('folder:'):].rstrip('/').split('/') if d.startswith('folder:') else [d]
+      for d in datasets
+  ]
+  depth = [1] * len(parts)
+  while True:
+    labels = ['/'.join(p[-k:]) for p, k in zip(parts, depth)]
+    clash = [
+        i for i, label in enumerate(labels)
+        if any(label == labels[j] and datasets[i] != datasets[j] and depth[i] < len(parts[i])
+               for j in range(len(labels)))
+    ]
+    if not clash:
+      return labels
+    for i in clash:
+      depth[i] += 1
 
 
 def fewshot_tasks(config):
@@ -181,17 +197,16 @@ def fewshot_tasks(config):
   run's dataset and splits); the label names the dataset in metrics and tables."""
   entries = tuple(
       config.fewshot_datasets) or ((config.dataset, config.train_split, config.eval_split),)
-  tasks = []
   for entry in entries:
     if isinstance(entry, str) or len(entry) != 3:
       raise ValueError(f'fewshot_datasets entry {entry!r} is not (dataset, k-shot pool split, '
                        'held-out split): set e.g. --config.fewshot_datasets="(('
                        "'cifar100', 'train', 'test'),)\"")
-    label = dataset_label(entry[0])
-    if label in [t[0] for t in tasks]:
-      raise ValueError(f'fewshot_datasets names {label!r} twice: list each dataset once')
-    tasks.append((label, *entry))
-  return tasks
+  labels = dataset_labels([entry[0] for entry in entries])
+  for i, label in enumerate(labels):
+    if label in labels[:i]:
+      raise ValueError(f'fewshot_datasets names {entries[i][0]!r} twice: list each dataset once')
+  return [(label, *entry) for label, entry in zip(labels, entries)]
 
 
 def validate_fewshot(config):

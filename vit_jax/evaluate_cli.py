@@ -189,10 +189,9 @@ def _fewshot_rows(flags_, model, params, config, datasets, train_split, eval_spl
   # pylint: enable=g-import-not-at-top
   standardise = getattr(flags_, 'standardise', _DEFAULTS.fewshot_standardise)
   results, rows = {}, []
-  for dataset in datasets:
+  for dataset, label in zip(datasets, config_checks.dataset_labels(datasets)):
     cfg = evaluate.data_config(config, dataset=dataset, split=eval_split)
     num_classes = input_pipeline.get_info(cfg).num_classes
-    label = config_checks.dataset_label(dataset)
     train_x, train_y = evaluate.extract_features(model, params, cfg, train_split, flags_.batch_size)
     fit, skipped = _shots_that_fit(flags_, shots, train_y, cfg, train_split, label)
     test_x, test_y = evaluate.extract_features(model, params, cfg, eval_split, flags_.batch_size)
@@ -258,6 +257,9 @@ def _fewshot_datasets(flags_):
   if names is not None and (not names or not all(n.strip() for n in names)):
     raise ValueError(f'--fewshot_datasets={",".join(names)}: a dataset name is empty: e.g. '
                      '--fewshot_datasets=cifar100,oxford_iiit_pet')
+  twice = [n for i, n in enumerate(names or ()) if n in names[:i]]
+  if twice:  # one row, and the mean over datasets, would have counted it once
+    raise ValueError(f'--fewshot_datasets names {twice[0]} twice: list each dataset once')
   return names
 
 
