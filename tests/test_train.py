@@ -560,3 +560,27 @@ def test_cli_bad_override_is_one_line(idx_dir, tmp_path, override, message):
   last_line = proc.stderr.strip().splitlines()[-1]
   assert last_line.startswith(f'vit-train: {message}'), last_line
   assert 'Traceback' not in proc.stderr
+
+
+@pytest.mark.parametrize('dataset,line', [
+    ('{tmp}/pets', "vit-train: dataset '{tmp}/pets' is a path: a folder of images "
+     '(<dir>/<split>/<class>/<image>) is set as --config.dataset=folder:{tmp}/pets'),
+    ('pets', "vit-train: dataset 'pets' is a path: a folder of images "
+     '(<dir>/<split>/<class>/<image>) is set as --config.dataset=folder:pets'),
+    ('folder:', 'vit-train: dataset folder: names no folder (an unset shell variable?): set '
+     '--config.dataset=folder:<dir>, <dir> holding <split>/<class>/<image>'),
+    ('folder:notes.txt', 'vit-train: Folder dataset {tmp}/notes.txt is a file: expected a folder '
+     '<dir>/<split>/<class>/<image> (dataset=folder:<dir>).'),
+])
+def test_a_folder_dataset_given_otherwise_names_the_folder_form(tmp_path, dataset, line):
+  """A path without 'folder:' had printed TFDS's 18-line help on builder names; 'folder:'
+  alone read the current directory's subfolders as the splits."""
+  (tmp_path / 'pets' / 'train' / 'cat').mkdir(parents=True)
+  (tmp_path / 'notes.txt').write_text('not a folder\n')
+  proc = _main(
+      ['--config=quickstart', '--workdir=w', f'--config.dataset={dataset}'.format(tmp=tmp_path)],
+      cwd=tmp_path)
+  assert (proc.returncode,
+          proc.stderr.strip().splitlines()[-1]) == (1,
+                                                    line.format(tmp=tmp_path)), proc.stderr[-2000:]
+  assert not (tmp_path / 'w').exists()

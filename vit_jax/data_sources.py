@@ -253,6 +253,9 @@ class _FolderSource(_LocalSource):
 
   def __init__(self, root: str):
     self.root = root
+    if tf.io.gfile.exists(root) and not tf.io.gfile.isdir(root):
+      raise ValueError(f'Folder dataset {root} is a file: expected a folder '
+                       '<dir>/<split>/<class>/<image> (dataset=folder:<dir>).')
     if not tf.io.gfile.isdir(root):
       raise FileNotFoundError(f'Folder dataset {root} not found: expected '
                               '<dir>/<split>/<class>/<image> (dataset=folder:<dir>).')
@@ -356,6 +359,8 @@ class _TfdsSource(Source):
     try:
       self.builder = tfds_builder(name, data_dir or None)
     except tfds.core.registered.DatasetNotFoundError:
+      if tf.io.gfile.isdir(name):  # no TFDS dataset, but a folder here of that name
+        raise _a_path(name) from None
       # TFDS also reads a dataset prepared elsewhere (imagenet21k, jft) from data_dir.
       raise ValueError(f"dataset {name!r} is neither a TFDS dataset nor prepared in data_dir "
                        f"{data_dir or '~/tensorflow_datasets'}: put its prepared files there "
@@ -454,6 +459,14 @@ def clear_cache() -> None:
   _source.cache_clear()
 
 
+def check_folder_named(dataset: str) -> None:
+  """A 'folder:' dataset with no path after it is refused: taken as the current directory,
+  its subfolders had been read as the splits."""
+  if dataset.startswith('folder:') and not dataset[len('folder:'):].strip():
+    raise ValueError('dataset folder: names no folder (an unset shell variable?): set '
+                     '--config.dataset=folder:<dir>, <dir> holding <split>/<class>/<image>')
+
+
 @functools.lru_cache(maxsize=8)
 def _source(dataset: str, data_dir: str, label_key: str = 'label', vtab_task: str = ''):
   if label_key != 'label' and (dataset == 'fashion_mnist_local' or dataset.startswith('folder:')):
@@ -462,5 +475,14 @@ def _source(dataset: str, data_dir: str, label_key: str = 'label', vtab_task: st
   if dataset == 'fashion_mnist_local':
     return _IdxSource(data_dir)
   if dataset.startswith('folder:'):
+    check_folder_named(dataset)
     return _FolderSource(dataset[len('folder:'):])
+  if dataset.startswith(('/', './', '../', '~', 'gs://')):  # no TFDS name looks so
+    # TFDS would print its 18-line help on builder names ('Parsing builder name ...').
+    raise _a_path(dataset)
   return _TfdsSource(dataset, data_dir, label_key, vtab_task)
+
+
+def _a_path(dataset: str) -> ValueError:
+  return ValueError(f'dataset {dataset!r} is a path: a folder of images '
+                    f'(<dir>/<split>/<class>/<image>) is set as --config.dataset=folder:{dataset}')

@@ -132,6 +132,9 @@ def with_absolute_paths(config):
   directories."""
   config = config.copy_and_resolve_references()
   if config.dataset.startswith('folder:'):
+    # pylint: disable-next=g-import-not-at-top  (TFDS: not where vit-predict imports rundir)
+    from vit_jax import data_sources
+    data_sources.check_folder_named(config.dataset)  # '' would resolve to the current directory
     config.dataset = 'folder:' + paths.resolve(config.dataset[len('folder:'):])
   for name in ('data_dir', 'fewshot_data_dir', 'pretrained_path'):
     if config.get(name):
