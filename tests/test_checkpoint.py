@@ -410,6 +410,31 @@ def test_architecture_mismatch_names_the_key(tmp_path):
     checkpoint.load_pretrained(str(tmp_path / 'up.npz'), gap, 10, 32)
 
 
+def test_a_depth_mismatch_names_the_depths(tmp_path):
+  """Either way round, the hint had been of another architecture (classifier token vs gap,
+  representation_size), which did not fit; a single key read '(and 0 more)'."""
+  one = models.get_model('ViT-Ti_16', num_classes=10, **TINY)
+  two = models.get_model('ViT-Ti_16', num_classes=10, **{**TINY, 'num_layers': 2})
+  _write_vit_file(tmp_path / 'one.npz', one, 32)
+  _write_vit_file(tmp_path / 'two.npz', two, 32)
+  with pytest.raises(ValueError) as e:
+    checkpoint.load_pretrained(str(tmp_path / 'one.npz'), two, 10, 32)
+  assert str(e.value).startswith('Model parameter Transformer/encoderblock_1/')
+  assert str(e.value).endswith(' more) is not in the checkpoint: the checkpoint has 1 encoder '
+                               'block where the model has 2 encoder blocks: pick the model '
+                               'matching the file, with num_layers=1')
+  with pytest.raises(ValueError) as e:
+    checkpoint.load_pretrained(str(tmp_path / 'two.npz'), one, 10, 32)
+  assert str(e.value).endswith(' more) has no place in the model: the checkpoint has 2 encoder '
+                               'blocks where the model has 1 encoder block: pick the model '
+                               'matching the file, with num_layers=2')
+  flat = dict(np.load(tmp_path / 'one.npz'))
+  del flat['cls']
+  np.savez(tmp_path / 'no_cls.npz', **flat)
+  with pytest.raises(ValueError, match=r'^Model parameter cls is not in the checkpoint: the '):
+    checkpoint.load_pretrained(str(tmp_path / 'no_cls.npz'), one, 10, 32)
+
+
 def test_bit_load_pretrained_replaces_conv_head(tmp_path):
   _write_bit_file(tmp_path / 'bit.npz', (1, 1), 1, 21)
   model = models.get_model('BiT-M-R50x1', num_classes=5, resnet_layers=(1, 1))

@@ -249,8 +249,9 @@ def test_a_checkpoint_of_other_sizes_names_model_overrides(home):
       ['vit-predict', '--checkpoint', 'wd/final.npz', '--model', 'ViT-Ti_16', 'img/pic.gif'], home)
   assert out.returncode == 1, out.stderr[-2000:]
   assert ours(out.stderr)[-1].endswith(
-      'pick the model matching the file (--model, and --model_overrides for sizes that differ '
-      "from the variant's, e.g. num_layers=4,hidden_size=64)"), out.stderr[-2000:]
+      'the checkpoint has 2 encoder blocks where the model has 12 encoder blocks: pick the model '
+      'matching the file, with num_layers=2 (--model, and --model_overrides for sizes that '
+      "differ from the variant's, e.g. num_layers=4,hidden_size=64)"), out.stderr[-2000:]
 
 
 def test_formats_decode_image_reads_and_tiff_named_on_the_command_line(home):

@@ -252,6 +252,26 @@ def _target_shapes(model, image_size):
   return flax.traverse_util.flatten_dict(variables['params'], sep='/')
 
 
+def _and_more(keys):
+  """'first' or 'first (and N more)' of a list of parameter names."""
+  return keys[0] + (f' (and {len(keys) - 1} more)' if len(keys) > 1 else '')
+
+
+def _encoder_blocks(keys):
+  return len({k.split('/')[1] for k in keys if k.startswith('Transformer/encoderblock_')})
+
+
+def _depth_mismatch(flat, target):
+  """Where the checkpoint and the model differ in their number of encoder blocks: what to
+  say (the generic hint of another architecture did not name the depth); else None."""
+  have, want = _encoder_blocks(flat), _encoder_blocks(target)
+  if have and want and have != want:
+    blocks = lambda n: f'{n} encoder block' + ('s' if n != 1 else '')
+    return (f'the checkpoint has {blocks(have)} where the model has {blocks(want)}: pick the '
+            f'model matching the file, with num_layers={have}')
+  return None
+
+
 def load_pretrained(path_or_params, model, num_classes, image_size, *, reset_head=True,
                     head_bias_init=0.0):
   """Adapts a pre-trained checkpoint to `model` for fine-tuning; returns the params.
@@ -279,19 +299,21 @@ def load_pretrained(path_or_params, model, num_classes, image_size, *, reset_hea
   # Layers only pre-training uses (masked_patch_head, mask_embedding: masked_patches.py).
   droppable = ('pre_logits', 'head', 'masked_patch_head', 'mask_embedding')
   unexpected = [k for k in dropped if k.split('/')[0] not in droppable]
+  depth = _depth_mismatch(flat, target)
   if unexpected:
     raise IncompatibleCheckpointError(
-        f'Checkpoint key {unexpected[0]} (and {len(unexpected) - 1} more) has no place in the '
-        'model: the checkpoint is of another architecture; pick the model name matching the file')
+        f'Checkpoint key {_and_more(unexpected)} has no place in the model: '
+        + (depth or 'the checkpoint is of another architecture; pick the model name matching '
+           'the file'))
   changes += [
       f'{name} dropped' for name in droppable if any(k.split('/')[0] == name for k in dropped)
   ]
   missing = [k for k in target if k not in flat and not k.startswith('head/')]
   if missing:
     raise IncompatibleCheckpointError(
-        f'Model parameter {missing[0]} (and {len(missing) - 1} more) is not in the checkpoint: '
-        'the checkpoint is of another architecture (e.g. classifier token vs gap, '
-        'representation_size); pick the model matching the file')
+        f'Model parameter {_and_more(missing)} is not in the checkpoint: '
+        + (depth or 'the checkpoint is of another architecture (e.g. classifier token vs gap, '
+           'representation_size); pick the model matching the file'))
 
   for key, spec in target.items():
     if key.startswith('head/'):
