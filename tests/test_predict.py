@@ -1,6 +1,7 @@
 """Tests for vit-predict (vit_jax/predict.py): the console script on a tiny finished run,
 run from the user's directory with relative paths."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -240,6 +241,31 @@ def test_a_run_without_its_config_json_names_how_to_write_it_again(tmp_path):
       "again with --config.resume_changes='*' to write it again, or pass "
       f'--checkpoint={tmp_path}/wd/final.npz with its --model (and --model_overrides)'
   ]), out.stderr[-2000:]
+
+
+def test_a_checkpoint_is_read_at_its_own_resolution(home, tmp_path):
+  """--checkpoint without --image_size had predicted at 224 (position embeddings interpolated
+  from the file's grid): a run's final.npz, or a 384 ImageNet file, then answered otherwise
+  than at the resolution it was trained at. The file's grid now sets it."""
+  shutil.copytree(home / 'wd', tmp_path / 'wd')
+  params = checkpoint.load_npz(str(tmp_path / 'wd' / 'final.npz'))
+  rng = np.random.default_rng(0)  # a head that tells resolutions apart (write_run's is zeros)
+  params['head']['kernel'] = rng.normal(size=params['head']['kernel'].shape).astype(np.float32)
+  checkpoint.save_npz(str(tmp_path / 'wd' / 'final.npz'), params)
+  save_random(str(tmp_path / 'pic.png'))
+  sizes = ','.join(f'{k}={v}' for k, v in TINY.items())
+  from_file = [
+      'vit-predict', '--checkpoint', 'wd/final.npz', '--model', 'ViT-Ti_16', '--model_overrides',
+      sizes, 'pic.png'
+  ]
+  outs = [
+      shell(argv, tmp_path) for argv in (['vit-predict', '--workdir', 'wd', 'pic.png'], from_file,
+                                         from_file + ['--image_size', '224'])
+  ]
+  assert all(o.returncode == 0 for o in outs), [o.stderr[-2000:] for o in outs]
+  # The probabilities in order (a published file knows no class names, the run does).
+  run, file, at_224 = [[l.split()[0] for l in o.stdout.splitlines()[1:]] for o in outs]
+  assert file == run and at_224 != run, [o.stdout for o in outs]
 
 
 def test_a_checkpoint_of_other_sizes_names_model_overrides(home):

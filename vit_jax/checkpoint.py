@@ -10,6 +10,7 @@ import glob
 import io
 import json
 import logging as std_logging
+import math
 import os
 import re
 import shlex
@@ -356,14 +357,31 @@ def load_pretrained(path_or_params, model, num_classes, image_size, *, reset_hea
   return flax.traverse_util.unflatten_dict(out, sep='/')
 
 
-def load_model(path, model_name, image_size, **overrides):
+def file_image_size(flat, model_name, **overrides):
+  """The resolution a ViT checkpoint was trained at: its position embeddings' grid side
+  times the pixels one token covers (a fine-tuned ImageNet file: 384); None where the file
+  has no position embeddings (a ResNet) or they are no square grid."""
+  posemb = flat.get('Transformer/posembed_input/pos_embedding')
+  if posemb is None or posemb.ndim != 3:
+    return None
+  tokens = posemb.shape[1] - (1 if 'cls' in flat else 0)
+  side = math.isqrt(max(tokens, 0))
+  if side < 1 or side * side != tokens:
+    return None
+  return side * models.pixels_per_token(models.get_variant(model_name, **overrides))
+
+
+def load_model(path, model_name, image_size=None, **overrides):
   """(model, params) for a published-format .npz, head and pre-logits as in the file.
 
   The head size (0 without a head) and representation_size are read from the file;
-  position embeddings are interpolated to `image_size`.
+  position embeddings are interpolated to `image_size` (None: the file's own resolution,
+  file_image_size, else 224).
   """
   params = load_npz(path)
   flat = flax.traverse_util.flatten_dict(params, sep='/')
+  if image_size is None:
+    image_size = file_image_size(flat, model_name, **overrides) or 224
   for have, lack in (('head/kernel', 'head/bias'), ('head/bias', 'head/kernel')):
     if have in flat and lack not in flat:  # its head is used as it is: zeros would stand in
       raise UnreadableFileError(path, f'holds {have} but no {lack}',

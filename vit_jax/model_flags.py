@@ -24,7 +24,9 @@ def define_flags():
   flags.DEFINE_string(
       'model_overrides', '', 'With --checkpoint: variant overrides, '
       'name=value,... (e.g. num_layers=2,hidden_size=32).')
-  flags.DEFINE_integer('image_size', None, 'With --checkpoint: the resolution (default 224).')
+  flags.DEFINE_integer(
+      'image_size', None, "With --checkpoint: the resolution (default: the file's own, from its "
+      'position embeddings, e.g. 384 for a fine-tuned ImageNet file; 224 for a ResNet).')
 
 
 def parse_overrides(text):
@@ -68,10 +70,13 @@ def load(flags_):
     if not flags_.model:  # a file's shapes alone do not name its patch size or variant
       raise ValueError(f'--checkpoint {flags_.checkpoint} needs --model NAME: the model the '
                        'file was trained as, e.g. ViT-B_16 (names: vit_jax.models.VARIANTS)')
-    config, image_size = None, image_size or 224
+    config, overrides = None, parse_overrides(flags_.model_overrides)
     try:
       model, params = checkpoint.load_model(flags_.checkpoint, flags_.model, image_size,
-                                            **parse_overrides(flags_.model_overrides))
+                                            **overrides)
+      if image_size is None:  # what load_model chose: the file's own resolution, else 224
+        flat = flax.traverse_util.flatten_dict(params, sep='/')
+        image_size = checkpoint.file_image_size(flat, flags_.model, **overrides) or 224
     except checkpoint.IncompatibleCheckpointError as e:  # names vit-train's way to pick it
       raise ValueError(f'{e} (--model, and --model_overrides for sizes that differ from the '
                        'variant\'s, e.g. num_layers=4,hidden_size=64)') from None
