@@ -569,6 +569,8 @@ def test_cli_bad_override_is_one_line(idx_dir, tmp_path, override, message):
      '(<dir>/<split>/<class>/<image>) is set as --config.dataset=folder:pets'),
     ('folder:', 'vit-train: dataset folder: names no folder (an unset shell variable?): set '
      '--config.dataset=folder:<dir>, <dir> holding <split>/<class>/<image>'),
+    ('folder:moved', 'vit-train: Folder dataset {tmp}/moved not found: set '
+     '--config.dataset=folder:<dir> to where it is, <dir>/<split>/<class>/<image>'),
     ('folder:notes.txt', 'vit-train: Folder dataset {tmp}/notes.txt is a file: expected a folder '
      '<dir>/<split>/<class>/<image> (dataset=folder:<dir>).'),
 ])

@@ -257,8 +257,8 @@ class _FolderSource(_LocalSource):
       raise ValueError(f'Folder dataset {root} is a file: expected a folder '
                        '<dir>/<split>/<class>/<image> (dataset=folder:<dir>).')
     if not tf.io.gfile.isdir(root):
-      raise FileNotFoundError(f'Folder dataset {root} not found: expected '
-                              '<dir>/<split>/<class>/<image> (dataset=folder:<dir>).')
+      raise FileNotFoundError(f'Folder dataset {root} not found: set --config.dataset=folder:<dir> '
+                              'to where it is, <dir>/<split>/<class>/<image>')
     self.splits = _subfolders(root)
     self.classes_by_split = {s: _subfolders(os.path.join(root, s)) for s in self.splits}
     self.classes = sorted(set().union(*self.classes_by_split.values()))
