@@ -106,18 +106,19 @@ def read_image(path, config):
     data = tf.io.read_file(path)
   except tf.errors.OpError as e:
     raise UnreadableImage(path, _short_reason(e), 'check that it can be read') from None
-  if not tf.strings.length(data):
+  raw = data.numpy()  # the file's bytes, read once
+  if not raw:
     raise UnreadableImage(path, 'empty (0 bytes)', 'replace it with the image it should hold')
   # Told apart here, a file of another format is not decoded: where TensorFlow's C++ log is
   # on (a notebook), it logs a failed decode ("Local rendezvous is aborting ...").
-  head = data.numpy()[:34]
+  head = raw[:34]
   if not (head.startswith(_SIGNATURES) or head[:4] == b'RIFF' and head[8:12] == b'WEBP'):
     raise UnreadableImage(path, f'not a {FORMATS} image', f'convert it to {FORMATS}')
   bmp_trouble = palette_bmp.unreadable(head)
   if bmp_trouble:
     raise UnreadableImage(path, *bmp_trouble)
   try:
-    turn = jpeg_orientation.orientation(data.numpy()) if head.startswith(b'\xff\xd8') else 1
+    turn = jpeg_orientation.orientation(raw) if head.startswith(b'\xff\xd8') else 1
     if turn != 1:  # a phone's portrait photo, say: turned as a viewer shows it
       stored = tf.io.decode_jpeg(data, channels=3).numpy()
       return preprocessing.preprocess_eval(jpeg_orientation.upright(stored, turn), config).numpy()
