@@ -471,7 +471,8 @@ def test_model_flags_beside_a_workdir_are_refused_not_ignored(home):
 
 def test_a_folder_run_keeps_its_class_names_for_predict_and_evaluate(tmp_path):
   """vit-train records the head's class names (class_names.txt). vit-predict names classes
-  after the training folder moved; vit-evaluate refuses a folder that names them otherwise."""
+  after the training folder moved; vit-evaluate reads a held-out folder of some of them by
+  name and refuses one with a class the run did not train."""
   from tests import data_fixtures  # pylint: disable=g-import-not-at-top
   data_fixtures.write_folder(str(tmp_path / 'pets'), 'train', {
       'Ant': [0, 1],
@@ -480,6 +481,7 @@ def test_a_folder_run_keeps_its_class_names_for_predict_and_evaluate(tmp_path):
   })
   data_fixtures.write_folder(str(tmp_path / 'pets'), 'test', {'Ant': [6], 'cat': [7], 'dog': [8]})
   data_fixtures.write_folder(str(tmp_path / 'zoo'), 'test', {'zebra': [6], 'cat': [7], 'dog': [8]})
+  data_fixtures.write_folder(str(tmp_path / 'seen'), 'test', {'cat': [7, 9, 11], 'dog': [8, 10]})
   train = shell([
       'vit-train', '--config=quickstart', '--config.dataset=folder:pets', '--workdir=wd',
       '--config.total_steps=2', '--config.warmup_steps=1', '--config.batch_size=6',
@@ -512,10 +514,23 @@ def test_a_folder_run_keeps_its_class_names_for_predict_and_evaluate(tmp_path):
               tmp_path)
   assert out.returncode == 1
   assert out.stderr.strip().splitlines()[-1:] == [
-      "vit-evaluate: folder:zoo names its class 0 'cat' where the run trained 'Ant' "
-      "(class_names.txt of wd): its labels are not the head's; evaluate on the run's classes, or "
-      'use --mode fewshot'
+      "vit-evaluate: folder:zoo has 1 class(es) the run did not train ('zebra'; class_names.txt "
+      "of wd names its 3): top-1 reads the head's classes by name: evaluate on folders named as "
+      "the run's classes, or use --mode fewshot"
   ]
+  # A held-out folder of two of the three classes had been refused (2 classes, a 3-class
+  # head). Its labels (cat 0, dog 1) are read by name as the head's (1, 2): its top-1 is
+  # vit-predict's.
+  out = shell(['vit-evaluate', '--workdir', 'wd', '--mode', 'top1', '--dataset', 'folder:seen'],
+              tmp_path)
+  assert out.returncode == 0, out.stderr[-2000:]
+  row = out.stdout.splitlines()[1].split()
+  assert row[:2] == ['top1', 'test'] and ' '.join(row[3:]) == '(5 images of 2 of the 3 classes)'
+  top = shell(['vit-predict', '--workdir', 'wd', '--top_k', '1', 'seen'], tmp_path)
+  assert top.returncode == 0, top.stderr[-2000:]
+  lines = top.stdout.splitlines()  # a file, then its top class indented: "  0.41  cat (1)"
+  hits = [f'/{top_class.split()[1]}/' in file for file, top_class in zip(lines[::2], lines[1::2])]
+  assert len(hits) == 5 and float(row[2]) == pytest.approx(sum(hits) / 5), (out.stdout, top.stdout)
   # Few-shot on another dataset does not read the run's own (moved away): it had been refused.
   out = shell([
       'vit-evaluate', '--workdir', 'wd', '--mode', 'fewshot', '--fewshot_datasets', 'folder:zoo',

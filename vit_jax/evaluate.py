@@ -259,12 +259,18 @@ def extract_features(model, params, config, split, batch_size):
                       input_pipeline.eval_batches(cfg, global_batch=batch_size), mesh)
 
 
-def top1_step(model):
-  """(params, global batch) -> {'correct', 'count'} of the batch (top1_hits); to be jitted."""
+def top1_step(model, head_index=None):
+  """(params, global batch) -> {'correct', 'count'} of the batch (top1_hits); to be jitted.
+
+  head_index: int [K], the head's class of the data's label k, where the data names its
+  classes otherwise than the head (a held-out folder of some of the run's classes);
+  None: label k is the head's class k.
+  """
 
   def step(params, batch):
     logits = model.apply({'params': params}, batch['image'], train=False)
-    correct, counted = top1_hits(logits, batch['label'], batch['mask'])
+    labels = batch['label'] if head_index is None else jnp.asarray(head_index)[batch['label']]
+    correct, counted = top1_hits(logits, labels, batch['mask'])
     return {'correct': jnp.sum(correct), 'count': jnp.sum(counted)}
 
   return step
@@ -288,15 +294,16 @@ def accuracy_over_split(eval_step, params, config, batch_sharding, check_labels=
   return correct / max(count, 1.0), int(count)
 
 
-def top1_accuracy(model, params, config, split, batch_size):
-  """(accuracy, examples counted) of the model's head on `split` (top1_hits)."""
+def top1_accuracy(model, params, config, split, batch_size, head_index=None):
+  """(accuracy, examples counted) of the model's head on `split` (top1_hits; head_index
+  as top1_step's)."""
   if not model.num_classes:
     raise ValueError('The model has no head: use few-shot evaluation (--mode fewshot)')
   mesh = sharding.make_mesh(config)
   _check_batch(batch_size, mesh)
   cfg = data_config(config, split=split)
   cfg.eval_batch_size = batch_size
-  step = jax.jit(top1_step(model),
+  step = jax.jit(top1_step(model, head_index),
                  in_shardings=(sharding.replicated(mesh), sharding.data_sharding(mesh)),
                  out_shardings=sharding.replicated(mesh))
   return accuracy_over_split(step, params, cfg, sharding.data_sharding(mesh))

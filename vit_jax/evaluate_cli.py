@@ -144,24 +144,24 @@ def run(flags_):
     if run_config is not None and not classifier:
       raise ValueError(f'{flags_.workdir} is a {rc["objective"]} run: its head predicts '
                        'no class, so there is no top-1: use --mode fewshot (its default)')
-    held_out = evaluate.data_config(config, split=eval_split)
-    num_classes = input_pipeline.get_info(held_out).num_classes
-    if model.num_classes != num_classes:
-      raise ValueError(f'The checkpoint head has {model.num_classes} classes but '
-                       f'{config.dataset} has {num_classes}: use --mode fewshot')
-    _check_class_names(flags_, config, eval_split)
-    acc, n = evaluate.top1_accuracy(model, params, config, eval_split, flags_.batch_size)
+    head_index = _head_index(flags_, config, eval_split, model.num_classes)
+    acc, n = evaluate.top1_accuracy(model, params, config, eval_split, flags_.batch_size,
+                                    head_index)
+    of = '' if head_index is None else f' of {len(head_index)} of the {model.num_classes} classes'
     rows.append(('top1', f'{eval_split} ReaL' if real else eval_split,
-                 f'{acc:.4f}  ({n} images{" with a ReaL label" if real else ""})'))
+                 f'{acc:.4f}  ({n} images{" with a ReaL label" if real else ""}{of})'))
   if fewshot:
     rows += _fewshot_rows(flags_, model, params, config, datasets, train_split, eval_split, shots,
                           seeds)
   return format_table(rows)
 
 
-def _check_class_names(flags_, config, eval_split):
-  """Top-1 reads the head's class i as the dataset's label i: refuses a dataset that names
-  its classes otherwise than the run recorded (a folder renamed, or another folder)."""
+def _head_index(flags_, config, eval_split, head_classes):
+  """The head's class of each of the dataset's labels where the dataset names its classes
+  otherwise than the run recorded but all of them among the run's (a held-out folder of
+  some of its classes): matched by name. None where label k is the head's class k.
+  Refuses a dataset the head cannot be read on: another number of classes and no names
+  recorded, or a class the run did not train (a folder renamed, or another folder)."""
   # pylint: disable=g-import-not-at-top  (loaded by run)
   from vit_jax import evaluate
   from vit_jax import input_pipeline
@@ -169,16 +169,25 @@ def _check_class_names(flags_, config, eval_split):
   # pylint: enable=g-import-not-at-top
   workdir = getattr(flags_, 'workdir', None)
   recorded = rundir.recorded_class_names(paths.resolve(workdir)) if workdir else None
-  if recorded is None:
-    return
   names = list(input_pipeline.class_names(evaluate.data_config(config, split=eval_split)))
-  if len(names) != len(recorded) or names == recorded:
-    return
-  i = next(i for i, (a, b) in enumerate(zip(recorded, names)) if a != b)
-  raise ValueError(
-      f'{config.dataset} names its class {i} {names[i]!r} where the run trained '
-      f'{recorded[i]!r} ({rundir.CLASS_NAMES_FILE} of {workdir}): its labels are not the '
-      "head's; evaluate on the run's classes, or use --mode fewshot")
+  if recorded is None or names == recorded or config.dataset == evaluate.REAL_DATASET:
+    if head_classes != len(names):
+      raise ValueError(f'The checkpoint head has {head_classes} classes but '
+                       f'{config.dataset} has {len(names)}: use --mode fewshot')
+    return None
+  if len(recorded) != head_classes:
+    raise ValueError(f'{rundir.CLASS_NAMES_FILE} of {workdir} names {len(recorded)} classes but '
+                     f'the checkpoint head has {head_classes}, so they are of different runs: '
+                     'run vit-train again with the same --workdir')
+  untrained = [n for n in names if n not in recorded]
+  if untrained:
+    listed = ', '.join(repr(n) for n in untrained[:3]) + (', ...' if len(untrained) > 3 else '')
+    raise ValueError(
+        f'{config.dataset} has {len(untrained)} class(es) the run did not train ({listed}; '
+        f'{rundir.CLASS_NAMES_FILE} of {workdir} names its {len(recorded)}): top-1 reads the '
+        "head's classes by name: evaluate on folders named as the run's classes, or use "
+        '--mode fewshot')
+  return [recorded.index(n) for n in names]
 
 
 def _fewshot_rows(flags_, model, params, config, datasets, train_split, eval_split, shots, seeds):
