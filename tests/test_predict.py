@@ -520,12 +520,16 @@ def test_a_folder_run_keeps_its_class_names_for_predict_and_evaluate(tmp_path):
   ]
   # A held-out folder of two of the three classes had been refused (2 classes, a 3-class
   # head). Its labels (cat 0, dog 1) are read by name as the head's (1, 2): its top-1 is
-  # vit-predict's.
-  out = shell(['vit-evaluate', '--workdir', 'wd', '--mode', 'top1', '--dataset', 'folder:seen'],
-              tmp_path)
+  # vit-predict's. The default mode, all, had stopped at the folder's missing train split:
+  # top-1, and a row on why there is no k-shot.
+  out = shell(['vit-evaluate', '--workdir', 'wd', '--dataset', 'folder:seen'], tmp_path)
   assert out.returncode == 0, out.stderr[-2000:]
   row = out.stdout.splitlines()[1].split()
   assert row[:2] == ['top1', 'test'] and ' '.join(row[3:]) == '(5 images of 2 of the 3 classes)'
+  assert out.stdout.splitlines()[2].split(None, 2) == [
+      'fewshot', 'seen', "skipped: train_split 'train': Unknown split 'train'. Should be one of "
+      "['test']: set --train_split"
+  ], out.stdout
   top = shell(['vit-predict', '--workdir', 'wd', '--top_k', '1', 'seen'], tmp_path)
   assert top.returncode == 0, top.stderr[-2000:]
   lines = top.stdout.splitlines()  # a file, then its top class indented: "  0.41  cat (1)"

@@ -131,6 +131,13 @@ def run(flags_):
                      f'k-shot sets; drop {"them" if len(typed) > 1 else "it"}')
   top1 = mode in ('top1', 'all')
   datasets = _fewshot_datasets(flags_) or [config.dataset]
+  fewshot_skipped = None
+  if mode == 'all' and not _typed(flags_, 'mode') and not typed and datasets == [config.dataset]:
+    # The default mode on a held-out set without training images: top-1, and why no k-shot.
+    try:
+      input_pipeline.count_split(evaluate.data_config(config, split=train_split), 'train_split')
+    except ValueError as e:
+      fewshot, fewshot_skipped = False, _own_flags(str(e))
   # Each split read, before any features: one that a dataset lacks names its own flag. (The
   # run's dataset only for top-1: few-shot on other datasets does not need it.)
   reads = [(config.dataset, 'eval_split', eval_split)] if top1 else []
@@ -153,6 +160,9 @@ def run(flags_):
   if fewshot:
     rows += _fewshot_rows(flags_, model, params, config, datasets, train_split, eval_split, shots,
                           seeds)
+  if fewshot_skipped:
+    rows.append(
+        ('fewshot', config_checks.dataset_labels(datasets)[0], f'skipped: {fewshot_skipped}'))
   return format_table(rows)
 
 
