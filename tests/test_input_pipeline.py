@@ -438,6 +438,15 @@ def test_folder_splits_are_checked_before_training(tmp_path):
     ip.validate_splits(c)
 
 
+def test_a_class_name_with_a_comma_is_one_name_in_the_log(tmp_path):
+  """The log lists the classes joined by ', ': 'cat, black' and 'dog' had read as three."""
+  root = str(tmp_path / 'pets')
+  for split, first in (('train', 1), ('test', 5)):
+    fx.write_folder(root, split, {'cat, black': [first, first + 1], 'dog': [first + 2]})
+  c = _config(dataset='folder:' + root)
+  assert ip.validate_splits(c).startswith(f"folder:{root}: 2 classes ('cat, black', dog); ")
+
+
 def test_a_folder_split_not_read_is_not_checked(tmp_path):
   """A split the run does not read (here 'extra', with an empty class folder) stopped a run
   that reads 'train' and 'test', with an error naming that folder as the eval split's."""

@@ -322,7 +322,8 @@ class _FolderSource(_LocalSource):
 
   def summary(self, splits: tuple[str, ...]) -> str:
     """One line: classes, images per split, and what in the class folders is not read."""
-    names = ', '.join(self.classes[:10]) + (', ...' if self.num_classes > 10 else '')
+    shown = [repr(c) if ',' in c else c for c in self.classes[:10]]  # 'a, b' is one class
+    names = ', '.join(shown) + (', ...' if self.num_classes > 10 else '')
     counts = ', '.join(f'{s}: {self.count(s)} images' for s in splits)
     read = sorted({name for spec in splits for name, _, _ in self.host_ranges(spec, 1)[0]})
     other = [
