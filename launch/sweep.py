@@ -164,48 +164,65 @@ def point_configs(config, sets, points):
   return out
 
 
-def preflight(configs_of_points, what='point', config_flag='--set config.', swept=()):
-  """vit-train's start-up checks (config_checks) of every point's config, so that a
-  value only a later point has (a string, a tuple, a range) stops the sweep before the first
-  point trains. The devices are not counted here, so that this process does not take the
-  accelerator its points need: each point checks its batch against them at its start.
-  `what` names a point in the message (vit-vtab's are tasks); a message's --config.FIELD
-  is written as this command takes it, `config_flag`FIELD (vit-vtab: --config.), or
-  --sweep config.FIELD for a field in `swept`."""
+def _as_given(message, config_flag, swept):
+  """`message` with each --config.FIELD written as this command takes it: `config_flag`FIELD
+  (vit-sweep: --set config.; vit-vtab: --config.), or --sweep config.FIELD for a swept one."""
 
   def as_given(match):
     field = match.group(1)
     return f'--sweep config.{field}' if field in swept else f'{config_flag}{field}'
 
+  return re.sub(r'--config\.([\w.]+)', as_given, message)
+
+
+def preflight(configs_of_points, what='point', config_flag='--set config.', swept=()):
+  """vit-train's start-up checks (config_checks) of every point's config, so that a
+  value only a later point has (a string, a tuple, a range) stops the sweep before the first
+  point trains. The devices are not counted here, so that this process does not take the
+  accelerator its points need: each point checks its batch against them at its start.
+  `what` names a point in the message (vit-vtab's are tasks); `config_flag` and `swept`
+  as for _as_given."""
   for name, c in configs_of_points:
     try:
       tpu_vm.validate_for_slice(c, None)
     except tpu_vm.LaunchError as e:
-      raise SweepError(f'{what} {name}: '
-                       + re.sub(r'--config\.([\w.]+)', as_given, str(e))) from None
+      raise SweepError(f'{what} {name}: {_as_given(str(e), config_flag, swept)}') from None
 
 
-def check_data(configs_of_points, what='point', config_flag='--set config.'):
+def check_data(configs_of_points, what='point', config_flag='--set config.', swept=()):
   """The datasets of points that run here, as vit-train checks them at its start (prepared,
   splits that exist and hold examples), once per dataset and splits: a dataset not built
-  stops the sweep before its first point, not every point in turn. `what` and
-  `config_flag` as for preflight."""
+  stops the sweep before its first point, not every point in turn, and the datasets not
+  prepared are named together, in one `tfds build`. Arguments as for preflight."""
   # pylint: disable=g-import-not-at-top,unused-import
   from vit_jax import tensorflow_quietly  # noqa: F401  (TF without its start-up notices)
+  from vit_jax import data_sources
   from vit_jax import input_pipeline  # (loads TF)
   # pylint: enable=g-import-not-at-top,unused-import
-  checked = set()
+  not_prepared = {}  # {key: the NotPrepared error}
+  missing = {}  # {data_dir: {point: its NotPrepared error}}
   for name, c in configs_of_points:
     key = (c.dataset, c.data_dir, c.train_split, c.eval_split, c.num_train_examples)
-    if key in checked:
-      continue
-    checked.add(key)
-    try:
-      input_pipeline.get_info(c)
-      input_pipeline.validate_splits(c)
-    except (ValueError, FileNotFoundError) as e:
-      message = errors.one_line(e).replace('--config.', config_flag)
-      raise SweepError(f'{what} {name}: {message}') from None
+    if key not in not_prepared:
+      try:
+        input_pipeline.get_info(c)
+        input_pipeline.validate_splits(c)
+        not_prepared[key] = None
+      except data_sources.NotPrepared as e:
+        not_prepared[key] = e
+      except (ValueError, FileNotFoundError) as e:
+        message = _as_given(errors.one_line(e), config_flag, swept)
+        raise SweepError(f'{what} {name}: {message}') from None
+    if not_prepared[key]:
+      missing.setdefault(not_prepared[key].data_dir, {})[name] = not_prepared[key]
+  for data_dir, by_point in missing.items():
+    if len({e.name for e in by_point.values()}) == 1:  # one dataset: the first point's line
+      name, e = next(iter(by_point.items()))
+      raise SweepError(f'{what} {name}: {_as_given(str(e), config_flag, swept)}')
+    raise SweepError(
+        f'{len(by_point)} {what}s\' datasets are not prepared in data_dir {data_dir} '
+        f'({", ".join(by_point)}): {data_sources.build_advice(list(by_point.values()))}, or set '
+        + _as_given('--config.data_dir to where they are prepared', config_flag, swept))
 
 
 def build_grid(config, sweeps):
@@ -696,12 +713,12 @@ def main(argv=None, runner=run_local, out=None):
       raise SweepError(f'config.{sorted(swept & {k for k, _ in sets})[0]} is both --set and '
                        'swept: keep one')
     configs_of_points = point_configs(args.config, sets, points)
-    preflight(configs_of_points, swept={k for k, _ in points[0][1]})
+    preflight(configs_of_points, swept=swept)
     # A dry run shows what would run, so it is refused too; a gs:// one reads no bucket.
     if not (args.dry_run and paths.is_remote(args.workdir)):
       check_same_sweep(args.workdir, args.config, config, grid, sets)
     if not (args.tpu or args.dry_run):
-      check_data(configs_of_points)
+      check_data(configs_of_points, swept=swept)
     check_workdir(args.workdir, create=not (args.tpu or args.dry_run))
     if not args.dry_run:
       write_record(args.workdir, args.config, grid, sets)

@@ -214,8 +214,9 @@ def with_flags(argv, extra):
   return out + list(extra)
 
 
-def console_script(name, cwd, *argv, timeout=300):
+def console_script(name, cwd, *argv, timeout=300, **env_vars):
   """This venv's console script `name` (vit-sweep, vit-vtab, ...), run as a user runs it
-  from `cwd`."""
+  from `cwd`, with `env_vars` set in its environment."""
   script = os.path.join(os.path.dirname(sys.executable), name)
-  return subprocess.run([script, *argv], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+  return subprocess.run([script, *argv], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                        env=dict(os.environ, **env_vars))

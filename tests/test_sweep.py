@@ -242,7 +242,8 @@ def test_bad_arguments_give_one_line(argv, message):
 
 def test_failing_point_does_not_stop_the_sweep(tmp_path, capsys, monkeypatch):
   """A fake runner: points write event files like train.py, one point fails."""
-  monkeypatch.setattr(sweep, 'check_data', lambda *args: None)  # no cifar10 here: fake points
+  monkeypatch.setattr(sweep, 'check_data',
+                      lambda *args, **kwargs: None)  # no cifar10 here: fake points
   finals = {
       '0.001': [(10, 0.50), (20, 0.70)],
       '0.003': [(10, 0.80), (20, 0.60)],
@@ -320,7 +321,8 @@ def test_summarize_only_names_the_flags_the_points_ran_with(tmp_path, monkeypatc
   """--summarize-only without the first run's --set flags named the winner's command without
   them (`--config=quickstart --config.base_lr=0.003`, where the points had trained 250
   steps); without --sweep either, it failed as 'the config has no lr_grid'."""
-  monkeypatch.setattr(sweep, 'check_data', lambda *args: None)  # no data here: fake points
+  monkeypatch.setattr(sweep, 'check_data',
+                      lambda *args, **kwargs: None)  # no data here: fake points
   monkeypatch.chdir(tmp_path)
   accuracy = {'0.001': 0.5, '0.003': 0.7}
 
@@ -348,7 +350,8 @@ def test_a_workdir_of_another_sweep_is_refused(tmp_path, monkeypatch):
   """A second vit-sweep into a sweep's workdir wrote its sweep.json over the first one's
   (exit 0, no warning): the summary and --summarize-only lost the first sweep's points. The
   same flags, written otherwise (1e-3, the values reordered), still resume it."""
-  monkeypatch.setattr(sweep, 'check_data', lambda *args: None)  # no data here: fake points
+  monkeypatch.setattr(sweep, 'check_data',
+                      lambda *args, **kwargs: None)  # no data here: fake points
   monkeypatch.chdir(tmp_path)
   ran = []
 
@@ -682,3 +685,16 @@ def test_a_points_lines_are_in_its_log_and_on_the_console_as_they_come(tmp_path)
     go.touch()
     proc.communicate(timeout=60)
   assert proc.returncode == 0
+
+
+def test_a_swept_dataset_not_there_names_the_sweep_flag(tmp_path):
+  """A swept folder dataset that is not there: the fix had said `set --set config.dataset=`,
+  which the sweep refuses for a swept field."""
+  p = console_script('vit-sweep', tmp_path, '--config=quickstart', '--workdir=sw', '--sweep',
+                     'config.dataset=[fashion_mnist_local,folder:nope]', '--set',
+                     'config.total_steps=10', '--set', 'config.warmup_steps=2')
+  assert p.returncode == 1 and p.stdout == '', p.stdout + p.stderr
+  assert p.stderr.splitlines()[-1] == (
+      'vit-sweep: error: point dataset=folder_nope: Folder dataset nope not found: '
+      'set --sweep config.dataset=folder:<dir> to where it is, <dir>/<split>/<class>/<image>')
+  assert os.listdir(tmp_path) == []

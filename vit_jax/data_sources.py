@@ -186,6 +186,31 @@ class DamagedFile(FixInTheData):
   """A data file that exists but cannot be read whole: the fix is the file, not a split."""
 
 
+class NotPrepared(FileNotFoundError):
+  """A TFDS dataset with no prepared files in its data_dir (`tfds build` makes them)."""
+
+  def __init__(self, name: str, data_dir: str, manual: bool):
+    self.name, self.data_dir, self.manual = name, data_dir, manual
+    super().__init__(f'dataset {name} is not prepared in data_dir {data_dir}: '
+                     f'{build_advice([self])} or set --config.data_dir to where it is prepared.')
+
+
+def build_advice(missing: list[NotPrepared]) -> str:
+  """'run `tfds build A B --data_dir=D`' for datasets not prepared in one data_dir D, with
+  where the files of those that TFDS cannot download go."""
+  names = ' '.join(dict.fromkeys(m.name for m in missing))
+  manual = list(dict.fromkeys(m.name for m in missing if m.manual))
+  where = shlex.quote(missing[0].data_dir)
+  advice = f'run `tfds build {names} --data_dir={where}`'
+  if manual:
+    whose = 'its' if len(manual) == 1 else 'their'
+    whose = whose if len(missing) == 1 else f'{", ".join(manual)}: {whose}'
+    advice += (f' ({whose} files downloaded by hand into '
+               f'{os.path.join(missing[0].data_dir, "downloads", "manual")} first, as the TFDS '
+               'catalog says)')
+  return advice
+
+
 def _read_idx(path: str, magic: int) -> np.ndarray:
   if not os.path.exists(path):
     raise FileNotFoundError(f'Fashion-MNIST file {path} is missing: run `apt-get install '
@@ -368,8 +393,10 @@ class _TfdsSource(Source):
                        f"({name}/<version>/, as `tfds build` writes them) and set "
                        "--config.data_dir, or set --config.dataset to a TFDS name, "
                        "'folder:<dir>' or 'fashion_mnist_local'") from None
-    # The data_dir root, as a user would pass it to `tfds build --data_dir`.
-    self.data_dir = data_dir or os.path.dirname(os.path.dirname(self.builder.data_dir))
+    # The data_dir root, as a user would pass it to `tfds build --data_dir`: the builder's
+    # folder less <name>[/<config>]/<version>.
+    self.data_dir = data_dir or self.builder.data_dir[:-len(self.builder.info.full_name)].rstrip(
+        '/')
     # A VTAB-1k task whose label is computed from other features (vit_jax/vtab.py); not
     # for another dataset read with the same config (a few-shot evaluator's).
     self.vtab_task = vtab_task if vtab.derives_label(vtab_task, name) else ''
@@ -417,10 +444,8 @@ class _TfdsSource(Source):
         continue
       sizes[name] = int(ds.reduce(np.int64(0), lambda c, _: c + 1))
     if not sizes:
-      raise FileNotFoundError(
-          f'dataset {self.name} is not prepared in data_dir {self.data_dir}: run '
-          f'`tfds build {self.name} --data_dir={shlex.quote(self.data_dir)}` or set '
-          '--config.data_dir to where it is prepared.')
+      raise NotPrepared(self.name, self.data_dir,
+                        bool(getattr(self.builder, 'MANUAL_DOWNLOAD_INSTRUCTIONS', None)))
     return sizes
 
   def shard(self, spec: str, index: int, count: int, shuffle_buffer: int) -> Shard:
