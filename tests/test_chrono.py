@@ -63,7 +63,7 @@ def test_speed_leaves_out_compilation_and_pauses():
 
 def test_resumed_run_counts_all_steps_and_times_its_own():
   clock = FakeClock()
-  chrono = _chrono(clock, total_steps=1000)
+  chrono = _chrono(clock, total_steps=1000, core_hours_before=2.5)  # saved with step 500
   clock.now = 30.0
   chrono.first_step_done(501, compile_seconds=30.0)  # resumed after step 500
   clock.now = 50.0
@@ -73,7 +73,8 @@ def test_resumed_run_counts_all_steps_and_times_its_own():
   assert got['epoch'] == pytest.approx(541 * 32 / 1600)
   assert got['steps_per_sec'] == pytest.approx(40 / 20)
   assert got['eta_seconds'] == pytest.approx(20 / 40 * 459)
-  assert got['core_hours'] == pytest.approx(8 * 50 / 3600)
+  assert got['core_hours'] == pytest.approx(2.5 + 8 * 50 / 3600)  # the earlier ones too
+  assert chrono.core_hours() == pytest.approx(2.5 + 8 * 50 / 3600)  # (as saved)
 
 
 def test_pauses_before_timing_and_nested_pauses():

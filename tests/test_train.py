@@ -107,11 +107,17 @@ def test_resume_continues_at_step_7_and_equals_uninterrupted(idx_dir, tmp_path, 
                    **{'model.dropout_rate': 0.1})
   straight = train.train_and_evaluate(config, str(tmp_path / 'straight'))
   workdir = str(tmp_path / 'resumed')
-  stopped = train.train_and_evaluate(config, workdir, stop_after_steps=6)
+  stopped = train.train_and_evaluate(config, workdir, stop_after_steps=6, writer=_Scalars())
   assert stopped['step'] == 6
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['6']
+  # The core-hours spent up to the checkpoint go on counting (they had started again at 0).
+  before = checkpoint.saved_core_hours(
+      checkpoint.train_state_manager(os.path.join(workdir, 'checkpoints'), 1), 6)
+  assert before > 0
+  scalars = _Scalars()
   with caplog.at_level(logging.INFO):
-    resumed = train.train_and_evaluate(config, workdir)
+    resumed = train.train_and_evaluate(config, workdir, writer=scalars)
+  assert all(at['core_hours'] > before for at in scalars.at.values() if 'core_hours' in at)
   assert any('Resuming from the checkpoint of step 6' in r.getMessage() for r in caplog.records)
   assert any('step 7/12' in r.getMessage() for r in caplog.records)
   assert [r.getMessage() for r in caplog.records if 'profiler trace' in r.getMessage()] == [

@@ -592,14 +592,21 @@ def state_checksums(state, host=True):
 # Where each array of the state is in the saved tree (vit_jax/packed_state.py); checkpoints
 # written before it hold the state's own tree.
 _LAYOUT = 'vit_jax_layout'
+_CORE_HOURS = 'core_hours'  # the run's device-hours up to the save, over its resumptions
 
 
-def save_train_state(manager, step, state, force=False):
+def save_train_state(manager, step, state, force=False, core_hours=None):
   tree, layout = packed_state.pack(state)
-  return manager.save(step, args=ocp.args.StandardSave(tree), force=force, custom_metadata={
-      _CHECKSUMS: state_checksums(state),
-      _LAYOUT: layout
-  })
+  metadata = {_CHECKSUMS: state_checksums(state), _LAYOUT: layout}
+  if core_hours is not None:
+    metadata[_CORE_HOURS] = float(core_hours)
+  return manager.save(step, args=ocp.args.StandardSave(tree), force=force, custom_metadata=metadata)
+
+
+def saved_core_hours(manager, step):
+  """The core-hours the run had spent when it saved `step` (0.0 for a checkpoint saved
+  before they were kept)."""
+  return float(_custom_metadata(manager, step).get(_CORE_HOURS, 0.0))
 
 
 def _custom_metadata(manager, step):

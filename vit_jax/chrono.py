@@ -18,9 +18,10 @@ Choices:
     model's FLOPs (vit_jax.flops, remat's recomputation not counted) per second over the
     peak of all devices.
   * examples_seen is step * global_batch: steps of earlier runs of a resumed job count.
-  * core_hours is num_devices * wall hours of this process since the Chrono was made
-    (compilation, evaluation and saves included: the devices are held throughout); it
-    is not carried over a resume.
+  * core_hours is num_devices * wall hours since the Chrono was made (compilation,
+    evaluation and saves included: the devices are held throughout), plus those of the
+    earlier processes of a resumed run up to the checkpoint it resumed from
+    (`core_hours_before`, kept with each checkpoint), as big_vision carries them over.
 """
 import contextlib
 import time
@@ -61,7 +62,8 @@ class Chrono:
   """Measures training speed and progress; see the module docstring."""
 
   def __init__(self, *, total_steps, global_batch, num_train_examples, num_devices,
-               flops_per_step=None, peak_flops_per_device=None, clock=time.perf_counter):
+               flops_per_step=None, peak_flops_per_device=None, core_hours_before=0.0,
+               clock=time.perf_counter):
     if total_steps <= 0 or global_batch <= 0 or num_devices <= 0:
       raise ValueError(f'total_steps ({total_steps}), global_batch ({global_batch}) and '
                        f'num_devices ({num_devices}) must be positive')
@@ -72,6 +74,7 @@ class Chrono:
     self.flops_per_step = flops_per_step
     self.peak_flops_per_device = peak_flops_per_device
     self.compile_seconds = None
+    self._core_hours_before = core_hours_before
     self._clock = clock
     self._created = clock()
     self._timing_start = None  # (time, step) once the first step is done
@@ -104,6 +107,10 @@ class Chrono:
         self._paused_since_last += self._clock() - self._pause_start
         self._pause_start = None
 
+  def core_hours(self):
+    """Device-hours of the run so far, those before a resume included."""
+    return self._core_hours_before + self.num_devices * (self._clock() - self._created) / 3600
+
   def report(self, step):
     """Scalars at `step` (TensorBoard names); a speed needs one earlier report or
     first_step_done, MFU a FLOP count and a peak, epoch a training-set size."""
@@ -112,7 +119,7 @@ class Chrono:
     scalars = {
         'progress': step / self.total_steps,
         'examples_seen': float(examples),
-        'core_hours': self.num_devices * (now - self._created) / 3600
+        'core_hours': self._core_hours_before + self.num_devices * (now - self._created) / 3600
     }
     if self.num_train_examples and self.num_train_examples > 0:
       scalars['epoch'] = examples / self.num_train_examples

@@ -470,10 +470,11 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   batches = input_pipeline.prefetch_to_mesh(
       _checked_labels(train_data, num_classes, config.train_split), batch_sharding, config.prefetch)
   rng = jax.device_put(jax.random.PRNGKey(config.seed), replicated)
-  chrono = chrono_lib.Chrono(total_steps=total_steps, global_batch=config.batch_size,
-                             num_train_examples=info.num_train_examples,
-                             num_devices=jax.device_count(), flops_per_step=flops_per_step,
-                             peak_flops_per_device=peak)
+  chrono = chrono_lib.Chrono(
+      total_steps=total_steps, global_batch=config.batch_size,
+      num_train_examples=info.num_train_examples, num_devices=jax.device_count(),
+      flops_per_step=flops_per_step, peak_flops_per_device=peak,
+      core_hours_before=checkpoint.saved_core_hours(manager, start) if start else 0.0)
   peak_check = _CpuPeakCheck(chrono, config.dtype)
   profile = trace.StepTrace(os.path.join(workdir, 'profile'), config.profile_first_step,
                             config.profile_steps, resumed_at=start, last_step=total_steps)
@@ -522,7 +523,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
     saves['pending'] = step
     write_config()
     try:
-      checkpoint.save_train_state(manager, step, _without_guard(state), force=True)
+      checkpoint.save_train_state(manager, step, _without_guard(state), force=True,
+                                  core_hours=chrono.core_hours())
     except Exception as e:  # pylint: disable=broad-except
       saves['pending'] = None
       raise TrainingError(f'the checkpoint of step {step} could not be written to {ckpt_dir}: '
