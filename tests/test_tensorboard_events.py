@@ -7,6 +7,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 
 from vit_jax import tensorboard_events
+from vit_jax.configs import quickstart
 from vit_jax.launch import sweep
 
 
@@ -55,3 +56,23 @@ def test_a_directory_it_cannot_write_raises_what_the_loop_reports(tmp_path):
   (tmp_path / 'a_file').write_text('')
   with pytest.raises((OSError, tf.errors.OpError), match='not a directory'):
     tensorboard_events.EventWriter(str(tmp_path / 'a_file' / 'workdir'))
+
+
+def test_nested_fields_are_hyperparameters_by_their_dotted_name(tmp_path):
+  """Only top-level numbers and strings had been written: runs of a sweep over
+  config.model.dropout_rate (the README's example) looked the same in the HPARAMS tab."""
+  config = quickstart.get_config()
+  config.model.dropout_rate = 0.1
+  writer = tensorboard_events.EventWriter(str(tmp_path))
+  writer.write_hparams(tensorboard_events.hparams_of(config))
+  writer.close()
+  events = event_accumulator.EventAccumulator(str(tmp_path))
+  events.Reload()
+  (content,) = events.PluginTagToContent(hparams_metadata.PLUGIN_NAME).values()
+  hparams = hparams_metadata.parse_session_start_info_plugin_data(content).hparams
+  assert hparams['model.dropout_rate'].number_value == 0.1
+  assert hparams['model.patch_size'].number_value == 7
+  assert hparams['pp.flip'].bool_value is False
+  assert hparams['fewshot_shots'].string_value == '(1, 5, 10, 25)'
+  assert hparams['base_lr'].number_value == config.base_lr
+  assert 'model' not in hparams and len(hparams) == len(tensorboard_events.hparams_of(config))

@@ -10,6 +10,24 @@ from tensorboard.plugins.hparams import summary_v2 as hparams_summary
 import tensorflow as tf
 
 
+def hparams_of(config):
+  """{name: value} of a config for TensorBoard's HPARAMS tab: nested fields by their dotted
+  name (model.dropout_rate, pp.flip), tuples and lists as their text; None left out."""
+  flat = {}
+
+  def add(prefix, value):
+    if isinstance(value, dict):
+      for k, v in value.items():
+        add(f'{prefix}{k}.', v)
+    elif isinstance(value, (bool, int, float, str)):
+      flat[prefix[:-1]] = value
+    elif isinstance(value, (tuple, list)):
+      flat[prefix[:-1]] = str(tuple(value))
+
+  add('', config.to_dict())
+  return flat
+
+
 class EventWriter:
   """Writes a run's scalars and hyperparameters to an event file in `logdir`.
 

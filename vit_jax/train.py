@@ -458,9 +458,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
     if writer is None:
       writer = tensorboard_events.EventWriter(workdir, active=jax.process_index() == 0)
     if start == 0:
-      writer.write_hparams({
-          k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool))
-      })
+      writer.write_hparams(tensorboard_events.hparams_of(config))
   except (OSError, tf.errors.OpError) as e:
     raise ConfigError(f'cannot write the metrics to {workdir}: {errors.one_line(e)}: free space or '
                       'fix permissions, or use another --workdir') from None
