@@ -317,7 +317,10 @@ def run_local(argv, log_path, env=None):
   # Each line is in a local log, then on the console, as it comes (`tail -f` follows the
   # log); a remote log is written whole as it closes.
   live = not paths.is_remote(log_path)
-  with paths.open_file(log_path, 'w') as log:
+  # A local log gains each run of the point (one resumed after Ctrl-C: both parts); GCS
+  # has no append, so a remote one holds the last.
+  with paths.open_file(log_path, 'a' if live else 'w') as log:
+    log.write(f'== {shlex.join(argv)}\n')
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
 
@@ -365,17 +368,23 @@ def _run_point(config, workdir, sets, points, i, runner, out):
   """Runs point `i` of `points`; returns its status (also written to its sweep_status)."""
   name, assignments = points[i]
   argv = point_argv(config, workdir, sets, name, assignments)
+  # Finished under these flags (check_same_sweep): run again, it would only evaluate again.
+  point_dir = join(workdir, name)
+  if _read_status(point_dir) == 'ok' and paths.exists(join(point_dir, 'final.npz')):
+    print(f'== sweep point {i + 1}/{len(points)}: {name}: finished (final.npz), skipped', file=out,
+          flush=True)
+    return 'ok'
   print(f'== sweep point {i + 1}/{len(points)}: {name}\n{shlex.join(argv)}', file=out, flush=True)
-  paths.makedirs(join(workdir, name))
+  paths.makedirs(point_dir)
   try:
-    rc = runner(argv, join(join(workdir, name), 'sweep.log'))
+    rc = runner(argv, join(point_dir, 'sweep.log'))
   except OSError as e:
     rc = f'{type(e).__name__}: {e}'
   except KeyboardInterrupt as e:
     raise interrupted(e, 'point', i, len(points), name,
                       'the sweep, each point from its last checkpoint') from None
   status = 'ok' if rc == 0 else f'failed (exit {rc})'
-  with paths.open_file(join(join(workdir, name), 'sweep_status'), 'w') as f:
+  with paths.open_file(join(point_dir, 'sweep_status'), 'w') as f:
     f.write(status + '\n')
   print(f'== {name}: {status}', file=out, flush=True)
   return status
@@ -626,6 +635,20 @@ def _read_status(point_dir):
     return None
 
 
+def _print_summary(workdir, rows, winner, config, points, sets, out):
+  text = write_summary(workdir, rows, winner, config, points, sets)
+  print(
+      f'Summary (also in {join(workdir, "summary.md")} and {join(workdir, "summary.csv")}):\n'
+      f'{text}', file=out)
+
+
+def _exit_if_failed(workdir, num_points, failed):
+  """Exit status 1 where points failed, naming the first one's log."""
+  if failed:
+    sys.exit(f'vit-sweep: {len(failed)} of {num_points} points failed (the summary lists them): '
+             f'see {join(join(workdir, failed[0]), "sweep.log")}')
+
+
 class _Parser(argparse.ArgumentParser):
 
   def error(self, message):
@@ -681,7 +704,9 @@ def main(argv=None, runner=run_local, out=None):
       config, grid, sets = recorded_sweep(args)
       points = grid_points(grid)
       rows, winner = summarize(args.workdir, points)
-      print(write_summary(args.workdir, rows, winner, config, points, sets), file=out)
+      _print_summary(args.workdir, rows, winner, config, points, sets, out)
+      _exit_if_failed(args.workdir, len(points),
+                      [r['point'] for r in rows if r['status'].startswith('failed')])
       return
     if not args.config:
       raise SweepError('the following arguments are required: --config')
@@ -741,11 +766,9 @@ def main(argv=None, runner=run_local, out=None):
     else:
       statuses = run_sweep(args.config, args.workdir, sets, points, runner, out)
     rows, winner = summarize(args.workdir, points, statuses)
-    print(write_summary(args.workdir, rows, winner, args.config, points, sets), file=out)
-    failed = [name for name, status in (statuses or {}).items() if status != 'ok']
-    if failed:
-      sys.exit(f'vit-sweep: {len(failed)} of {len(points)} points failed (the summary lists them): '
-               f'see {join(join(args.workdir, failed[0]), "sweep.log")}')
+    _print_summary(args.workdir, rows, winner, args.config, points, sets, out)
+    _exit_if_failed(args.workdir, len(points),
+                    [name for name, status in (statuses or {}).items() if status != 'ok'])
   except (SweepError, tpu_vm.LaunchError) as e:
     sys.exit(f'vit-sweep: error: {e}')
   except SweepInterrupted as e:

@@ -305,8 +305,11 @@ def test_failing_point_does_not_stop_the_sweep(tmp_path, capsys, monkeypatch):
   assert f'`--config={FINETUNE} --config.base_lr=0.001`' in md
   assert md in out  # The table is printed too.
 
-  # Summarize again later: statuses come from the points' sweep_status files.
-  sweep.main([f'--config={FINETUNE}', f'--workdir={workdir}', '--summarize-only'], runner=None)
+  # Summarize again later: statuses come from the points' sweep_status files, and the exit
+  # status is the sweep's (it had been 0).
+  with pytest.raises(SystemExit) as failed:
+    sweep.main([f'--config={FINETUNE}', f'--workdir={workdir}', '--summarize-only'], runner=None)
+  assert str(failed.value).startswith('vit-sweep: 2 of 4 points failed (the summary lists them)')
   with open(os.path.join(workdir, 'summary.md')) as f:
     assert f.read() == md
 
@@ -548,13 +551,14 @@ def test_real_local_sweep(tmp_path, monkeypatch, capsys):
   data = data_fixtures.write_idx(str(tmp_path / 'data'), num_train=64, num_test=32)
   monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=1')
   workdir = str(tmp_path / 'sw')
-  sweep.main([
+  argv = [
       '--config=configs/quickstart.py', f'--workdir={workdir}', '--sweep',
       'config.base_lr=[0.001,0.003]', '--set', 'config.total_steps=4', '--set',
       'config.warmup_steps=1', '--set', 'config.batch_size=16', '--set',
       'config.eval_batch_size=16', '--set', f'config.data_dir={data}', '--set',
       'config.model.num_layers=1'
-  ])
+  ]
+  sweep.main(argv)
   out = capsys.readouterr().out
   with open(os.path.join(workdir, 'summary.csv')) as f:
     rows = list(csv.DictReader(f))
@@ -566,11 +570,26 @@ def test_real_local_sweep(tmp_path, monkeypatch, capsys):
     md = f.read()
   assert '| point | status | final accuracy | best accuracy | steps |' in md
   assert 'Winner (best final accuracy): **base_lr=0.00' in md
+  logs = {}
   for point in ('base_lr=0.001', 'base_lr=0.003'):
     with open(os.path.join(workdir, point, 'sweep.log')) as f:
-      assert 'Final test top-1 accuracy' in f.read()
+      logs[point] = f.read()
+    assert 'Final test top-1 accuracy' in logs[point]
     assert os.path.exists(os.path.join(workdir, point, 'final.npz'))
   assert 'Final test top-1 accuracy' in out  # Streamed.
+  # The same command again: the finished points are not started, compiled and evaluated
+  # once more (their sweep.log had been overwritten by that), and the summary is the same.
+  sweep.main(argv)
+  again = capsys.readouterr().out
+  assert [l for l in again.splitlines() if l.startswith('== ')] == [
+      '== sweep point 1/2: base_lr=0.001: finished (final.npz), skipped',
+      '== sweep point 2/2: base_lr=0.003: finished (final.npz), skipped'
+  ]
+  for point, log in logs.items():
+    with open(os.path.join(workdir, point, 'sweep.log')) as f:
+      assert f.read() == log
+  with open(os.path.join(workdir, 'summary.md')) as f:
+    assert f.read() == md
 
 
 SWEEP_FLAGS = ['--config=finetune:ViT-B_16,cifar10,dev', '--workdir=sw']
@@ -658,7 +677,8 @@ def test_the_points_last_line_is_kept_when_ctrl_c_comes_with_it(tmp_path):
   assert out.returncode == 130, out.stderr[-2000:]
   saved = 'vit-train: interrupted (Ctrl-C) at step 7: checkpoint saved'
   assert out.stdout.strip().splitlines()[-1] == saved, out.stdout[-2000:]
-  assert (tmp_path / 'sw' / 'base_lr=0.1' / 'sweep.log').read_text() == saved + '\n'
+  log = (tmp_path / 'sw' / 'base_lr=0.1' / 'sweep.log').read_text().splitlines()
+  assert log[0].startswith('== ') and log[-1] == saved  # the point's command, then its lines
 
 
 def test_a_points_lines_are_in_its_log_and_on_the_console_as_they_come(tmp_path):
@@ -680,7 +700,7 @@ def test_a_points_lines_are_in_its_log_and_on_the_console_as_they_come(tmp_path)
   reader.join(60)  # a buffered line would come only at the end, which waits for `go`
   try:
     assert first == ['step 1\n']
-    assert (tmp_path / 'sweep.log').read_text() == 'step 1\n'
+    assert (tmp_path / 'sweep.log').read_text().endswith('\nstep 1\n')  # after the command
   finally:
     go.touch()
     proc.communicate(timeout=60)
