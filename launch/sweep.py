@@ -262,8 +262,15 @@ def grid_points(grid):
   points = [(point_name(list(zip(keys, combo))), list(zip(keys, combo)))
             for combo in itertools.product(*(v for _, v in grid))]
   names = [n for n, _ in points]
-  if len(set(names)) != len(names):
-    raise SweepError('two grid points share a name: make the swept values distinct')
+  twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+  if twice is not None:
+    same = [assignments for n, assignments in points if n == twice][:2]
+    if same[0] == same[1]:
+      raise SweepError(f'the grid holds point {twice} twice: a swept value is listed twice (as '
+                       '0.001 and 1e-3 would be, one number): list each value once')
+    values = ' and '.join(', '.join(f'{k}={v!r}' for k, v in a) for a in same)
+    raise SweepError(f'two grid points share the name {twice} ({values}): make the swept values '
+                     'distinct')
   return points
 
 

@@ -51,7 +51,7 @@ def parse_tasks(spec):
     raise VtabError(f'--tasks {spec!r} names no task: {choose}')
   unknown = [t for t in asked if t not in vtab.VTAB]
   if unknown:
-    close = difflib.get_close_matches(unknown[0], vtab.VTAB, n=3)
+    close = difflib.get_close_matches(unknown[0].lower(), vtab.VTAB, n=3)
     hint = f' (did you mean {", ".join(close)}?)' if close else ''
     what = 'is not a VTAB-1k task' if len(unknown) == 1 else 'are not VTAB-1k tasks'
     raise VtabError(f'--tasks {spec!r}: {", ".join(unknown)} {what}{hint}; {choose}')
@@ -296,6 +296,7 @@ def main(argv=None, runner=sweep.run_local, out=None):
     if not args.summarize_only:  # A bad value or workdir stops here, not every task in turn.
       try:
         sweep.preflight(task_configs, what='task', config_flag='--config.')
+        sweep.check_workdir(args.workdir, create=False)  # a file in the way: before the data
         if not args.dry_run:  # A dataset not prepared stops here too, as in vit-sweep.
           unfinished = [(task, c) for task, c in task_configs
                         if not is_finished(sweep.join(args.workdir, task))]

@@ -233,6 +233,14 @@ def test_tpu_sweep_chains_the_points(capsys):
          ], '--workdir is empty (an unset shell variable?): pass a folder, e.g. '
          '--workdir=workdirs/sweep'),
         (['--config=configs/finetune.py:ViT-B_16', '--workdir=w'], 'Bad finetune argument'),
+        # One number written twice: the message had named neither the point nor the value.
+        ([f'--config={FINETUNE}', '--workdir=w', '--sweep', 'config.base_lr=[0.001,1e-3]'
+         ], 'the grid holds point base_lr=0.001 twice: a swept value is listed twice'),
+        ([
+            f'--config={FINETUNE}', '--workdir=w', '--sweep',
+            'config.dataset=[folder:a/b,folder:a_b]'
+        ], "two grid points share the name dataset=folder_a_b (dataset='folder:a/b' and "
+         "dataset='folder:a_b'): make the swept values distinct"),
     ])
 def test_bad_arguments_give_one_line(argv, message):
   with pytest.raises(SystemExit) as e:

@@ -429,8 +429,9 @@ def test_the_table_tells_finished_started_and_unstarted_tasks_apart(tmp_path):
 
 
 @pytest.mark.parametrize('dry_run', [True, False])
-def test_a_workdir_that_is_a_file_stops_before_the_first_task(tmp_path, dry_run, monkeypatch):
-  monkeypatch.setattr(vtab_launch.sweep, 'check_data', lambda *args, **kwargs: None)  # no data
+def test_a_workdir_that_is_a_file_stops_before_the_first_task(tmp_path, dry_run):
+  # dtd is not prepared here either: the workdir is named first (the data had been, and once
+  # built, the workdir stopped the run next).
   (tmp_path / 'afile').write_text('')
   ran = []
   with pytest.raises(SystemExit) as e:
@@ -449,6 +450,8 @@ def test_a_workdir_that_is_a_file_stops_before_the_first_task(tmp_path, dry_run,
         (['--model=ViT-B_16', '--tasks=', '--dry-run'], "--tasks '' names no task"),
         (['--model=ViT-B_16', '--tasks= , ', '--dry-run'], "--tasks ' , ' names no task"),
         (['--model=ViT-B_16', '--tasks=dtdd', '--dry-run'], 'dtdd is not a VTAB-1k task (did you '
+         'mean dtd?)'),
+        (['--model=ViT-B_16', '--tasks=DTD', '--dry-run'], 'DTD is not a VTAB-1k task (did you '
          'mean dtd?)'),
         (['--model=ViT-B_16', '--summarize-only'], 'nothing to summarize in vt: it does not exist; '
          'run without --summarize-only first'),
