@@ -72,16 +72,38 @@ def test_ctrl_c_inside_jaxlibs_initialisation_waits_for_it(after_s):
           out.stdout) == (130, ['vit-predict: interrupted (Ctrl-C)'], ''), out.stderr[-3000:]
 
 
-@pytest.mark.parametrize('argv,says', [
-    (['vit-evaluate', 'workdirs/quickstart'
-     ], "vit-evaluate: unexpected argument 'workdirs/quickstart': this command takes flags only (a "
-     "run's folder is --workdir=DIR; see --help)"),
-    (['vit-train', '--config=quickstart', '--workdir=w', 'extra', 'words'
-     ], "vit-train: unexpected argument 'extra words': this command takes flags only (a folder is "
-     '--workdir=DIR, a config --config=NAME; see --help)'),
-    (['vit-train', '--config=quickstart', '--workdir=w', '--coordinator_address=1.2.3.4:5'
-     ], 'vit-train: --coordinator_address needs --num_processes and --process_id'),
-])
+@pytest.mark.parametrize(
+    'argv,says',
+    [
+        (['vit-evaluate', 'workdirs/quickstart'],
+         "vit-evaluate: unexpected argument 'workdirs/quickstart': this command takes flags only (a "
+         "run's folder is --workdir=DIR; see --help)"),
+        (['vit-train', '--config=quickstart', '--workdir=w', 'extra', 'words'],
+         "vit-train: unexpected argument 'extra words': this command takes flags only (a folder is "
+         '--workdir=DIR, a config --config=NAME; see --help)'),
+        (['vit-train', '--config=quickstart', '--workdir=w', '--coordinator_address=1.2.3.4:5'
+         ], 'vit-train: --coordinator_address needs --num_processes and --process_id'),
+        # The multi-host flags as a user mistypes them: each had trained alone as process 0 of 1
+        # and exited 0 (no address), aborted in C++ (heartbeat 0) or raised JAX's traceback.
+        (['vit-train', '--config=quickstart', '--workdir=w', '--num_processes=2', '--process_id=1'
+         ], "vit-train: --num_processes and --process_id need --coordinator_address=HOST:PORT "
+         "(process 0's): give all three on every host (a Cloud TPU VM needs none of them)"),
+        (['vit-train', '--config=quickstart', '--workdir=w', '--heartbeat_timeout_seconds=0'],
+         'vit-train: flag --heartbeat_timeout_seconds=0: 0 is not a positive integer (see --help)'),
+        ([
+            'vit-train', '--config=quickstart', '--workdir=w', '--coordinator_address=1.2.3.4:5',
+            '--num_processes=2', '--process_id=2'
+        ], 'vit-train: --process_id 2 is not one of the 2 processes: give each host one of 0..1'),
+        ([
+            'vit-train', '--config=quickstart', '--workdir=w', '--coordinator_address=1.2.3.4',
+            '--num_processes=2', '--process_id=0'
+        ], "vit-train: --coordinator_address '1.2.3.4' is not HOST:PORT: give process 0's address "
+         'and a free port, e.g. 10.0.0.2:1234'),
+        (['vit-train', '--config=quickstart', '--workdir=w', '--distributed=on'
+         ], 'vit-train: jax.distributed.initialize: coordinator_address should be defined: outside '
+         'Cloud TPU and the clusters JAX detects, give --coordinator_address=HOST:PORT, '
+         '--num_processes and --process_id (or --distributed=off for one host)'),
+    ])
 def test_a_stray_word_is_one_line(tmp_path, argv, says):
   """A workdir given without --workdir had printed the whole --help (56 lines), ending
   "Unexpected arguments: ['workdirs/quickstart']"."""

@@ -49,7 +49,7 @@ flags.DEFINE_integer('process_id', int(os.environ.get('JAX_PROCESS_ID', -1)),
 flags.DEFINE_integer(
     'heartbeat_timeout_seconds', 100,
     'On several hosts: a process silent this long is declared dead and the '
-    'others exit with an error instead of waiting forever.')
+    'others exit with an error instead of waiting forever.', lower_bound=1)
 flags.DEFINE_enum(
     'distributed', 'auto', ['auto', 'on', 'off'],
     'jax.distributed.initialize(): auto = with --coordinator_address or on a '
@@ -67,20 +67,53 @@ def _on_cloud_tpu_vm():
 
 def initialize_distributed():
   """jax.distributed.initialize() for runs on several hosts (see the module doc)."""
-  import jax  # pylint: disable=g-import-not-at-top
+  program = _program(sys.argv)
   if FLAGS.distributed == 'off':
     return
   if FLAGS.coordinator_address:
-    if not FLAGS.num_processes or FLAGS.process_id < 0:
-      sys.exit(f'{_program(sys.argv)}: --coordinator_address needs --num_processes and '
-               '--process_id')
+    _check_process_flags(program)
     _started()
-    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
-                               heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_seconds)
+    _initialize(program, FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_seconds)
+  elif FLAGS['num_processes'].present or FLAGS['process_id'].present:
+    # Without an address each host had trained alone as process 0 of 1, and exited 0.
+    sys.exit(f'{program}: --num_processes and --process_id need --coordinator_address=HOST:PORT '
+             '(process 0\'s): give all three on every host (a Cloud TPU VM needs none of them)')
   elif FLAGS.distributed == 'on' or _on_cloud_tpu_vm():
     # Addresses and ids come from the TPU metadata (or the cluster's environment).
     _started()
-    jax.distributed.initialize(heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_seconds)
+    _initialize(program, heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_seconds)
+
+
+def _check_process_flags(program):
+  """--num_processes, --process_id and --coordinator_address fit together, or one line."""
+  n, i, address = FLAGS.num_processes, FLAGS.process_id, FLAGS.coordinator_address
+  if n is not None and n < 1:
+    sys.exit(f'{program}: --num_processes {n} is not a number of hosts: give how many processes '
+             'run (one per host)')
+  if not n or i < 0:
+    missing = [f for f, given in (('--num_processes', n), ('--process_id', i >= 0)) if not given]
+    sys.exit(f'{program}: --coordinator_address needs {" and ".join(missing)}')
+  if i >= n:
+    sys.exit(f'{program}: --process_id {i} is not one of the {n} processes: give each host one '
+             f'of 0..{n - 1}')
+  host, _, port = address.rpartition(':')
+  if not host or not port.isdigit():
+    sys.exit(f'{program}: --coordinator_address {address!r} is not HOST:PORT: give process 0\'s '
+             'address and a free port, e.g. 10.0.0.2:1234')
+
+
+def _initialize(program, *args, **kwargs):
+  """jax.distributed.initialize, whose refusals (no address found off a TPU VM, ...) are
+  one line."""
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    jax.distributed.initialize(*args, **kwargs)
+  except (ValueError, IndexError) as e:
+    sys.exit(
+        f'{program}: jax.distributed.initialize: {errors.one_line(e).rstrip(".")}: outside Cloud TPU '
+        'and the clusters JAX detects, give --coordinator_address=HOST:PORT, '
+        '--num_processes and --process_id (or --distributed=off for one host)')
 
 
 def _config_value_index(argv):
