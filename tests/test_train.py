@@ -93,11 +93,23 @@ def test_fsdp_equals_data_parallel(idx_dir, tmp_path, data_parallel):
   _assert_trees_close(data_parallel['params'], fsdp['params'], 1e-5)
 
 
-def test_gradient_accumulation_equals_full_batch(idx_dir, tmp_path):
+def test_gradient_accumulation_equals_full_batch(idx_dir, tmp_path, caplog):
   full = _run(idx_dir, tmp_path, 'full', batch_size=32)
-  accum = _run(idx_dir, tmp_path, 'accum', batch_size=32, accum_steps=4)
+  with caplog.at_level(logging.INFO):
+    accum = _run(idx_dir, tmp_path, 'accum', batch_size=32, accum_steps=4)
   assert abs(full['loss'] - accum['loss']) < 1e-5
   _assert_trees_close(full['params'], accum['params'], 1e-5)
+  # Logged (only accum_steps 0 had been), and with dropout, that the masks are other draws.
+  assert 'accum_steps 4: 4 micro-batch(es) of 8 per step' in caplog.text
+  assert 'dropout' not in caplog.text
+  caplog.clear()
+  with caplog.at_level(logging.INFO):
+    train.train_and_evaluate(
+        _config(idx_dir, batch_size=32, accum_steps=4, **{'model.dropout_rate': 0.1}),
+        str(tmp_path / 'accum_dropout'), stop_after_steps=1)
+  assert re.search(
+      r'accum_steps 4: 4 micro-batch\(es\) of 8 per step( fit \(.*\))?; each draws its own '
+      r'dropout masks: another count trains with other draws \(the same rate\)', caplog.text)
 
 
 def test_resume_continues_at_step_7_and_equals_uninterrupted(idx_dir, tmp_path, caplog):

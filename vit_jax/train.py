@@ -786,11 +786,14 @@ def _fitting_train_step(config, model, tx, schedule, mesh, in_shardings, abstrac
     need = _step_memory(compiled)
     host_memory.release_freed()  # after memory_analysis(), which leaves freed pages too
     if limit is None or need is None or need <= limit:
-      if config.accum_steps == 0:
+      if config.accum_steps == 0 or accum > 1:
+        dropout = any(config.model.get(f, 0) for f in ('dropout_rate', 'attention_dropout_rate'))
         logging.info(
-            'accum_steps 0: %d micro-batch(es) of %d per step%s', accum, batch // accum,
-            '' if limit is None or need is None else
-            f' fit ({need / 2**20:.1f} of {limit / 2**20:.1f} MiB per device)')
+            'accum_steps %d: %d micro-batch(es) of %d per step%s%s', config.accum_steps, accum,
+            batch // accum, '' if limit is None or need is None else
+            f' fit ({need / 2**20:.1f} of {limit / 2**20:.1f} MiB per device)',
+            '; each draws its own dropout masks: another count trains with other draws (the '
+            'same rate)' if dropout and accum > 1 else '')
       return compiled, c
   raise TrainingError(
       _memory_message(c, need, limit, n_dev, of_host, searched=config.accum_steps == 0))
