@@ -124,6 +124,20 @@ def test_bit_file_gives_reference_logits(tmp_path):
   np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
 
 
+def test_the_variables_model_init_returns_are_saved_as_their_params(tmp_path):
+  """save_npz(path, model.init(...)), a notebook's first try, had raised KeyError
+  'encoder_norm' (the 'params/' prefix made the tree look like a BiT ResNet's)."""
+  model = models.get_model('ViT-Ti_16', num_classes=3, num_layers=1, patch_size=8)
+  variables = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False)
+  checkpoint.save_npz(str(tmp_path / 'v.npz'), variables)
+  loaded = checkpoint.load_npz(str(tmp_path / 'v.npz'))
+  want = flax.traverse_util.flatten_dict(jax.device_get(variables['params']), sep='/')
+  got = flax.traverse_util.flatten_dict(loaded, sep='/')
+  assert sorted(got) == sorted(want)
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k])
+
+
 @pytest.mark.parametrize('kind', ['vit', 'hybrid', 'bit'])
 def test_round_trip_writes_the_published_layout(tmp_path, kind):
   src = tmp_path / 'src.npz'

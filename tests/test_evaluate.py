@@ -21,6 +21,7 @@ from vit_jax import config_checks
 from vit_jax import evaluate
 from vit_jax import evaluate_cli
 from vit_jax import models
+from vit_jax.configs import common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(num_layers=2, hidden_size=32, mlp_dim=64, num_heads=2, patch_size=7)
@@ -72,13 +73,52 @@ def test_sample_k_shot_exact_and_deterministic():
     evaluate.sample_k_shot(labels, 6, 0, class_names=('bird', 'cat', 'dog', 'eel'))
 
 
+@pytest.mark.parametrize(
+    'call,message',
+    [
+        # A label past num_classes had been scored as a class the fit cannot predict.
+        (lambda x, y: evaluate.fit_linear(x, y, 3),
+         r'^labels run from 0 to 4, outside the 3 classes '
+         r'0\.\.2: pass the number of classes$'),
+        (lambda x, y: evaluate.fewshot_accuracy(x, y, x, y, 3, shots=(2,), seeds=(0,)),
+         r'^train_y run from 0 to 4, outside the 3 classes'),
+        # numpy's own words had been "matmul: Input operand 1 has a mismatch ..." and "not enough
+        # values to unpack".
+        (lambda x, y: evaluate.fit_linear(x, y[:50], 5),
+         r'^features \(100, 8\) and labels \(50,\): '
+         r'expected \[N, D\] features and N integer labels$'),
+        (lambda x, y: evaluate.fit_linear(x[:, 0], y, 5), r'^features \(100,\) and labels'),
+        (lambda x, y: evaluate.fewshot_accuracy(x, y, x[:, :4], y, 5, shots=(2,), seeds=(0,)),
+         r'^train_x has 8 features per example, test_x 4: extract both with the same model$'),
+    ])
+def test_bad_features_or_labels_are_named(call, message):
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=(100, 8)), np.arange(100) % 5
+  with pytest.raises(ValueError, match=message):
+    call(x, y)
+
+
+def test_fewshot_accuracy_defaults_to_what_vit_evaluate_computes():
+  """The function's standardise had been off, the configs' and vit-evaluate's on: a call
+  with the defaults gave other figures than the command."""
+  rng = np.random.default_rng(2)
+  y = np.arange(60) % 3
+  x = (rng.normal(size=(60, 6)) + 2 * np.eye(3, 6)[y]) * np.array([1e-3, 1e-3, 1e2, 1, 1, 1])
+  default = evaluate.fewshot_accuracy(x, y, x, y, 3, shots=(5,), seeds=(0, 1))
+  assert default == evaluate.fewshot_accuracy(x, y, x, y, 3, shots=(5,), seeds=(0, 1),
+                                              standardise=common.get_config().fewshot_standardise)
+  assert default != evaluate.fewshot_accuracy(x, y, x, y, 3, shots=(5,), seeds=(0, 1),
+                                              standardise=not evaluate.DEFAULT_STANDARDISE)
+
+
 def test_separable_features_give_accuracy_one():
   rng = np.random.default_rng(1)
   centres = 10.0 * np.eye(5, 16)
   train_y, test_y = np.repeat(np.arange(5), 10), np.repeat(np.arange(5), 20)
   train_x = centres[train_y] + 0.1 * rng.normal(size=(50, 16))
   test_x = centres[test_y] + 0.1 * rng.normal(size=(100, 16))
-  out = evaluate.fewshot_accuracy(train_x, train_y, test_x, test_y, 5, shots=(1, 5), seeds=(0, 1))
+  out = evaluate.fewshot_accuracy(train_x, train_y, test_x, test_y, 5, shots=(1, 5), seeds=(0, 1),
+                                  standardise=False)
   assert set(out) == {1, 5}
   for r in out.values():
     assert r['mean'] == 1.0 and r['per_seed'] == [1.0, 1.0] and r['std'] == 0.0
@@ -108,7 +148,8 @@ def test_standardised_fit_matches_numpy_and_ignores_feature_scales():
   assert again == got
   plain, unit = [
       evaluate.fewshot_accuracy(train_x * r, train_y, test_x * r, test_y, 3, shots=(8,), seeds=(0,),
-                                l2_reg=4.0)[8]['mean'] for r in (1.0, 1.0 / scales)
+                                l2_reg=4.0, standardise=False)[8]['mean']
+      for r in (1.0, 1.0 / scales)
   ]
   assert plain < unit - 0.2 and got[8]['mean'] > plain + 0.2, (plain, unit, got[8]['mean'])
   # A feature constant over the k-shot set is only centred (no division by zero).

@@ -5,6 +5,7 @@ that hybrid GroupNorm parameters are stored as (1, 1, 1, C). BiT files (BiT-S/Bi
 TF names ('resnet/block1/unit01/a/group_norm/gamma'); the mapping lives here and only
 here. Files are read with allow_pickle=False: an object array is refused.
 """
+from collections.abc import Mapping
 import functools
 import glob
 import io
@@ -186,8 +187,11 @@ def save_npz(path, params):
   """Writes `params` in the published layout (readable by timm and other loaders).
 
   The write goes to a temporary file renamed into place: a crash never leaves a
-  truncated file where a good one was.
+  truncated file where a good one was. `params` may also be what model.init returns,
+  {'params': ...}.
   """
+  if isinstance(params, Mapping) and list(params) == ['params']:  # flax's variables
+    params = params['params']
   flat = flax.traverse_util.flatten_dict(jax.device_get(params), sep='/')
   is_vit = 'embedding/kernel' in flat
   out = {}

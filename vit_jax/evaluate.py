@@ -53,6 +53,7 @@ DEFAULT_L2_REG = _DEFAULTS.fewshot_l2_reg
 DEFAULT_SHOTS = tuple(_DEFAULTS.fewshot_shots)
 PROGRESS_EVERY_S = 30  # a progress line while features are extracted
 DEFAULT_SEEDS = tuple(_DEFAULTS.fewshot_seeds)
+DEFAULT_STANDARDISE = _DEFAULTS.fewshot_standardise
 REAL_DATASET, REAL_SPLIT, REAL_LABEL_KEY = 'imagenet2012_real', 'validation', 'real_label'
 
 
@@ -77,6 +78,7 @@ def fit_linear(features, labels, num_classes, l2_reg=DEFAULT_L2_REG):
     raise ValueError(f'l2_reg {l2_reg} must be > 0: use e.g. {DEFAULT_L2_REG}')
   x = np.asarray(features, np.float64)
   labels = np.asarray(labels)
+  _check_features_and_labels(x, labels, num_classes, 'features', 'labels')
   y = 2.0 * (labels[:, None] == np.arange(num_classes)[None, :]) - 1.0
   x_mean, y_mean = x.mean(0), y.mean(0)
   xc, yc = x - x_mean, y - y_mean
@@ -121,20 +123,38 @@ def sample_k_shot(labels, k, seed, class_names=()):
   return np.sort(np.concatenate(picked))
 
 
+def _check_features_and_labels(x, labels, num_classes, x_name, labels_name):
+  """[N, D] features and N labels in [0, num_classes), or a ValueError naming the fault (a
+  label past the classes had been scored as a class the fit cannot predict)."""
+  if x.ndim != 2 or labels.ndim != 1 or len(x) != len(labels):
+    raise ValueError(f'{x_name} {x.shape} and {labels_name} {labels.shape}: expected [N, D] '
+                     'features and N integer labels')
+  if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
+    raise ValueError(f'{labels_name} run from {labels.min()} to {labels.max()}, outside the '
+                     f'{num_classes} classes 0..{num_classes - 1}: pass the number of classes')
+
+
 def fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes, shots=DEFAULT_SHOTS,
-                     seeds=DEFAULT_SEEDS, l2_reg=DEFAULT_L2_REG, draw=None, standardise=False):
+                     seeds=DEFAULT_SEEDS, l2_reg=DEFAULT_L2_REG, draw=None,
+                     standardise=DEFAULT_STANDARDISE):
   """Few-shot linear accuracy for each k in `shots`.
 
   The k-shot training set is drawn from (train_x, train_y) for each seed, by
   `draw(k, seed) -> indices` (default: sample_k_shot(train_y, k, seed)); the
   regression is scored on all of (test_x, test_y). `standardise`: features mapped by
-  standardised() from each k-shot set before the fit.
+  standardised() from each k-shot set before the fit. The defaults are those of the
+  configs (configs/common.py fewshot_*), so a call reproduces vit-evaluate's figures.
 
   Returns:
     {k: {'mean': float, 'std': float, 'per_seed': [float, ...]}}.
   """
   train_x, train_y = np.asarray(train_x), np.asarray(train_y)
   test_x, test_y = np.asarray(test_x), np.asarray(test_y)
+  _check_features_and_labels(train_x, train_y, num_classes, 'train_x', 'train_y')
+  _check_features_and_labels(test_x, test_y, num_classes, 'test_x', 'test_y')
+  if train_x.shape[1] != test_x.shape[1]:
+    raise ValueError(f'train_x has {train_x.shape[1]} features per example, test_x '
+                     f'{test_x.shape[1]}: extract both with the same model')
   draw = draw or (lambda k, seed: sample_k_shot(train_y, k, seed))
   out = {}
   for k in shots:
