@@ -104,8 +104,11 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
   or_split = sharding.or_one_cpu_device(config) if devices is None else ''
   if config.batch_size % accum == 0 and config.batch_size // accum % n_dev:
     per_micro = '' if accum == 1 else f' / accum_steps {accum}'
+    fixes = ['--config.batch_size'] + ['a smaller --config.accum_steps'] * (accum > 1)
+    fixes += [or_split.removeprefix(' or ')] if or_split else []
     raise ValueError(f'batch_size {config.batch_size}{per_micro} must be a multiple of the '
-                     f'{n_dev} devices: set --config.batch_size{or_split}')
+                     f'{n_dev} devices: set {", ".join(fixes[:-1])}'
+                     f'{" or " if len(fixes) > 1 else ""}{fixes[-1]}')
   if config.get('device_memory_mb', 0) < 0:
     raise ValueError(f'device_memory_mb {config.device_memory_mb} is negative: set '
                      '--config.device_memory_mb to the memory per device in MiB, or 0 to ask '
