@@ -70,9 +70,11 @@ def data_parallel(idx_dir, tmp_path_factory):
   return _run(idx_dir, tmp_path_factory.mktemp('dp'), 'dp')
 
 
-def test_data_mesh_of_8_equals_one_device(idx_dir, tmp_path, data_parallel):
+def test_data_mesh_of_8_equals_one_device(idx_dir, tmp_path, data_parallel, caplog):
   assert jax.device_count() == 8
-  one = _run(idx_dir, tmp_path, 'one', mesh_data=1)
+  with caplog.at_level(logging.INFO):
+    one = _run(idx_dir, tmp_path, 'one', mesh_data=1)
+  assert 'mesh_data 1: the run uses 1 of the 8 devices (7 idle)' in caplog.text  # said nowhere
   assert data_parallel['params']['embedding']['kernel'].sharding.mesh.size == 8
   assert one['params']['embedding']['kernel'].sharding.mesh.size == 1
   assert abs(one['loss'] - data_parallel['loss']) < 1e-5

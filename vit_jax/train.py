@@ -359,6 +359,10 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
            stop_after_steps, writer):
   _quiet_library_noise()
   mesh = sharding.make_mesh(config)
+  if mesh.size < jax.device_count():
+    logging.info('mesh_data %d: the run uses %d of the %d devices (%d idle)', config.mesh_data,
+                 mesh.size, jax.device_count(),
+                 jax.device_count() - mesh.size)
   batch_sharding = sharding.data_sharding(mesh)
   replicated = sharding.replicated(mesh)
   ckpt_dir = os.path.join(workdir, 'checkpoints')
