@@ -733,3 +733,18 @@ def test_unknown_remat_policy_names_the_choices():
       ValueError, match=r"remat 'dots' is unknown: set --config.remat to one of "
       r"'' \(off\), nothing_saveable, dots_saveable"):
     models.get_model('ViT-Ti_16', num_classes=3, remat='dots')
+
+
+@pytest.mark.parametrize('name', ['ViT-Ti_16', 'R50x1'])
+@pytest.mark.parametrize('shape,message', [
+    ((2, 3, 32, 32), r'^images of shape \(2, 3, 32, 32\) look channels-first \(NCHW\): the models '
+     r'take NHWC, images\.transpose\(0, 2, 3, 1\)'),
+    ((32, 32, 3), r'^images of shape \(32, 32, 3\): expected a batch \[n, height, width, '
+     r'channels\] \(one image: images\[None\]\)'),
+])
+def test_images_in_another_layout_are_named(name, shape, message):
+  """PyTorch's NCHW or a single image had been refused as "Feature map 3x32 is not divisible
+  by patch size 16: use an image size divisible by 16" (ViT)."""
+  model = models.get_model(name, num_classes=3, **({'num_layers': 1} if 'ViT' in name else {}))
+  with pytest.raises(ValueError, match=message):
+    model.init(jax.random.PRNGKey(0), jnp.zeros(shape), train=False)

@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from vit_jax.models import activations
+from vit_jax.models import inputs
 from vit_jax.models import normalization
 from vit_jax.models import pooling
 from vit_jax.models import precision
@@ -63,6 +64,7 @@ class BiTResNet(nn.Module):
   @nn.compact
   def __call__(self, images, *, train=False):
     del train  # no dropout or batch statistics in BiT
+    inputs.check_images(images)
     width = 64 * self.resnet_width
     x = images.astype(self.dtype)
     x = StdConv(width, (7, 7), (2, 2), [(3, 3), (3, 3)], eps=_WS_EPS, eps_in_sqrt=True,

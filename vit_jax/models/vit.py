@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from vit_jax.models import activations
 from vit_jax.models import attention
 from vit_jax.models import conv_as_dot
+from vit_jax.models import inputs
 from vit_jax.models import precision
 from vit_jax.models import remat as remat_lib
 from vit_jax.models import resnet
@@ -230,6 +231,7 @@ class VisionTransformer(nn.Module):
       `masked_patch_head` outputs [n, N, patch_outputs] of every patch token. Both
       parameters exist only in models called this way; they are dropped on fine-tuning.
     """
+    inputs.check_images(images)
     x = images.astype(self.dtype)
     if self.resnet_layers is not None:
       x = resnet.resnet_stem(x, self.resnet_layers, self.resnet_width, self.dtype, self.remat)
