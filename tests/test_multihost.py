@@ -111,7 +111,9 @@ def test_two_processes_of_4_devices_equal_one_of_8(idx_dir, tmp_path):
 def test_a_dead_process_makes_the_other_exit(idx_dir, tmp_path):
   # Killed runs get a compilation cache of their own (tests/conftest.py).
   env = own_compilation_cache(_env(4), tmp_path / 'jax_cache')
-  hosts = _start_hosts(str(tmp_path / 'w'), idx_dir, total_steps=100_000, heartbeat=5, env=env)
+  # 15 s: with 5, a CI host loaded by the other test workers starved a live process's
+  # heartbeats during compilation, and the runtime aborted it before any step.
+  hosts = _start_hosts(str(tmp_path / 'w'), idx_dir, total_steps=100_000, heartbeat=15, env=env)
   try:
     # Wait until process 1 trains, then kill it without warning.
     deadline = time.time() + 240
