@@ -17,7 +17,9 @@ runs, each point's config goes through vit-train's start-up checks (preflight), 
 local sweep its data is checked as vit-train checks it (check_data). The summary reads the
 'accuracy' scalars of each point's TensorBoard events and writes DIR/summary.md and
 DIR/summary.csv; the winner is the point with the best final accuracy, as the paper
-picks the learning rate on the held-out development split. As a sweep starts it records its
+picks the learning rate on the held-out development split, and the summary's last line says
+whether its eval split was held out of the training data (then: the final run's command line,
+on all of it) or not (then: how to hold data out). As a sweep starts it records its
 --config, grid and --set flags in DIR/sweep.json: --summarize-only reads the points and the
 winner's command line from there, so it needs only --workdir. A DIR whose sweep.json records
 another sweep (its --config, grid or --set flags differ; 1e-3 and 0.001 are the same) is
@@ -471,9 +473,64 @@ def markdown(rows, winner, config, points, sets):
     flags = ' '.join(overrides(sets, dict(points)[winner]))
     lines.append(f'Winner (best final accuracy): **{winner}**, {best["final_accuracy"]:.4f}. '
                  f'Run it with: `--config={config} {flags}`')
+    lines.append(selection_line(config, sets, dict(points)[winner]))
   else:
     lines.append('Winner: none (no point has an accuracy yet).')
   return '\n'.join(lines) + '\n'
+
+
+_DEV = ',dev'  # finetune:<model>,<dataset>,dev: Table 4's development splits
+_SPLIT_FIELDS = ('train_split', 'eval_split')
+
+
+def _split_names(spec):
+  """The splits a TFDS split spec reads: 'train[:90%]+validation' -> {'train', 'validation'}."""
+  return {part.split('[')[0].strip() for part in spec.split('+')}
+
+
+def _is_finetune(config):
+  """Whether --config names configs/finetune.py ('finetune:...' or a path to the file)."""
+  path = config.partition(':')[0]
+  return os.path.splitext(os.path.basename(path))[0] == 'finetune'
+
+
+def _is_dev(config):
+  return _is_finetune(config) and config.endswith(_DEV)
+
+
+def held_out(config, point_config):
+  """Whether a point's eval split is held out of its training data: a finetune ',dev' config
+  (Table 4's and VTAB's development splits), or slices of the split it trains on
+  ('train[:90%]' / 'train[90%:]'; that the two slices do not overlap is the user's part)."""
+  train, evaluate = point_config.train_split, point_config.eval_split
+  sliced = '[' in train and '[' in evaluate and train != evaluate
+  return _is_dev(config) or (sliced and _split_names(evaluate) <= _split_names(train))
+
+
+def selection_line(config, sets, assignments):
+  """What the winner was chosen on, below the winner's line: held-out data, and then the
+  command line of the final run on the whole training set (the paper's protocol: choose on
+  held-out training data, train the winner on all of it, report on the test split); or the
+  split the results are reported on, and how to hold data out instead."""
+  (_, c), = point_configs(config, sets, [('winner', assignments)])
+  on = f'Chosen on eval_split {c.eval_split!r}'
+  if held_out(config, c):
+    split_sets = [k for k, _ in sets if k in _SPLIT_FIELDS]
+    if not (_is_dev(config) or split_sets):  # the config's own splits: no other run
+      return f'{on}, held out of train_split {c.train_split!r}.'
+    final = config[:-len(_DEV)] if _is_dev(config) else config
+    flags = ' '.join(overrides([(k, v) for k, v in sets if k not in _SPLIT_FIELDS], assignments))
+    return (f'{on}, held out of train_split {c.train_split!r}; train the winner on the whole '
+            f'training set: `--config={final} {flags}`.')
+  if _is_finetune(config):
+    advice = f'sweep --config={config}{_DEV} (Table 4\'s development splits)'
+  else:
+    name = sorted(_split_names(c.train_split))[0]
+    advice = (f"add --set 'config.train_split={name}[:90%]' --set "
+              f"'config.eval_split={name}[90%:]'")
+  return (f'Note: {on[0].lower()}{on[1:]}, not on data held out of train_split '
+          f'{c.train_split!r} as the paper chooses: an accuracy reported on the split that chose '
+          f'the winner overstates it. To choose on held-out data, {advice}.')
 
 
 def write_summary(workdir, rows, winner, config, points, sets):

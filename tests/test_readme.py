@@ -37,9 +37,8 @@ SMALL_RUN = [
 SMALL_SWEEP = [
     '--set', 'config.total_steps=2', '--set', 'config.warmup_steps=1', '--set',
     'config.batch_size=16', '--set', 'config.eval_batch_size=16', '--set',
-    'config.log_every_steps=1', '--set', 'config.model.num_layers=1', '--set',
-    'config.train_split=train[:64]', '--set', 'config.eval_split=test[:32]'
-]
+    'config.log_every_steps=1', '--set', 'config.model.num_layers=1'
+]  # the README's command chooses on train[90%:] of the user's 256 training images
 
 # Every phase of the masked-patch experiment (pre-training, fine-tuning from it and from
 # scratch, 5-shot on frozen features) in seconds; its workdir and data are the test's.
@@ -184,6 +183,12 @@ def test_runs_as_written(argv, user_dir):
     assert len([l for l in out.stdout.splitlines() if l.startswith('  ')]) % 5 == 0
   if argv[0] == 'vit-sweep' and '--dry-run' not in argv + rule(argv)[1]:
     assert 'failed (exit' not in out.stdout and 'Winner (best final accuracy): **' in out.stdout
+    # Chosen on held-out training data, and the final run's command line follows.
+    assert re.search(
+        r"^Chosen on eval_split 'train\[90%:\]', held out of train_split "
+        r"'train\[:90%\]'; train the winner on the whole training set: "
+        r'`--config=quickstart .*--config.base_lr=[\d.]+ --config.model.dropout_'
+        r'rate=[\d.]+`.$', out.stdout, re.MULTILINE), out.stdout[-800:]
   if argv[0] == 'vit-inspect':  # all four figures: the rollout and distance need --images
     figures = os.listdir(user_dir / _flag(argv, 'outdir'))
     assert {'position_embedding_similarity.png', 'embedding_filters.png',
