@@ -149,6 +149,16 @@ def pretrained_path(model):
   return f'gs://bit_models/BiT-M-{model}.npz'  # BiT-M: the ImageNet-21k BiT ResNets.
 
 
+def unpublished_note(model, path):
+  """A note for a pretrained_path that could not be read: where it is the default path of a
+  model outside MODELS (ViT-Ti_16: that address was never published), the fix is another
+  file, not the download the error names."""
+  if model in MODELS or path != pretrained_path(model):
+    return ''
+  return (f' ({model} is not among the published ImageNet-21k checkpoints this default path '
+          f'is known for: {", ".join(MODELS)}; set --config.pretrained_path to a {model} .npz)')
+
+
 def image_size_for(model):
   """Fine-tuning resolution of a row (module docstring): 384, or for a model whose
   pixels per token do not divide 384 the largest multiple of them below 384 (/14: 378).

@@ -26,6 +26,7 @@ import pytest
 from vit_jax import checkpoint
 from vit_jax import rundir
 from vit_jax import train
+from vit_jax.configs import finetune
 from vit_jax.configs import quickstart
 from tests.conftest import built_once
 from tests.conftest import CTRL_C_AS_IN_A_TERMINAL
@@ -1207,6 +1208,33 @@ def test_a_bucket_that_cannot_be_written_names_credentials(monkeypatch):
       r'check the bucket name, this machine\'s credentials \(gcloud auth '
       r'application-default login\)'):
     train.train_and_evaluate(_config(), 'gs://b/wd')
+
+
+@pytest.mark.parametrize('model,note', [
+    ('ViT-Ti_16', ' (ViT-Ti_16 is not among the published ImageNet-21k checkpoints this default '
+     'path is known for: ViT-B_16, ViT-B_32, ViT-L_16, ViT-L_32, ViT-H_14, R50+ViT-B_16, R50x1, '
+     'R101x1, R152x2; set --config.pretrained_path to a ViT-Ti_16 .npz)'),
+    ('ViT-B_16', ''),
+])
+def test_an_unpublished_default_checkpoint_is_named(monkeypatch, tmp_path, model, note):
+  """finetune:ViT-Ti_16's default pretrained_path, gs://vit_models/imagenet21k/ViT-Ti_16.npz,
+  was never published: out of reach, the fix had been only to download that address."""
+  opened = checkpoint.paths.open_file
+
+  def offline(path, mode='r'):
+    if str(path).startswith('gs://'):
+      raise OSError(f'{path}: could not reach storage.googleapis.com')
+    return opened(path, mode)
+
+  monkeypatch.setattr(checkpoint.paths, 'open_file', offline)
+  path = finetune.pretrained_path(model)
+  with pytest.raises(train.ConfigError) as e:
+    train.train_and_evaluate(_config(model_name=model, pretrained_path=path), str(tmp_path / 'wd'))
+  public = path.replace('gs://', 'https://storage.googleapis.com/')
+  assert str(e.value) == (
+      f'pretrained_path {path} cannot be read ({path}: could not reach storage.googleapis.com): '
+      f'download it (curl -O {public}, or gsutil cp) and pass the local file as '
+      f'--config.pretrained_path=FILE{note}')
 
 
 def test_skip_mode_leaves_out_non_finite_updates(tmp_path, caplog):

@@ -46,6 +46,7 @@ from vit_jax import tensorboard_events
 from vit_jax import trace
 from vit_jax import step as step_lib
 from vit_jax import xla_cpu_flags
+from vit_jax.configs import finetune
 from vit_jax.models import remat as remat_lib
 
 ConfigError = errors.ConfigError  # raised by train_and_evaluate; main prints it as one line
@@ -380,7 +381,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
         f'--config.pretrained_path={shlex.quote(os.path.join(workdir, "final.npz"))}') from None
   except checkpoint.UnreadableFileError as e:  # the pretrained file, damaged or unreachable
     local = ' as --config.pretrained_path=FILE' if str(e).endswith('the local file') else ''
-    raise ConfigError(f'pretrained_path {e}{local}') from None
+    note = finetune.unpublished_note(config.model_name, config.pretrained_path)
+    raise ConfigError(f'pretrained_path {e}{local}{note}') from None
   except checkpoint.IncompatibleCheckpointError as e:  # the pretrained file, another model
     raise ConfigError(f'pretrained_path {config.pretrained_path} does not fit model '
                       f'{config.model_name}: {e}') from None
