@@ -748,3 +748,16 @@ def test_images_in_another_layout_are_named(name, shape, message):
   model = models.get_model(name, num_classes=3, **({'num_layers': 1} if 'ViT' in name else {}))
   with pytest.raises(ValueError, match=message):
     model.init(jax.random.PRNGKey(0), jnp.zeros(shape), train=False)
+
+
+@pytest.mark.parametrize('name', ['ViT-Ti_16', 'R50x1'])
+@pytest.mark.parametrize('dtype', [np.uint8, np.int32, bool])
+def test_integer_images_are_refused_with_the_scaling(name, dtype):
+  """uint8 pixels in [0, 255] had been taken without a word (the models take [-1, 1])."""
+  model = models.get_model(name, num_classes=3, **({'num_layers': 1} if 'ViT' in name else {}))
+  with pytest.raises(
+      ValueError, match=rf'^images of dtype {np.dtype(dtype)}: the models take '
+      r'float images in \[-1, 1\] \(uint8 pixels: images / 127\.5 - 1\)'):
+    model.init(jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3), dtype), train=False)
+  for ok in (jnp.bfloat16, np.float16):  # float images of any width pass
+    model.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3), ok), train=False)

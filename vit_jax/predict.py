@@ -76,6 +76,7 @@ def _logits(model, params, images):
 
 
 def predict(model, params, images, batch_size=32):
+  """Logits [n, classes] (numpy) of float32 NHWC images in [-1, 1], `batch_size` at a time."""
   return np.concatenate([
       np.asarray(_logits(model, params, images[i:i + batch_size]))
       for i in range(0, len(images), batch_size)
