@@ -543,6 +543,11 @@ def test_a_second_workdir_or_a_missing_flag_is_one_line(tmp_path):
   assert proc.stderr.strip().splitlines()[-1] == (
       'vit-train: --workdir is required: pass --workdir=... (see --help)')
   assert proc.returncode == 1 and os.listdir(tmp_path) == []
+  proc = _main([], cwd=tmp_path)  # both: absl's two sentences had been passed through
+  assert proc.stderr.strip().splitlines()[-1] == (
+      'vit-train: --config and --workdir are required: pass --config=... --workdir=... '
+      '(see --help)')
+  assert proc.returncode == 1 and os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize('override,expected', [

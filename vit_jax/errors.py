@@ -58,6 +58,13 @@ def plain_value_error(line):
   integer' (the same words from every command)."""
   for pattern, plain in _CONVERSION_ERRORS:
     line = re.sub(f'(?<=: ){pattern}$', plain, line)
-  # absl's words for a required flag left out.
-  return re.sub(r'^flag --(\w+)=None: Flag --\1 must have a value other than None\.$',
-                r'--\1 is required: pass --\1=...', line)
+  # absl's words for each required flag left out, one sentence per flag on one line.
+  missing = re.fullmatch(
+      r'(?:flag --(\w+)=None: Flag --\1 must have a value other than None\.'
+      r' ?)+', line)
+  if not missing:
+    return line
+  names = re.findall(r'flag --(\w+)=None', line)
+  return (f'{" and ".join(f"--{n}" for n in names)} '
+          f'{"is" if len(names) == 1 else "are"} required: pass '
+          f'{" ".join(f"--{n}=..." for n in names)}')
