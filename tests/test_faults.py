@@ -995,6 +995,8 @@ def _make_folder(root, empty_class):
      r"\('float32', 'bfloat16'\)"),
     (dict(num_classes=5), r'num_classes 5 is smaller than the dataset\'s 10 classes .* '
      r'--config.num_classes=10'),
+    (dict(num_classes=12), r'^num_classes 12 is more than the dataset\'s 10 classes '
+     r'\(fashion_mnist_local\): set --config.num_classes=10 or -1 \(from the dataset\)$'),
     (dict(num_classes=0), r'^num_classes 0 is no head size: set --config.num_classes to the '
      r'number of classes, or -1 \(from the dataset\)$'),
     (dict(num_classes=-10), r'^num_classes -10 is no head size'),

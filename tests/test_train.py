@@ -331,7 +331,7 @@ def test_multi_label_training_and_set_top1(tmp_path, caplog):
   ]
 
 
-def test_imagenet_training_with_real_evaluation(tmp_path, caplog):
+def test_imagenet_training_with_real_evaluation(idx_dir, tmp_path, caplog):
   """eval_real: a 1000-class run (mocked imagenet2012_real's single 'original_label') is also
   scored on the ReaL sets at each evaluation, as numpy recomputes it."""
   from tests import data_fixtures  # pylint: disable=g-import-not-at-top
@@ -351,12 +351,11 @@ def test_imagenet_training_with_real_evaluation(tmp_path, caplog):
   with data_fixtures.mock_real(40):  # the finished run, started again, reports ReaL again
     again = train.train_and_evaluate(config, str(tmp_path / 'real'))
   assert (again['real_accuracy'], again['real_examples']) == (out['real_accuracy'], 38)
-  with pytest.raises(train.ConfigError, match='eval_real scores a head of the 1000 ImageNet'):
+  with pytest.raises(
+      train.ConfigError, match='eval_real scores a head of the 1000 ImageNet '
+      'classes, but this one has 10'):  # a 10-class run
     with data_fixtures.mock_real(40):
-      train.train_and_evaluate(
-          _config('', dataset='imagenet2012_real', label_key='original_label',
-                  train_split='validation', eval_split='validation', num_classes=1001,
-                  eval_real=True), str(tmp_path / 'bad'))
+      train.train_and_evaluate(_config(idx_dir, eval_real=True), str(tmp_path / 'bad'))
 
 
 def test_fine_tuning_starts_from_the_checkpoint(idx_dir, tmp_path):
@@ -611,3 +610,23 @@ def test_a_folder_dataset_given_otherwise_names_the_folder_form(tmp_path, datase
           proc.stderr.strip().splitlines()[-1]) == (1,
                                                     line.format(tmp=tmp_path)), proc.stderr[-2000:]
   assert not (tmp_path / 'w').exists()
+
+
+def test_a_config_size_that_is_not_the_split_is_named(idx_dir, tmp_path, caplog):
+  """Table 3's configs give their dataset's num_train_examples: with a folder swapped in, the
+  run had counted epochs (and derived 24 million steps) from ImageNet's 1,281,167 unsaid."""
+  train_examples = IDX_SIZES[0]
+  config = _config(idx_dir, num_train_examples=10 * train_examples, total_steps=-1, num_epochs=0.1,
+                   eval_every_steps=0)
+  with caplog.at_level(logging.WARNING):
+    train.train_and_evaluate(config, str(tmp_path / 'run'))
+  steps = -(-train_examples // 16)  # 0.1 of ten times the split, at batch 16
+  assert (f"num_train_examples {10 * train_examples} is the config's, but train_split 'train' "
+          f"of fashion_mnist_local holds {train_examples}: epochs count the config's, and "
+          f'total_steps {steps} from num_epochs; set --config.num_train_examples=-1 to count '
+          'the split') in caplog.text
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):  # the split's own number: no word
+    train.train_and_evaluate(_config(idx_dir, num_train_examples=train_examples),
+                             str(tmp_path / 'same'))
+  assert "is the config's" not in caplog.text

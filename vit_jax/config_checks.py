@@ -83,6 +83,10 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
     raise ValueError(f'num_classes {config.num_classes} is smaller than the dataset\'s '
                      f'{dataset_classes} classes (labels up to {dataset_classes - 1}): set '
                      f'--config.num_classes={dataset_classes} or -1 (from the dataset)')
+  if dataset_classes and config.num_classes > dataset_classes:  # a head of classes no image has
+    raise ValueError(f'num_classes {config.num_classes} is more than the dataset\'s '
+                     f'{dataset_classes} classes ({config.dataset}): set '
+                     f'--config.num_classes={dataset_classes} or -1 (from the dataset)')
   if config.dtype not in models.DTYPES:
     raise ValueError(f'dtype {config.dtype!r} is unknown: set --config.dtype to one of '
                      f'{tuple(models.DTYPES)}')

@@ -208,6 +208,7 @@ def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
     num_classes = config.num_classes if config.num_classes > 0 else info.num_classes
     config_checks.validate_config(config, info.num_train_examples, dataset_classes=info.num_classes)
     total_steps = optim.total_steps(config, info.num_train_examples)
+    size_note = _train_size_note(config, total_steps)
     schedule = optim.learning_rate_schedule(config, total_steps)
     tx = optim.make_optimizer(config, total_steps)
     # The masked-patch objective predicts patches, not classes: no classification head.
@@ -230,10 +231,27 @@ def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
     for line in [data_summary] + (fewshot.descriptions() if fewshot else []):
       if line:
         logging.info('%s', line)
+    if size_note:
+      logging.warning('%s', size_note)
     return _train(config, workdir, info, num_classes, total_steps, schedule, tx, model, real,
                   fewshot, stop_after_steps, writer)
   finally:
     lock.release()
+
+
+def _train_size_note(config, total_steps):
+  """A warning where config.num_train_examples is given (Table 3's configs give their
+  dataset's) and the train split holds another number: with another dataset swapped in, the
+  epochs, and a total_steps derived from num_epochs, would count the config's number."""
+  if config.num_train_examples <= 0:
+    return None
+  held = input_pipeline.count_split(config, 'train_split')
+  if held == config.num_train_examples:
+    return None
+  steps = f', and total_steps {total_steps} from num_epochs' if config.total_steps <= 0 else ''
+  return (f'num_train_examples {config.num_train_examples} is the config\'s, but train_split '
+          f'{config.train_split!r} of {config.dataset} holds {held}: epochs count the config\'s'
+          f'{steps}; set --config.num_train_examples=-1 to count the split')
 
 
 def _fewshot_evaluator(config, model):
