@@ -454,3 +454,18 @@ def test_bit_load_pretrained_replaces_conv_head(tmp_path):
   model = models.get_model('BiT-M-R50x1', num_classes=5, resnet_layers=(1, 1))
   params = checkpoint.load_pretrained(str(tmp_path / 'bit.npz'), model, 5, 32)
   assert params['head']['kernel'].shape == (512, 5) and not np.any(params['head']['kernel'])
+
+
+def test_another_patch_size_names_the_field(tmp_path):
+  """masked_patches:quickstart's checkpoint (4x4 patches) into the quickstart's model (7x7):
+  both are 'ViT-Ti_16', so 'pick the model matching the file' had pointed nowhere."""
+  tiny = dict(num_layers=1, hidden_size=16, mlp_dim=16, num_heads=1)
+  small = models.get_model('ViT-Ti_16', 3, patch_size=4, **tiny)
+  params = small.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 3)), train=False)['params']
+  path = str(tmp_path / 'p4.npz')
+  checkpoint.save_npz(path, params)
+  with pytest.raises(checkpoint.IncompatibleCheckpointError) as e:
+    checkpoint.load_pretrained(path, models.get_model('ViT-Ti_16', 3, patch_size=7, **tiny), 3, 28)
+  assert str(e.value) == ("embedding/kernel: checkpoint (4, 4, 3, 16) vs model (7, 7, 3, 16): "
+                          "the file's patches are 4x4, the model's 7x7: set the model's "
+                          'patch_size to 4 (vit-train: --config.model.patch_size=4)')

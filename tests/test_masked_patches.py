@@ -353,6 +353,16 @@ def test_train_resume_and_load_pretrained(tmp_path, compilation_cache):  # pylin
   assert a.keys() == b.keys() and 'mask_embedding' in a
   for k in a:
     np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+  # Another target's head cannot resume: the fix named is one that is not refused (masked
+  # pre-training takes no pretrained_path; it had been suggested as it was).
+  other = _tiny_run_config(checkpoint_every_steps=2, keep_checkpoints=-1, total_steps=6,
+                           resume_changes='masked_patches.target,total_steps')
+  other.masked_patches.target = 'pixels'
+  with pytest.raises(
+      train.ConfigError, match=r'holds checkpoints of another model \(.*\): use '
+      r'another --workdir, or fine-tune a classification config from that run '
+      r'with --config.pretrained_path=\S+/b/final.npz$'):
+    train.train_and_evaluate(other, str(tmp_path / 'b'))
 
   model = _model(10)
   params = checkpoint.load_pretrained(str(tmp_path / 'a' / 'final.npz'), model, 10, 16)

@@ -343,6 +343,13 @@ def load_pretrained(path_or_params, model, num_classes, image_size, *, reset_hea
       g0 = int(np.sqrt(flat[key].shape[1] - has_cls))
       g1 = int(np.sqrt(spec.shape[1] - has_cls))
       changes.append(f'pos_embedding {g0}x{g0} -> {g1}x{g1} grid')
+    elif (key == 'embedding/kernel' and value.ndim == len(spec.shape) == 4
+          and value.shape[:2] != spec.shape[:2]):  # the same name, another patch_size
+      p, q = value.shape[:2], spec.shape[:2]
+      raise IncompatibleCheckpointError(
+          f'{key}: checkpoint {value.shape} vs model {spec.shape}: the file\'s patches are '
+          f'{p[0]}x{p[1]}, the model\'s {q[0]}x{q[1]}: set the model\'s patch_size to {p[0]} '
+          f'(vit-train: --config.model.patch_size={p[0]})')
     elif value.shape != spec.shape:
       cause = ('patch size or hidden size differs'
                if key.startswith('embedding') else 'a different model variant')

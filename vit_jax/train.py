@@ -393,10 +393,12 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   try:
     state, state_sh = step_lib.create_train_state(config, model, tx, mesh, num_classes, manager)
   except checkpoint.DifferentModelError as e:
-    raise ConfigError(
-        f'workdir {workdir} holds checkpoints of another model ({e}): use another --workdir, '
-        'or fine-tune from that run with '
-        f'--config.pretrained_path={shlex.quote(os.path.join(workdir, "final.npz"))}') from None
+    final = f'--config.pretrained_path={shlex.quote(os.path.join(workdir, "final.npz"))}'
+    # Masked patch pre-training starts from scratch: only a classification run fine-tunes.
+    start = (f'fine-tune a classification config from that run with {final}'
+             if masked_patches.is_masked(config) else f'fine-tune from that run with {final}')
+    raise ConfigError(f'workdir {workdir} holds checkpoints of another model ({e}): use another '
+                      f'--workdir, or {start}') from None
   except checkpoint.UnreadableFileError as e:  # the pretrained file, damaged or unreachable
     local = ' as --config.pretrained_path=FILE' if str(e).endswith('the local file') else ''
     note = finetune.unpublished_note(config.model_name, config.pretrained_path)
