@@ -37,6 +37,7 @@ import importlib.metadata
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -614,6 +615,11 @@ def recreate_steps(args, exists=True):
           + setup_commands(args) + run_commands(args, preflight=False))
 
 
+class Cleanup(list):
+  """A command that also runs when a step before it failed (the local tarball goes, whether
+  its copy to the VM worked or not)."""
+
+
 def setup_commands(args):
   commands = []
   if not args.repo_url:  # Ship the working tree, uncommitted changes included.
@@ -629,7 +635,7 @@ def setup_commands(args):
         'gcloud', 'compute', 'tpus', 'tpu-vm', 'scp', tarball, f'{args.name}:{CODE_DIR}.tar.gz',
         '--zone', args.zone
     ] + _project(args) + ['--worker=all'] + _internal_ip(args))
-    commands.append(['rm', '-f', tarball])
+    commands.append(Cleanup(['rm', '-f', tarball]))
   commands.append(ssh(args, 'all', setup_script(args)))
   return commands
 
@@ -1029,11 +1035,19 @@ class Runner:
     return found[-1] if rc == 0 and found else None
 
   def execute(self, steps):
-    for step in steps:
-      if isinstance(step, list):
-        self.call(step)
-      else:
-        step.run(self)
+    for i, step in enumerate(steps):
+      try:
+        if isinstance(step, list):
+          self.call(step)
+        else:
+          step.run(self)
+      except BaseException:
+        for cleanup in [s for s in steps[i + 1:] if isinstance(s, Cleanup)]:
+          try:
+            self.call(cleanup)
+          except LaunchError:
+            pass  # the first failure is the one to report
+        raise
 
 
 def _failure_fix(cmd):
@@ -1065,6 +1079,10 @@ def execute(commands, dry_run=False, call=subprocess.call, out=None):
     for step in commands:
       print(_show(step), file=out)
     return
+  if call is subprocess.call:  # a missing program is named before any step runs
+    for program in dict.fromkeys(step[0] for step in commands if isinstance(step, list)):
+      if not shutil.which(program):
+        raise _not_found([program])
   Runner(call=call, out=out).execute(commands)
 
 

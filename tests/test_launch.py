@@ -134,6 +134,26 @@ def test_num_hosts(accel, hosts):
   assert tpu_vm.num_hosts(accel) == hosts
 
 
+def test_setup_removes_its_tarball_when_the_copy_fails(tmp_path):
+  """The local tarball had stayed in ~/.cache/vit_jax after a failed scp (auth, a VM not
+  ready), and was built before a missing gcloud was found."""
+  steps = build('setup')
+  assert isinstance(steps[3], tpu_vm.Cleanup)
+  called = []
+
+  def call(cmd):
+    called.append(cmd[0] if cmd[0] != 'gcloud' else cmd[4])
+    return 1 if cmd[:1] == ['gcloud'] else 0  # the scp fails
+
+  with pytest.raises(tpu_vm.LaunchError, match=r'^`gcloud compute tpus tpu-vm scp .* failed '):
+    tpu_vm.execute(steps, call=call, out=open(os.devnull, 'w'))
+  assert called == ['mkdir', 'tar', 'scp', 'rm']  # rm after the failure, no ssh
+  made = tmp_path / 'made'
+  with pytest.raises(tpu_vm.LaunchError, match='^no-such-program-here not found'):
+    tpu_vm.execute([['touch', str(made)], ['no-such-program-here', 'x']])
+  assert not made.exists()  # nothing ran
+
+
 def test_setup_copies_the_working_tree():
   mkdir, tar, scp, rm, ssh = build('setup')
   tarball = tpu_vm.tarball_path(NAME)
