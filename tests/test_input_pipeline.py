@@ -411,12 +411,14 @@ def test_folder_hidden_folders_and_other_files_are_left_out_and_said(tmp_path):
   fx.write_folder(os.path.join(root, 'train', 'a'), 'nested', {'deep': [8]})
   with open(os.path.join(root, 'train', 'b', 'scan.tif'), 'wb') as f:
     f.write(b'II*')
+  with open(os.path.join(root, 'test', 'stray.png'), 'wb') as f:  # in no class folder
+    f.write(b'')
   c = _config(dataset='folder:' + root)
   assert ip.class_names(c) == ('a', 'b')
   assert ip.validate_splits(c) == (
       f'folder:{root}: 2 classes (a, b); train: 4 images, test: 2 images; not read (not '
-      '.jpg/.jpeg/.png/.gif/.bmp/.webp files, or sub-folders): 2, e.g. train/a/nested, '
-      'train/b/scan.tif')
+      '.jpg/.jpeg/.png/.gif/.bmp/.webp files, sub-folders, or files outside a class folder): '
+      '3, e.g. test/stray.png, train/a/nested, train/b/scan.tif')
 
 
 def test_folder_splits_are_checked_before_training(tmp_path):

@@ -134,6 +134,11 @@ class Source:
     """Part `index` of `count` of the split `spec`."""
     raise NotImplementedError
 
+  def _loose_files(self, split: str) -> list[str]:
+    """Files (not hidden) in a split's folder itself: no class folder holds them."""
+    entries = sorted(e.rstrip('/') for e in tf.io.gfile.listdir(os.path.join(self.root, split)))
+    return [e for e in entries if not e.startswith('.') and e not in self.classes_by_split[split]]
+
   def check_classes(self, train_spec: str) -> None:
     """Raises ValueError where a class cannot be learnt from `train_spec` (folders)."""
     del train_spec
@@ -351,12 +356,13 @@ class _FolderSource(_LocalSource):
     names = ', '.join(shown) + (', ...' if self.num_classes > 10 else '')
     counts = ', '.join(f'{s}: {self.count(s)} images' for s in splits)
     read = sorted({name for spec in splits for name, _, _ in self.host_ranges(spec, 1)[0]})
-    other = [
+    other = [f'{s}/{e}' for s in read for e in self._loose_files(s)] + [
         f'{s}/{c}/{e}' for s in read for c in self.classes_by_split[s]
         for e in self._listing(s, c)[1]
     ]
     extensions = '/'.join(image_files.IMAGE_EXTENSIONS)
-    left_out = (f'; not read (not {extensions} files, or sub-folders): '
+    left_out = (f'; not read (not {extensions} files, sub-folders, or files outside a class '
+                'folder): '
                 f'{len(other)}, e.g. {", ".join(other[:3])}' if other else '')
     return f'folder:{self.root}: {self.num_classes} classes ({names}); {counts}{left_out}'
 
