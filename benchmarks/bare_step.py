@@ -50,8 +50,12 @@ def setup(devices=1, dtypes=('float32',)):
 
 
 def overrides(items):
-  """Repeated --override name=value flags -> {name: value} (vit_jax.model_flags' parser)."""
-  return model_flags.parse_overrides(','.join(items or ()))
+  """Repeated --override name=value flags -> {name: value} (vit_jax.model_flags' parser); a
+  malformed one is a one-line exit."""
+  try:
+    return model_flags.parse_overrides(','.join(items or ()))
+  except ValueError as e:
+    sys.exit(f'{os.path.basename(sys.argv[0])}: --override: {e}')
 
 
 def machine_info():
@@ -157,6 +161,9 @@ _FLAG_OF_FIELD = {
     '--config.dtype': '--dtypes',
     '--config.remat': '--remat',
     '--config.model.': '--override ',
+    '--config.accum_steps': '--accum_steps',
+    '--config.batch_size': '--batch',
+    '--config.mesh_data': '--mesh',
 }
 
 
@@ -167,6 +174,9 @@ def _check(config):
     models.get_variant(config.model_name, **config.model)  # its words for a name or a field
     remat_lib.policy_name(config.remat)
     config_checks.validate_before_devices(config)
+    if config.batch_size % config.mesh_data:  # vit-train checks it against its devices
+      raise ValueError(f'--batch {config.batch_size} does not split over --mesh '
+                       f'{config.mesh_data} devices: give a multiple of --mesh')
   except ValueError as e:
     message = str(e).splitlines()[0]
     for field, flag in _FLAG_OF_FIELD.items():

@@ -42,6 +42,9 @@ parser.add_argument('--step_hlo', default='ViT-B_16',
                     help='model whose train step HLO is counted ("" skips)')
 parser.add_argument('--out', default='')
 args = parser.parse_args()
+for _dtype in args.dtypes.split(','):
+  if _dtype not in models.DTYPES:
+    parser.error(f'--dtypes: {_dtype!r} is unknown: use {",".join(models.DTYPES)}')
 
 
 class AttnBHQD(nn.Module):

@@ -91,6 +91,13 @@ def positive_ints(text):
   return [positive_int(part) for part in text.split(',')]
 
 
+def height_width(text):
+  """argparse's type for an image size 'height,width' (two whole numbers)."""
+  if len(text.split(',')) != 2:
+    raise argparse.ArgumentTypeError(f'{text!r} is not height,width (e.g. 375,500)')
+  return tuple(positive_ints(text))
+
+
 def add_model_args(parser, dtypes='float32', steps=2):
   """The flags every model benchmark takes: models and batches, dtypes (not where dtypes is
   None: the script fixes them), size, timing, overrides."""

@@ -23,7 +23,8 @@ from vit_jax import input_pipeline
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
 parser.add_argument('--images', type=harness.positive_int, default=512)
-parser.add_argument('--jpeg_size', default='375,500', help='height,width of the JPEGs')
+parser.add_argument('--jpeg_size', default='375,500', type=harness.height_width,
+                    help='height,width of the JPEGs')
 parser.add_argument('--batch', type=harness.positive_int, default=64)
 parser.add_argument('--batches', type=harness.positive_int, default=6,
                     help='timed batches per round')
@@ -49,7 +50,7 @@ def main():
   load_start = harness.loadavg()
   tmp = tempfile.mkdtemp(prefix='vit_bench_pp_')
   try:
-    h, w = (int(x) for x in args.jpeg_size.split(','))
+    h, w = args.jpeg_size
     t = time.perf_counter()
     data_fixtures.write_jpegs(tmp, args.images, height=h, width=w)
     write_s = time.perf_counter() - t

@@ -43,7 +43,8 @@ parser.add_argument('--steps', type=harness.positive_int, default=13,
 parser.add_argument('--rounds', type=harness.positive_int, default=2)
 parser.add_argument('--images', type=harness.positive_int, default=256,
                     help='JPEGs written (375x500)')
-parser.add_argument('--jpeg_size', default='375,500', help='height,width of the JPEGs')
+parser.add_argument('--jpeg_size', default='375,500', type=harness.height_width,
+                    help='height,width of the JPEGs')
 parser.add_argument('--log_every', type=harness.positive_int, default=4)
 parser.add_argument('--checkpoint_every', type=int, default=4)
 parser.add_argument('--prefetch', type=int, default=2, help='config.prefetch')
@@ -106,7 +107,7 @@ def main():
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
   try:
     data = os.path.join(tmp, 'data')
-    h, w = (int(x) for x in args.jpeg_size.split(','))
+    h, w = args.jpeg_size
     data_fixtures.write_jpegs(data, args.images, height=h, width=w)
     config = bare_step.make_config(args.model, args.batch, dtype=args.dtype,
                                    image_size=args.image_size,

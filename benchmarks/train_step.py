@@ -51,6 +51,12 @@ parser.add_argument('--heap_wait', action=argparse.BooleanOptionalAction, defaul
 harness.add_allocator_arg(parser)
 parser.add_argument('--out', default='')
 args = parser.parse_args()
+try:  # vit-train's check of peak_flops_per_device, in this script's words
+  device_peaks.validate_given(args.peak)
+except ValueError as e:
+  parser.error(
+      str(e).replace('--config.peak_flops_per_device',
+                     '--peak').replace('peak_flops_per_device', '--peak'))
 
 
 def _best(peaks):

@@ -315,6 +315,8 @@ def _refusal(script, *flags):
     ('input_speed', 'rounds', '-1', '-1 must be 1 or more'),
     ('checkpoint_save', 'rounds', '0', '0 must be 1 or more'),
     ('block_breakdown', 'heads', '0', '0 must be 1 or more'),
+    ('input_speed', 'jpeg_size', '375x500', "'375x500' is not height,width (e.g. 375,500)"),
+    ('loop', 'jpeg_size', '375,0', '0 must be 1 or more'),
 ])
 def test_a_count_below_one_is_refused_in_one_line(script, flag, value, why):
   """As a user types it: before, --batch 0 ran into a NaN loss and --steps 0 an IndexError."""
@@ -322,18 +324,35 @@ def test_a_count_below_one_is_refused_in_one_line(script, flag, value, why):
   assert line == f'{script}.py: error: argument --{flag}: {why}'
 
 
-@pytest.mark.parametrize('flags,line', [
-    (['--models', 'ViT-X_16'], "train_step.py: ViT-X_16: Unknown model 'ViT-X_16' (did you mean "
-     'ViT-S_16?); known: '),
-    (['--image_size', '15'], 'train_step.py: ViT-Ti_16: image_size 15 is not divisible by patch '
-     'size 16: set --image_size to a multiple of 16'),
-    (['--dtypes', 'bf16'], "train_step.py: ViT-Ti_16: dtype 'bf16' is unknown: set --dtypes to one "
-     'of '),
-    (['--remat', 'bogus'], "train_step.py: ViT-Ti_16: remat 'bogus' is unknown: set --remat to one "
-     'of '),
-    (['--override', 'num_layer=2'], 'train_step.py: ViT-Ti_16: Unknown field(s) num_layer for '
-     'ViT-Ti_16 (vit family); fields: '),
-])
+@pytest.mark.parametrize(
+    'flags,line',
+    [
+        (['--models', 'ViT-X_16'
+         ], "train_step.py: ViT-X_16: Unknown model 'ViT-X_16' (did you mean "
+         'ViT-S_16?); known: '),
+        (['--image_size', '15'
+         ], 'train_step.py: ViT-Ti_16: image_size 15 is not divisible by patch '
+         'size 16: set --image_size to a multiple of 16'),
+        (['--dtypes', 'bf16'
+         ], "train_step.py: ViT-Ti_16: dtype 'bf16' is unknown: set --dtypes to one "
+         'of '),
+        (['--remat', 'bogus'
+         ], "train_step.py: ViT-Ti_16: remat 'bogus' is unknown: set --remat to one "
+         'of '),
+        (['--override', 'num_layer=2'], 'train_step.py: ViT-Ti_16: Unknown field(s) num_layer for '
+         'ViT-Ti_16 (vit family); fields: '),
+        # These four had ended in tracebacks (a ValueError, JAX's IndivisibleError) or MFU 9.6e9%.
+        (['--override', 'num_layers'
+         ], "train_step.py: --override: Model override 'num_layers' is not "
+         'name=value: e.g. num_layers=2'),
+        (['--mesh', '3'
+         ], 'train_step.py: ViT-Ti_16: --batch 2 does not split over --mesh 3 devices: '
+         'give a multiple of --mesh'),
+        (['--peak', '200'
+         ], 'train_step.py: error: --peak 200 is not a peak in FLOP/s per device: set '
+         '--peak to FLOP/s'),
+        (['--peak', '-5'], 'train_step.py: error: --peak -5 is not a peak'),
+    ])
 def test_a_bad_model_flag_is_refused_in_one_line(flags, line):
   """A model, size, dtype or remat the step cannot build had ended in the model's traceback."""
   base = ['--models', 'ViT-Ti_16', '--batch', '2']
@@ -695,3 +714,10 @@ def test_train_step_times_the_peak_again_where_mfu_exceeds_one(monkeypatch, caps
                                                   {'float32': 'given'}) == {
                                                       'float32': []
                                                   }
+
+
+def test_block_breakdown_names_an_unknown_dtype():
+  """It had ended in KeyError: 'bf16'."""
+  assert _refusal(
+      'block_breakdown', '--dtypes',
+      'bf16') == ("block_breakdown.py: error: --dtypes: 'bf16' is unknown: use float32,bfloat16")
