@@ -482,7 +482,7 @@ def main():
     return
   harness.jax_environment(args.allocator)  # a bad --allocator: its one line before any side
   if args.torch != 'none':
-    harness.require_torch('device_time.py')
+    harness.require_torch('device_time.py', without='--torch none')
   load_start = harness.loadavg()
   results = []
   sides = ['vit_jax'] + ([] if args.torch == 'none' else ['torch'])

@@ -209,10 +209,13 @@ def check_batch_splits(batch, devices):
                      'multiple of --devices')
 
 
-def require_torch(script):
-  """One line naming the install, not a worker's ModuleNotFoundError and a broken pipe."""
+def require_torch(script, without=''):
+  """One line naming the install, not a worker's ModuleNotFoundError and a broken pipe;
+  `without` names the flag that runs the script without PyTorch, where it has one."""
   if importlib.util.find_spec('torch') is None:
-    sys.exit(f"{script}: PyTorch is not installed: pip install -c constraints.txt '.[bench]'")
+    alternative = f', or run without it: {without}' if without else ''
+    sys.exit(f"{script}: PyTorch is not installed: pip install -c constraints.txt '.[bench]'"
+             f'{alternative}')
 
 
 def torch_sgd_step(model, batch, image_size, bf16, compile_model=False):

@@ -67,6 +67,10 @@ def test_vs_pytorch_without_pytorch_names_the_install():
   ], cwd=REPO, capture_output=True, text=True, timeout=120)
   assert (proc.returncode, proc.stderr) == (
       1, "vs_pytorch.py: PyTorch is not installed: pip install -c constraints.txt '.[bench]'\n")
+  # device_time.py runs without it too, and says how (its default compares with PyTorch).
+  assert _refusal('device_time', '--steps', '1') == (
+      "device_time.py: PyTorch is not installed: pip install -c constraints.txt '.[bench]', or "
+      'run without it: --torch none')
 
 
 def test_vs_pytorch(tmp_path):
