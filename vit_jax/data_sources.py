@@ -134,11 +134,6 @@ class Source:
     """Part `index` of `count` of the split `spec`."""
     raise NotImplementedError
 
-  def _loose_files(self, split: str) -> list[str]:
-    """Files (not hidden) in a split's folder itself: no class folder holds them."""
-    entries = sorted(e.rstrip('/') for e in tf.io.gfile.listdir(os.path.join(self.root, split)))
-    return [e for e in entries if not e.startswith('.') and e not in self.classes_by_split[split]]
-
   def check_classes(self, train_spec: str) -> None:
     """Raises ValueError where a class cannot be learnt from `train_spec` (folders)."""
     del train_spec
@@ -335,6 +330,11 @@ class _FolderSource(_LocalSource):
     visible = [e for e in entries if not e.startswith('.')]
     found = [e for e in visible if e.lower().endswith(image_files.IMAGE_EXTENSIONS)]
     return found, [e for e in visible if e not in found]
+
+  def _loose_files(self, split: str) -> list[str]:
+    """Files (not hidden) in a split's folder itself: no class folder holds them."""
+    entries = sorted(e.rstrip('/') for e in tf.io.gfile.listdir(os.path.join(self.root, split)))
+    return [e for e in entries if not e.startswith('.') and e not in self.classes_by_split[split]]
 
   def check_classes(self, train_spec: str) -> None:
     """Every class has training images: a class found only in other splits (often a name

@@ -243,7 +243,7 @@ def _train_size_note(config, total_steps):
   """A warning where config.num_train_examples is given (Table 3's configs give their
   dataset's) and the train split holds another number: with another dataset swapped in, the
   epochs, and a total_steps derived from num_epochs, would count the config's number."""
-  if config.num_train_examples <= 0:
+  if config.num_train_examples is None or config.num_train_examples <= 0:
     return None
   held = input_pipeline.count_split(config, 'train_split')
   if held == config.num_train_examples:
