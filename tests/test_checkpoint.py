@@ -412,7 +412,8 @@ def test_shape_mismatch_names_key_shapes_and_cause(tmp_path):
   other = models.get_model('ViT-Ti_32', num_classes=10, **TINY)
   with pytest.raises(
       ValueError, match=r'embedding/kernel: checkpoint \(16, 16, 3, 32\) vs '
-      r'model \(32, 32, 3, 32\): patch size'):
+      r"model \(32, 32, 3, 32\): the file's patches are 16x16, the model's 32x32: set the "
+      r"model's patch_size to 16"):
     checkpoint.load_pretrained(str(tmp_path / 'up.npz'), other, 10, 64)
 
 
