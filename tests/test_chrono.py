@@ -93,6 +93,49 @@ def test_pauses_before_timing_and_nested_pauses():
   assert chrono.report(7)['steps_per_sec'] == pytest.approx(6 / (10 - 4))
 
 
+def test_traced_steps_are_left_out_of_the_speed():
+  clock = FakeClock()
+  chrono = _chrono(clock)
+  clock.now = 10.0
+  chrono.first_step_done(1, compile_seconds=10.0)
+  clock.now = 14.0  # steps 2-5: 4 steps in 4 s
+  chrono.untimed_from(6)
+  clock.now = 30.0  # steps 6-7 under the profiler: 16 s
+  chrono.untimed_through(7)
+  clock.now = 33.0  # steps 8-10: 3 steps in 3 s
+  got = chrono.report(10)
+  assert got['steps_per_sec'] == pytest.approx(1.0)  # 7 steps in 7 s, not 9 in 23
+  assert got['eta_seconds'] == pytest.approx(23 / 9 * 90)  # the ETA keeps the trace's time
+
+  # A log step inside the window: the interval up to it leaves out its traced steps, the next
+  # interval the rest of them.
+  clock.now = 35.0  # step 11 in 2 s
+  chrono.untimed_from(12)
+  clock.now = 40.0
+  got = chrono.report(13)  # steps 12-13 traced
+  assert got['steps_per_sec'] == pytest.approx(1 / 2)
+  clock.now = 50.0
+  chrono.untimed_through(14)
+  clock.now = 52.0
+  assert chrono.report(15)['steps_per_sec'] == pytest.approx(1 / 2)  # step 15 in 2 s
+  chrono.untimed_from(16)
+  clock.now = 60.0
+  got = chrono.report(20)  # every step of the interval traced: no speed
+  assert 'steps_per_sec' not in got and 'mfu' not in got and 'eta_seconds' in got
+  chrono.untimed_through(20)
+
+  # A trace of the first steps, the compiling one included: timing starts after it.
+  clock = FakeClock()
+  chrono = _chrono(clock)
+  chrono.untimed_from(1)
+  clock.now = 10.0
+  chrono.first_step_done(1, compile_seconds=10.0)
+  clock.now = 20.0
+  chrono.untimed_through(3)  # steps 2-3 in 10 s
+  clock.now = 22.0
+  assert chrono.report(5)['steps_per_sec'] == pytest.approx(1.0)  # steps 4-5 in 2 s
+
+
 def test_report_without_speed_peak_or_dataset_size():
   clock = FakeClock()
   chrono = _chrono(clock, num_train_examples=-1, peak_flops_per_device=None)
@@ -214,13 +257,17 @@ def test_trace_of_chosen_steps(tmp_path, caplog):
   step_fn = jax.jit(lambda x: x @ x)
   x = jnp.ones((32, 32))
   window = trace.StepTrace(str(tmp_path / 'window'), first_step=2, num_steps=2)
-  active = []
+  active, started, stopped = [], [], []
+  y = None
   for step in range(1, 6):
-    window.before(step)
+    started.append(window.before(step, pending=y))
     active.append(window.active)
-    window.after(step, step_fn(x))
+    y = step_fn(x)
+    stopped.append(window.after(step, y))
   window.close()
   assert active == [False, True, True, False, False]
+  assert started == [False, True, False, False, False]  # what the loop leaves out of its speed
+  assert stopped == [False, False, True, False, False]
   assert len(_traces(str(tmp_path / 'window'))) == 1
   said = lambda: [r.getMessage() for r in caplog.records if 'Profiler trace' in r.getMessage()]
   assert said() == [

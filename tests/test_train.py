@@ -189,13 +189,16 @@ class _Scalars:
 
 def test_the_loop_reports_its_speed_and_traces_on_request(idx_dir, tmp_path, caplog):
   peak = 1e12  # given, so MFU is exact arithmetic on the reported step rate
-  config = _config(idx_dir, peak_flops_per_device=peak, profile_first_step=2, profile_steps=1)
+  config = _config(idx_dir, peak_flops_per_device=peak, total_steps=4, profile_first_step=3,
+                   profile_steps=1)
   scalars = _Scalars()
   with caplog.at_level(logging.INFO):
     out = train.train_and_evaluate(config, str(tmp_path / 'speed'), writer=scalars)
   first, second = scalars.at[1], scalars.at[2]
   assert first['compile_seconds'] > 0 and 'compile_seconds' not in second
-  assert second['progress'] == pytest.approx(2 / 3)
+  assert second['progress'] == pytest.approx(2 / 4)
+  # The traced step is left out of the speed: its interval has none, the next one has.
+  assert 'steps_per_sec' not in scalars.at[3] and 'steps_per_sec' in scalars.at[4]
   assert second['examples_seen'] == 2 * 16
   assert second['epoch'] == pytest.approx(2 * 16 / IDX_SIZES[0])
   assert second['core_hours'] > first['core_hours'] > 0

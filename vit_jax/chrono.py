@@ -4,6 +4,7 @@
                     num_devices=jax.device_count(), flops_per_step=..., peak_flops_per_device=...)
     chrono.first_step_done(step, compile_seconds)   # after the first (compiling) step
     with chrono.paused(): ...                        # evaluation, few-shot, checkpoint saves
+    chrono.untimed_from(step); ...; chrono.untimed_through(step)  # steps under the profiler
     scalars = chrono.report(step)                    # at a log step, after a device sync
     logging.info('... %s', chrono.log_text(scalars))
 
@@ -17,6 +18,8 @@ Choices:
   * img/s/core and MFU are per JAX device: global examples / seconds / num_devices, and the
     model's FLOPs (vit_jax.flops, remat's recomputation not counted) per second over the
     peak of all devices.
+  * Steps run under the profiler (untimed_from .. untimed_through) are left out of the
+    speed, their time and their count both: tracing slows them down.
   * examples_seen is step * global_batch: steps of earlier runs of a resumed job count.
   * core_hours is num_devices * wall hours since the Chrono was made (compilation,
     evaluation and saves included: the devices are held throughout), plus those of the
@@ -82,6 +85,8 @@ class Chrono:
     self._paused_since_last = 0.0
     self._pause_depth = 0
     self._pause_start = None
+    self._untimed_after = None  # the last timed step, while steps are left out
+    self._untimed_steps_since_last = 0
     self._compile_reported = False
 
   def first_step_done(self, step, compile_seconds):
@@ -91,21 +96,43 @@ class Chrono:
     self.compile_seconds = float(compile_seconds)
     self._timing_start = self._last = (now, step)
     self._paused_since_last = 0.0  # pauses before timing starts do not count
+    if self._pause_depth:  # inside a pause (a trace of the first steps): it starts now
+      self._pause_start = now
+    if self._untimed_after is not None:
+      self._untimed_after = step
+
+  def untimed_from(self, step):
+    """Leaves `step` and those after it out of the speed, until untimed_through. Sync the
+    device first, as for a pause."""
+    self._untimed_after = step - 1
+    self._enter_pause()
+
+  def untimed_through(self, step):
+    """Ends untimed_from's window after `step` (synced: its outputs are ready)."""
+    self._untimed_steps_since_last += step - self._untimed_after
+    self._untimed_after = None
+    self._leave_pause()
 
   @contextlib.contextmanager
   def paused(self):
     """Time inside does not count as training. Sync the device first (block on the state),
     or the steps still running there are counted as the pause."""
-    self._pause_depth += 1
-    if self._pause_depth == 1:
-      self._pause_start = self._clock()
+    self._enter_pause()
     try:
       yield
     finally:
-      self._pause_depth -= 1
-      if self._pause_depth == 0:
-        self._paused_since_last += self._clock() - self._pause_start
-        self._pause_start = None
+      self._leave_pause()
+
+  def _enter_pause(self):
+    self._pause_depth += 1
+    if self._pause_depth == 1:
+      self._pause_start = self._clock()
+
+  def _leave_pause(self):
+    self._pause_depth -= 1
+    if self._pause_depth == 0:
+      self._paused_since_last += self._clock() - self._pause_start
+      self._pause_start = None
 
   def core_hours(self):
     """Device-hours of the run so far, those before a resume included."""
@@ -126,10 +153,16 @@ class Chrono:
     if self.compile_seconds is not None and not self._compile_reported:
       scalars['compile_seconds'] = self.compile_seconds
       self._compile_reported = True
+    if self._pause_depth:  # reported inside a pause (a traced window): count it up to now
+      self._paused_since_last += now - self._pause_start
+      self._pause_start = now
+    if self._untimed_after is not None:
+      self._untimed_steps_since_last += step - self._untimed_after
+      self._untimed_after = step
     if self._last is not None and step > self._last[1]:
       seconds = now - self._last[0] - self._paused_since_last
-      steps = step - self._last[1]
-      if seconds > 0:
+      steps = step - self._last[1] - self._untimed_steps_since_last
+      if seconds > 0 and steps > 0:
         scalars['steps_per_sec'] = steps / seconds
         scalars['img_per_sec_per_core'] = (steps * self.global_batch / seconds / self.num_devices)
         if self.flops_per_step and self.peak_flops_per_device:
@@ -140,6 +173,7 @@ class Chrono:
                                 (self.total_steps - step))
       self._last = (now, step)
       self._paused_since_last = 0.0
+      self._untimed_steps_since_last = 0
     return scalars
 
   def log_text(self, scalars):

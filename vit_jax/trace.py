@@ -2,9 +2,9 @@
 
     trace = StepTrace(os.path.join(workdir, 'profile'), first_step=10, num_steps=5)
     for step in ...:
-      trace.before(step)
+      started = trace.before(step, pending=state)
       state, metrics = train_step(...)
-      trace.after(step, metrics)
+      stopped = trace.after(step, metrics)
     trace.close()  # in a `finally`: stops a trace the run ended inside
 
 Steps [first_step, first_step + num_steps) are traced; num_steps 0 traces nothing. A run
@@ -57,19 +57,26 @@ class StepTrace:
           'the run resumes; %s', first_step, self.end_step - 1, next_step, fix)
       self.done = True
 
-  def before(self, step):
-    """Starts the trace if `step` is inside the window and no trace ran yet."""
+  def before(self, step, pending=None):
+    """Starts the trace if `step` is inside the window and no trace ran yet, once `pending`
+    (the earlier steps' outputs) are computed; True if it started."""
     if not self.done and not self.active and self.first_step <= step < self.end_step:
+      jax.block_until_ready(pending)
       jax.profiler.start_trace(self.logdir)
       self.active = True
       self.traced = [step, step]
+      return True
+    return False
 
   def after(self, step, outputs=None):
-    """Stops the trace after the window's last step, once `outputs` are computed."""
+    """Stops the trace after the window's last step, once `outputs` are computed; True if
+    it stopped."""
     if self.active:
       self.traced[1] = step
       if step >= self.end_step - 1:
         self._stop(outputs)
+        return True
+    return False
 
   def close(self):
     """Stops a trace still running (the run ended inside the window)."""

@@ -561,7 +561,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
     raise _OUTSIDE_THE_LOOP[_RECEIVED_OUTSIDE_THE_LOOP[0]]()
   try:
     for step in range(start + 1, last + 1):
-      profile.before(step)
+      if profile.before(step, pending=state):  # traced steps run slower: not timed
+        chrono.untimed_from(step)
       try:
         try:
           batch = next(batches)
@@ -587,7 +588,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
           raise TrainingError(_memory_message(config, None, None, mesh.size)) from None
         raise
       heap_wait.after_step(metrics)
-      profile.after(step, metrics)
+      if profile.after(step, metrics):
+        chrono.untimed_through(step)
       if peek and prev_guard is not None and prev_guard['first_bad'].is_ready():
         check_guard(_local(prev_guard))
       prev_guard = metrics['guard']
