@@ -490,6 +490,9 @@ def test_skips_without_file_names_are_logged_at_powers_of_two(caplog):
       f'Skipped {n} undecodable image(s) while training ({total} so far in this stream).'
       for n, total in ((1, 1), (1, 2), (1, 4), (1, 8), (7, 16))
   ]
+  assert batches.summary() == ('Skipped 16 undecodable image(s) in all while training (their '
+                               'records are not named by the dataset)')
+  assert ip.Batches(None, 'training').summary() is None
 
 
 def test_folder_train_replaces_corrupt_and_resumes(folder, caplog):
@@ -508,6 +511,10 @@ def test_folder_train_replaces_corrupt_and_resumes(folder, caplog):
     full += _take(it, 4)
   assert it.skipped == 3  # Once per epoch, counted by this iterator only.
   assert caplog.text.count('undecodable') == 1  # named once, not on every pass
+  assert 'skipped on every pass, each skip counted in data/skipped_images' in caplog.text
+  # The run's end says the count the log had not (TensorBoard's data/skipped_images: 3).
+  assert it.summary() == ('Skipped 3 undecodable image(s) in all while training of 1 file(s), '
+                          'named in the warnings above')
   assert ip.train_batches(c, **kw).skipped == 0
   ids = [i for b in full for i in _ids(b)]
   assert set(ids) == set(train)  # Never the zero placeholder image.

@@ -27,6 +27,7 @@ from vit_jax import sharding
 from vit_jax import train
 from vit_jax import step as step_lib
 from vit_jax import xla_cpu_flags
+from tests import data_fixtures as fx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -187,6 +188,26 @@ class _Scalars:
     pass
 
 
+def test_a_run_over_an_undecodable_file_counts_its_skips_at_the_end(tmp_path, caplog):
+  """The file is named once, but skipped on every pass: the run's end says how often, as
+  TensorBoard's data/skipped_images does (the log had said '1 so far' alone)."""
+  root = str(tmp_path / 'imgs')
+  for split in ('train', 'test'):
+    fx.write_folder(root, split, {'a': [1, 2, 3], 'b': [4, 5, 6]})
+  fx.write_corrupt(os.path.join(root, 'train', 'a', 'bad.png'))
+  config = _config(None, dataset='folder:' + root, batch_size=8, eval_batch_size=8, total_steps=4,
+                   shuffle_buffer=7)
+  scalars = _Scalars()
+  with caplog.at_level(logging.WARNING):
+    train.train_and_evaluate(config, str(tmp_path / 'run'), writer=scalars)
+  skips = scalars.at[4]['data/skipped_images']
+  assert skips >= 4  # 32 images drawn from 7 records, one of them undecodable
+  said = [r.getMessage() for r in caplog.records if 'undecodable' in r.getMessage()]
+  assert len(said) == 2 and os.path.join(root, 'train', 'a', 'bad.png') in said[0]
+  assert said[1] == (f'Skipped {skips} undecodable image(s) in all while training of 1 file(s), '
+                     'named in the warnings above')
+
+
 def test_the_loop_reports_its_speed_and_traces_on_request(idx_dir, tmp_path, caplog):
   peak = 1e12  # given, so MFU is exact arithmetic on the reported step rate
   config = _config(idx_dir, peak_flops_per_device=peak, total_steps=4, profile_first_step=3,
@@ -303,18 +324,17 @@ def test_sigmoid_loss_with_negative_head_bias(idx_dir, tmp_path):
 def test_multi_label_training_and_set_top1(tmp_path, caplog):
   """Training on mocked imagenet2012_real 'real_label' sets: multi-hot sigmoid targets, and
   top-1 counted correct when in the set (empty sets left out), as numpy recomputes it."""
-  from tests import data_fixtures  # pylint: disable=g-import-not-at-top
   config = _config('', dataset='imagenet2012_real', label_key='real_label',
                    train_split='validation', eval_split='validation', loss='sigmoid_xent',
                    total_steps=2, accum_steps=2)
-  with data_fixtures.mock_real(40), caplog.at_level(logging.INFO):
+  with fx.mock_real(40), caplog.at_level(logging.INFO):
     out = train.train_and_evaluate(config, str(tmp_path / 'multi'))
   assert np.isfinite(out['loss'])
-  images = np.stack([data_fixtures.id_image(i) for i in range(40)])
+  images = np.stack([fx.id_image(i) for i in range(40)])
   images = np.repeat(images[..., None], 3, -1).astype(np.float32) / 127.5 - 1
   model = train.build_model(config, 1000)
   top1 = np.argmax(np.asarray(model.apply({'params': out['params']}, images, train=False)), -1)
-  sets = [data_fixtures.label_set(i) for i in range(40)]
+  sets = [fx.label_set(i) for i in range(40)]
   used = [i for i in range(40) if sets[i]]
   assert len(used) == 38  # examples 0 and 32 have empty sets
   want = np.mean([top1[i] in sets[i] for i in used])
@@ -327,7 +347,7 @@ def test_multi_label_training_and_set_top1(tmp_path, caplog):
                               data_dir=None, eval_crop=None, mode='top1', train_split=None,
                               eval_split=None, batch_size=16, shots=['1'], seeds=['0'],
                               l2_reg=1024.0)
-  with data_fixtures.mock_real(40):
+  with fx.mock_real(40):
     table = evaluate_cli.run(cli)
   assert table.splitlines()[1].split() == [
       'top1', 'validation', 'ReaL', f'{want:.4f}', '(38', 'images', 'with', 'a', 'ReaL', 'label)'
@@ -337,27 +357,26 @@ def test_multi_label_training_and_set_top1(tmp_path, caplog):
 def test_imagenet_training_with_real_evaluation(idx_dir, tmp_path, caplog):
   """eval_real: a 1000-class run (mocked imagenet2012_real's single 'original_label') is also
   scored on the ReaL sets at each evaluation, as numpy recomputes it."""
-  from tests import data_fixtures  # pylint: disable=g-import-not-at-top
   config = _config('', dataset='imagenet2012_real', label_key='original_label',
                    train_split='validation', eval_split='validation', total_steps=2, eval_real=True)
-  with data_fixtures.mock_real(40), caplog.at_level(logging.INFO):
+  with fx.mock_real(40), caplog.at_level(logging.INFO):
     out = train.train_and_evaluate(config, str(tmp_path / 'real'))
-  images = np.stack([data_fixtures.id_image(i) for i in range(40)])
+  images = np.stack([fx.id_image(i) for i in range(40)])
   images = np.repeat(images[..., None], 3, -1).astype(np.float32) / 127.5 - 1
   logits = train.build_model(config, 1000).apply({'params': out['params']}, images, train=False)
   top1 = np.argmax(np.asarray(logits), -1)
   assert out['accuracy'] == pytest.approx(np.mean(top1 == np.arange(40) % 7), abs=1e-6)
-  used = [i for i in range(40) if data_fixtures.label_set(i)]
-  want = np.mean([top1[i] in data_fixtures.label_set(i) for i in used])
+  used = [i for i in range(40) if fx.label_set(i)]
+  want = np.mean([top1[i] in fx.label_set(i) for i in used])
   assert (out['real_accuracy'], out['real_examples']) == (pytest.approx(want, abs=1e-6), 38)
   assert f'ImageNet ReaL top-1 accuracy {want:.4f} (38 images with a ReaL label)' in caplog.text
-  with data_fixtures.mock_real(40):  # the finished run, started again, reports ReaL again
+  with fx.mock_real(40):  # the finished run, started again, reports ReaL again
     again = train.train_and_evaluate(config, str(tmp_path / 'real'))
   assert (again['real_accuracy'], again['real_examples']) == (out['real_accuracy'], 38)
   with pytest.raises(
       train.ConfigError, match='eval_real scores a head of the 1000 ImageNet '
       'classes, but this one has 10'):  # a 10-class run
-    with data_fixtures.mock_real(40):
+    with fx.mock_real(40):
       train.train_and_evaluate(_config(idx_dir, eval_real=True), str(tmp_path / 'bad'))
 
 

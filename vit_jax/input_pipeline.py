@@ -174,9 +174,20 @@ class Batches:
     if new:
       self._named.update(new)
       again = len(failed) - len(new)
-      logging.warning('Skipped %d undecodable image(s) while %s (%d so far in this stream)%s%s',
-                      skipped, self._stage, self.skipped, self._names(new),
-                      f' (and {again} named before)' if again else '')
+      logging.warning(
+          'Skipped %d undecodable image(s) while %s (%d so far in this stream)%s%s; a file is '
+          "named once and skipped on every pass, each skip counted in data/skipped_images (a "
+          "bare TensorFlow line on stderr such as 'Input file read error' is one of these)",
+          skipped, self._stage, self.skipped, self._names(new),
+          f' (and {again} named before)' if again else '')
+
+  def summary(self) -> str | None:
+    """The skips of the stream so far in one line, or None where there were none."""
+    if not self.skipped:
+      return None
+    files = (f' of {len(self._named)} file(s), named in the warnings above'
+             if self._named else ' (their records are not named by the dataset)')
+    return f'Skipped {self.skipped} undecodable image(s) in all while {self._stage}{files}'
 
   def _names(self, records: list[int], shown: int = 5) -> str:
     """': a.jpg, b.jpg' for the failed records, so that the user can find the files."""

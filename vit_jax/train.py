@@ -653,6 +653,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
         raise _stopped_at(preemption.requested, step, ckpt_dir)
     if heap_wait.summary():
       logging.info('%s', heap_wait.summary())
+    if train_data.summary():
+      logging.warning('%s', train_data.summary())
     check_save(block=True)
     writer.flush()
     finished = result['step'] == total_steps
