@@ -4,6 +4,7 @@ import collections
 import io
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -476,6 +477,25 @@ def test_a_folder_dataset_of_one_class_is_refused(tmp_path):
       ValueError, match=f'^Folder dataset {root} has one class \\(cat\\): a '
       'classifier needs two or more: add a folder per class under each split'):
     ip.validate_splits(_config(dataset='folder:' + root))
+
+
+@pytest.mark.parametrize('nested', [False, True])
+def test_a_folder_dataset_given_as_its_split_names_the_folder_above(tmp_path, nested):
+  """folder:<dir>/train took the class folders for splits: 'no class folders', or with a
+  sub-folder in each class 'one class (sub)', which hid the fix."""
+  root = str(tmp_path / 'pets')
+  for split in ('train', 'test'):
+    fx.write_folder(root, split, {'cat': [1, 2], 'dog': [3, 4]})
+    if nested:
+      fx.write_folder(os.path.join(root, split, 'cat'), 'sub', {'kitten': [5]})
+  for given in (os.path.join(root, 'train'), os.path.join(root, 'train') + '/'):
+    with pytest.raises(
+        ValueError, match=f'^Folder dataset {re.escape(given)} looks like a split, not the '
+        r'dataset: its folders \(cat, dog\) hold images themselves, as class folders do: '
+        f'set --config.dataset=folder:{re.escape(root)}, the folder holding '
+        r'<split>/<class>/<image>$'):
+      ip.validate_splits(_config(dataset='folder:' + given))
+  ip.validate_splits(_config(dataset='folder:' + root))  # the dataset itself trains
 
 
 def test_skips_without_file_names_are_logged_at_powers_of_two(caplog):

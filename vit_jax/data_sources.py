@@ -287,6 +287,8 @@ class _FolderSource(_LocalSource):
     self.splits = _subfolders(root)
     self.classes_by_split = {s: _subfolders(os.path.join(root, s)) for s in self.splits}
     self.classes = sorted(set().union(*self.classes_by_split.values()))
+    if len(self.classes) < 2:
+      self._refuse_a_split()
     if not self.classes:
       raise ValueError(f'Folder dataset {root} has no class folders: expected '
                        '<dir>/<split>/<class>/<image>.')
@@ -330,6 +332,22 @@ class _FolderSource(_LocalSource):
     visible = [e for e in entries if not e.startswith('.')]
     found = [e for e in visible if e.lower().endswith(image_files.IMAGE_EXTENSIONS)]
     return found, [e for e in visible if e not in found]
+
+  def _refuse_a_split(self) -> None:
+    """Where the folders under root hold images themselves, root is most likely a split
+    (its folders the classes) or a class: the error names the folder above it. Called with
+    fewer than two classes found, so a dataset that trains is never refused here."""
+    holding = [
+        s for s in self.splits
+        if any(e.lower().endswith(image_files.IMAGE_EXTENSIONS) for e in self._loose_files(s))
+    ]
+    if holding:
+      parent = os.path.dirname(os.path.normpath(self.root)) or '.'
+      shown = ', '.join(holding[:3]) + (', ...' if len(holding) > 3 else '')
+      raise ValueError(f'Folder dataset {self.root} looks like a split, not the dataset: its '
+                       f'folders ({shown}) hold images themselves, as class folders do: set '
+                       f'--config.dataset=folder:{parent}, the folder holding '
+                       '<split>/<class>/<image>')
 
   def _loose_files(self, split: str) -> list[str]:
     """Files (not hidden) in a split's folder itself: no class folder holds them."""
