@@ -422,6 +422,27 @@ def test_folder_hidden_folders_and_other_files_are_left_out_and_said(tmp_path):
       '3, e.g. test/stray.png, train/a/nested, train/b/scan.tif')
 
 
+def test_folder_photos_stored_turned_are_warned_about(tmp_path):
+  """Phone photos carry an EXIF orientation: training reads them as stored, vit-predict
+  upright; the start-up warning names one and the fix."""
+  root = str(tmp_path / 'photos')
+  fx.write_folder(root, 'train', {'a': [1, 2, 3], 'b': [4, 5, 6]}, fmt='JPEG')
+  fx.write_folder(root, 'test', {'a': [7], 'b': [8]}, fmt='JPEG')
+  c = _config(dataset='folder:' + root, train_split='train[:5]')
+  assert ip.orientation_warning(c) is None  # plain JPEGs
+  exif = Image.Exif()
+  exif[0x0112] = 6  # stored turned 90 degrees
+  turned = os.path.join(root, 'train', 'b', '00005.jpg')
+  Image.fromarray(fx.id_image(5)).save(turned, 'JPEG', exif=exif.tobytes())
+  assert ip.orientation_warning(c) == (
+      f'1 of 6 JPEGs checked in folder:{root}, split \'train\', are stored turned or mirrored '
+      f'with an EXIF orientation tag (photos from a phone or camera), e.g. {turned}: training '
+      'reads the pixels as stored, while vit-predict and vit-inspect turn them upright. To '
+      "train on them upright, turn the files' pixels first (ImageMagick: mogrify -auto-orient "
+      '*.jpg)')
+  assert ip.orientation_warning(_config(dataset='fashion_mnist_local')) is None
+
+
 def test_folder_splits_are_checked_before_training(tmp_path):
   root = str(tmp_path / 'pets')
   fx.write_folder(root, 'train', {'Cat': [1], 'dog': [2]})

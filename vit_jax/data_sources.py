@@ -46,6 +46,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from vit_jax import image_files
+from vit_jax import jpeg_orientation
 from vit_jax import palette_bmp
 from vit_jax import vtab
 
@@ -141,6 +142,11 @@ class Source:
   def summary(self, splits: tuple[str, ...]) -> str | None:
     """A line for the log on what the run reads of these splits, where it is not obvious."""
     del splits
+    return None
+
+  def orientation_warning(self, spec: str) -> str | None:
+    """A warning where the split `spec` holds photos that are stored turned, or None."""
+    del spec
     return None
 
 
@@ -383,6 +389,27 @@ class _FolderSource(_LocalSource):
                 'folder): '
                 f'{len(other)}, e.g. {", ".join(other[:3])}' if other else '')
     return f'folder:{self.root}: {self.num_classes} classes ({names}); {counts}{left_out}'
+
+  def orientation_warning(self, spec: str, sampled: int = 32) -> str | None:
+    """Photos from phones and cameras are often stored turned, with an EXIF tag saying how
+    to show them; training reads the pixels as stored (as TFDS and big_vision do) while
+    vit-predict turns a JPEG upright, so such a folder trains on sideways images. The first
+    `sampled` JPEGs of the split's fixed order (a hash, so from every class) are checked:
+    64 KiB each, where the EXIF block lies."""
+    split = self.host_ranges(spec, 1)[0][0][0]
+    jpegs = [p for p in self.arrays(split)[0] if p.lower().endswith(('.jpg', '.jpeg'))][:sampled]
+    turned = []
+    for path in jpegs:
+      with tf.io.gfile.GFile(path, 'rb') as f:
+        if jpeg_orientation.orientation(f.read(1 << 16)) != 1:
+          turned.append(path)
+    if not turned:
+      return None
+    return (f'{len(turned)} of {len(jpegs)} JPEGs checked in folder:{self.root}, split '
+            f'{split!r}, are stored turned or mirrored with an EXIF orientation tag (photos from '
+            f'a phone or camera), e.g. {turned[0]}: training reads the pixels as stored, while '
+            'vit-predict and vit-inspect turn them upright. To train on them upright, turn the '
+            "files' pixels first (ImageMagick: mogrify -auto-orient *.jpg)")
 
   @functools.cache
   def sizes(self) -> Mapping[str, int]:

@@ -125,6 +125,12 @@ def validate_splits(config) -> str | None:
   return src.summary((config.train_split, config.eval_split))
 
 
+def orientation_warning(config) -> str | None:
+  """A warning where the training split's photos are stored turned (EXIF), or None."""
+  keep_tf_off_accelerators()
+  return data_sources.source(config).orientation_warning(config.train_split)
+
+
 def class_names(config) -> tuple[str, ...]:
   """The dataset's class names, index i naming label i (known without reading the data)."""
   keep_tf_off_accelerators()

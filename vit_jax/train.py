@@ -205,6 +205,7 @@ def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
                        "run's final.npz), or '' to start from scratch")
     info = input_pipeline.get_info(config)
     data_summary = input_pipeline.validate_splits(config)
+    turned_photos = input_pipeline.orientation_warning(config)
     num_classes = config.num_classes if config.num_classes > 0 else info.num_classes
     config_checks.validate_config(config, info.num_train_examples, dataset_classes=info.num_classes)
     total_steps = optim.total_steps(config, info.num_train_examples)
@@ -231,8 +232,9 @@ def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
     for line in [data_summary] + (fewshot.descriptions() if fewshot else []):
       if line:
         logging.info('%s', line)
-    if size_note:
-      logging.warning('%s', size_note)
+    for warning in (turned_photos, size_note):
+      if warning:
+        logging.warning('%s', warning)
     return _train(config, workdir, info, num_classes, total_steps, schedule, tx, model, real,
                   fewshot, stop_after_steps, writer)
   finally:
