@@ -255,7 +255,7 @@ def format_value(value):
 def point_name(assignments):
   """'base_lr=0.003,warmup_steps=100', with anything unsafe in a file name made '_'."""
   name = ','.join(f'{k}={format_value(v)}' for k, v in assignments)
-  return re.sub(r'[^\w.=,+-]', '_', name)
+  return re.sub(f'[^{tpu_vm.LOG_NAME_CHARS}]', '_', name)
 
 
 def grid_points(grid):

@@ -52,6 +52,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # On each worker, relative to the home directory.
 CODE_DIR, VENV_DIR, LOG_DIR = 'vit_jax', 'vit_jax_venv', 'vit_jax_logs'
 PID_FILE = f'{LOG_DIR}/run.pid'
+# What a --log name may hold (a regex character set): no path, no space; vit-sweep's point
+# names (base_lr=0.003,warmup_steps=100) are made of these.
+LOG_NAME_CHARS = r'\w.=,+-'
 # Left by `stop` until the next start: `watch` must not start again a run the user stopped.
 STOPPED_FILE = f'{LOG_DIR}/stopped'
 # How long `stop` waits for the run to save its checkpoint and exit.
@@ -105,14 +108,29 @@ def _parse_type(accelerator_type):
 _CORE_GENERATIONS = ('v2', 'v3', 'v4', 'v5p')  # sized in TensorCores: 8 per host
 _CHIP_GENERATIONS = ('v5litepod', 'v5e', 'v6e')  # in chips: 1, 4 or 8 on one host, then 4 per host
 
+# The slice sizes Cloud TPU offers where they are a short list (v4 and v5p take many
+# topologies: any multiple of 8 TensorCores is let through to gcloud).
+_SIZES = {
+    'v2': (8, 32, 128, 256, 512),
+    'v3': (8, 32, 64, 128, 256, 512, 1024, 2048),
+    **dict.fromkeys(_CHIP_GENERATIONS, (1, 4, 8, 16, 32, 64, 128, 256)),  # 1x1 .. 16x16
+}
+
 
 def _known_size(generation, n):
   """Whether `n` is a slice size of `generation` (cores for v2-v4/v5p, chips for v5e/v6e)."""
+  if generation in _SIZES:
+    return n in _SIZES[generation]
   if generation in _CORE_GENERATIONS:
     return n >= 8 and n % 8 == 0
-  if generation in _CHIP_GENERATIONS:
-    return n in (1, 4) or n % 8 == 0
   return False
+
+
+def _sizes_text(generation):
+  if generation in _SIZES:
+    unit = 'TensorCores' if generation in _CORE_GENERATIONS else 'chips'
+    return f'{", ".join(map(str, _SIZES[generation][:-1]))} or {_SIZES[generation][-1]} {unit}'
+  return 'a multiple of 8 TensorCores'
 
 
 def accelerator_type_flag(text):
@@ -132,10 +150,9 @@ def accelerator_type_flag(text):
     raise LaunchError(f'--accelerator_type {text} has no cores: pass a slice size, e.g. '
                       f'{generation}-8')
   if generation in _CORE_GENERATIONS + _CHIP_GENERATIONS and not _known_size(generation, n):
-    sizes = ('a multiple of 8 TensorCores'
-             if generation in _CORE_GENERATIONS else '1, 4 or a multiple of 8 chips')
-    raise LaunchError(f'--accelerator_type {text}: a {generation} slice has {sizes}: pick one, '
-                      f'e.g. {generation}-8 or {generation}-32')
+    raise LaunchError(f'--accelerator_type {text}: a {generation} slice has '
+                      f'{_sizes_text(generation)}: pick one, e.g. {generation}-8 or '
+                      f'{generation}-32')
   warnings = []
   if generation == 'v5e':
     accelerator_type = f'v5litepod-{n}'
@@ -914,6 +931,9 @@ def _require(args, action, *fields):
 class _Parser(argparse.ArgumentParser):
 
   def error(self, message):
+    if message.endswith('required: action'):  # argparse's words name no action
+      raise LaunchError(f'no action given: vit-tpu ACTION ..., ACTION one of {", ".join(ACTIONS)} '
+                        '(vit-tpu --help)')
     raise LaunchError(message)
 
 
@@ -964,6 +984,10 @@ def parse_args(argv):
   args, rest = parser().parse_known_args(argv)
   if args.action not in ACTIONS:  # Before the other flags are checked: it is the first word.
     raise LaunchError(f'unknown action {args.action!r}: use one of {", ".join(ACTIONS)}')
+  if not re.fullmatch(f'[{LOG_NAME_CHARS}]+', args.log) or args.log.startswith('.'):
+    raise LaunchError(f'--log {args.log!r} is not a log name: use letters, digits, _ and '
+                      f'{" ".join(LOG_NAME_CHARS[2:])} (the log is ~/{LOG_DIR}/<name>.log on each '
+                      'worker)')
   for arg in rest:
     if not re.fullmatch(r'--config\.[\w.]+=.*', arg, re.S):
       raise LaunchError(f'unknown argument {arg!r}: config overrides look like '

@@ -493,37 +493,44 @@ def test_execute_stops_at_the_first_failure(capsys):
   assert str(e.value) == 'tar not found: install it, or put it on PATH'
 
 
-@pytest.mark.parametrize('argv,message', [
-    (['create', '--name', 'vit', '--zone', ZONE], 'create needs --accelerator_type'),
-    (['create', '--zone', ZONE, '--accelerator_type', 'v3-8'], 'create needs --name'),
-    (['run', '--name', 'vit'], 'run needs --zone'),
-    (['boot', '--name', 'vit', '--zone', ZONE], 'unknown action'),
-    (['boot', '--zone', 'z', '--worker', 'x'], "unknown action 'boot'"),
-    (['delete', '--name', 'My_TPU', '--zone', ZONE], 'lowercase letters'),
-    ([
-        'create', '--name', 'vit', '--zone', ZONE, '--accelerator_type', 'v3-8', '--spot',
-        '--preemptible'
-    ], 'exclude each other'),
-    ([
-        'create', '--name', 'vit', '--zone', ZONE, '--accelerator_type', 'v3-8', '--api', 'queued',
-        '--preemptible'
-    ], 'use --spot, or --api=node'),
-    (['create', '--name', 'vit', '--zone', ZONE, '--accelerator_type', 'v9-8'
-     ], 'no default runtime for v9-8: pass --runtime_version'),
-    (['create', '--name', 'vit', '--zone', ZONE, '--accelerator_type', 'v3-8', '--api', 'tpu'
-     ], "invalid choice: 'tpu'"),
-    (['run', '--name', 'vit', '--zone', ZONE, '--config=c', '--workdir=gs://b', '--lr=1'
-     ], 'unknown argument'),
-    (['run', '--name', 'vit', '--zone', ZONE, '--config=quickstart:x', '--workdir=gs://b'
-     ], "--config 'quickstart:x'"),
-    (['logs', '--name', 'vit', '--zone', ZONE, '--worker', 'first'], 'worker index'),
-    (['logs', '--name', 'vit', '--zone', ZONE, '--worker', '4', '--accelerator_type', 'v4-32'
-     ], '--worker 4: v4-32 has 4 hosts, workers 0-3: use one of them, or all'),
-    (['logs', '--name', 'vit', '--zone', ZONE, '--lines', 'many'], 'invalid int'),
-    (['watch', '--name', 'vit', '--zone', ZONE, '--poll', '0'], '--poll must be > 0'),
-    (['watch', '--name', 'vit', '--zone', ZONE, '--config=c', '--workdir=gs://b'
-     ], 'watch needs --accelerator_type'),
-])
+@pytest.mark.parametrize(
+    'argv,message',
+    [
+        (['create', '--name', 'vit', '--zone', ZONE], 'create needs --accelerator_type'),
+        (['create', '--zone', ZONE, '--accelerator_type', 'v3-8'], 'create needs --name'),
+        (['run', '--name', 'vit'], 'run needs --zone'),
+        (['boot', '--name', 'vit', '--zone', ZONE], 'unknown action'),
+        (['boot', '--zone', 'z', '--worker', 'x'], "unknown action 'boot'"),
+        (['delete', '--name', 'My_TPU', '--zone', ZONE], 'lowercase letters'),
+        ([
+            'create', '--name', 'vit', '--zone', ZONE, '--accelerator_type', 'v3-8', '--spot',
+            '--preemptible'
+        ], 'exclude each other'),
+        ([
+            'create', '--name', 'vit', '--zone', ZONE, '--accelerator_type', 'v3-8', '--api',
+            'queued', '--preemptible'
+        ], 'use --spot, or --api=node'),
+        (['create', '--name', 'vit', '--zone', ZONE, '--accelerator_type', 'v9-8'
+         ], 'no default runtime for v9-8: pass --runtime_version'),
+        (['create', '--name', 'vit', '--zone', ZONE, '--accelerator_type', 'v3-8', '--api', 'tpu'
+         ], "invalid choice: 'tpu'"),
+        (['run', '--name', 'vit', '--zone', ZONE, '--config=c', '--workdir=gs://b', '--lr=1'
+         ], 'unknown argument'),
+        (['run', '--name', 'vit', '--zone', ZONE, '--config=quickstart:x', '--workdir=gs://b'
+         ], "--config 'quickstart:x'"),
+        (['logs', '--name', 'vit', '--zone', ZONE, '--worker', 'first'], 'worker index'),
+        (['logs', '--name', 'vit', '--zone', ZONE, '--worker', '4', '--accelerator_type', 'v4-32'
+         ], '--worker 4: v4-32 has 4 hosts, workers 0-3: use one of them, or all'),
+        (['logs', '--name', 'vit', '--zone', ZONE, '--lines', 'many'], 'invalid int'),
+        (['watch', '--name', 'vit', '--zone', ZONE, '--poll', '0'], '--poll must be > 0'),
+        (['watch', '--name', 'vit', '--zone', ZONE, '--config=c', '--workdir=gs://b'
+         ], 'watch needs --accelerator_type'),
+        ([], 'no action given: vit-tpu ACTION ..., ACTION one of preflight, create, setup, run, '),
+        # A path had put the log outside ~/vit_jax_logs, where `logs` and `watch` look.
+        (['logs', '--name', 'vit', '--zone', ZONE, '--log', '../x y'
+         ], "--log '../x y' is not a log name: use letters, digits, _ and . = , + - (the log is "
+         '~/vit_jax_logs/<name>.log on each worker)'),
+    ])
 def test_bad_arguments_give_one_line(argv, message, capsys):
   with pytest.raises(SystemExit) as e:
     tpu_vm.main(argv + ['--dry-run'])
@@ -827,21 +834,32 @@ def test_a_failed_delete_names_the_list_commands(fake_gcloud, tmp_path):
             f'{ZONE}: ') in line and listing in line, line
 
 
-@pytest.mark.parametrize('argv,message', [
-    (('--accelerator_type', 'tpu-v4'), "--accelerator_type 'tpu-v4' is not a TPU type: write it "
-     'as v<generation>-<size>, e.g. v4-8 or v5litepod-16 (gcloud compute tpus accelerator-types '
-     'list --zone ZONE)'),
-    (('--accelerator_type', 'v4', '--runtime_version', 'tpu-ubuntu2204-base'),
-     "--accelerator_type 'v4' is not a TPU type: write it as v<generation>-<size>, e.g. v4-8 or "
-     'v5litepod-16 (gcloud compute tpus accelerator-types list --zone ZONE)'),
-    (('--accelerator_type', 'v4-9'), '--accelerator_type v4-9: a v4 slice has a multiple of 8 '
-     'TensorCores: pick one, e.g. v4-8 or v4-32'),
-    (('--accelerator_type', 'v6e-6'), '--accelerator_type v6e-6: a v6e slice has 1, 4 or a '
-     'multiple of 8 chips: pick one, e.g. v6e-8 or v6e-32'),
-    (('--accelerator_type', 'v4-8', '--zone', 'us-central2-bb'), "--zone 'us-central2-bb' is not a "
-     'zone: write it as <region>-<letter>, e.g. us-central2-b or europe-west4-a (gcloud compute '
-     'tpus locations list)'),
-])
+@pytest.mark.parametrize(
+    'argv,message',
+    [
+        (('--accelerator_type', 'tpu-v4'),
+         "--accelerator_type 'tpu-v4' is not a TPU type: write it "
+         'as v<generation>-<size>, e.g. v4-8 or v5litepod-16 (gcloud compute tpus accelerator-types '
+         'list --zone ZONE)'),
+        (('--accelerator_type', 'v4', '--runtime_version', 'tpu-ubuntu2204-base'),
+         "--accelerator_type 'v4' is not a TPU type: write it as v<generation>-<size>, e.g. v4-8 or "
+         'v5litepod-16 (gcloud compute tpus accelerator-types list --zone ZONE)'),
+        (('--accelerator_type', 'v4-9'), '--accelerator_type v4-9: a v4 slice has a multiple of 8 '
+         'TensorCores: pick one, e.g. v4-8 or v4-32'),
+        (('--accelerator_type', 'v6e-6'), '--accelerator_type v6e-6: a v6e slice has 1, 4, 8, 16, '
+         '32, 64, 128 or 256 chips: pick one, e.g. v6e-8 or v6e-32'),
+        # Multiples of 8 that Cloud TPU does not offer (gcloud had refused them after preflight).
+        (('--accelerator_type', 'v5litepod-24'), '--accelerator_type v5litepod-24: a v5litepod '
+         'slice has 1, 4, 8, 16, 32, 64, 128 or 256 chips: pick one, e.g. v5litepod-8 or '
+         'v5litepod-32'),
+        (('--accelerator_type', 'v2-16'),
+         '--accelerator_type v2-16: a v2 slice has 8, 32, 128, 256 '
+         'or 512 TensorCores: pick one, e.g. v2-8 or v2-32'),
+        (('--accelerator_type', 'v4-8', '--zone', 'us-central2-bb'),
+         "--zone 'us-central2-bb' is not a "
+         'zone: write it as <region>-<letter>, e.g. us-central2-b or europe-west4-a (gcloud compute '
+         'tpus locations list)'),
+    ])
 def test_a_malformed_accelerator_type_or_zone_is_refused(tmp_path, argv, message):
   """tpu-v4 was blamed on the runtime ('no default runtime for tpu-v4: pass
   --runtime_version'); v4 (given a runtime), v4-9 and a zone us-central2-bb were only warned
