@@ -13,7 +13,6 @@ buffer of temporaries or two.
   python benchmarks/allocator.py --models ViT-B_16 --batch 8 --remat nothing_saveable
   python benchmarks/allocator.py --models R50+ViT-B_16 --batch 8 --rounds 4 --without_wait
 """
-import argparse
 import os
 import resource
 import sys
@@ -23,7 +22,7 @@ import harness
 
 from vit_jax import host_allocator
 
-parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+parser = harness.argument_parser(__doc__)
 harness.add_model_args(parser, steps=3)
 parser.add_argument('--remat', default='', help="one remat policy for both sides ('' = off)")
 parser.add_argument('--library', default='jemalloc',

@@ -70,7 +70,6 @@ round.
   python benchmarks/before_after.py --change lean_attention --dtypes bfloat16
   XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type= python benchmarks/before_after.py
 """
-import argparse
 import contextlib
 import statistics
 
@@ -91,7 +90,7 @@ from vit_jax.models import precision
 from vit_jax.models import remat
 from vit_jax.models import vit
 
-parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+parser = harness.argument_parser(__doc__)
 harness.add_model_args(parser, dtypes='float32', steps=3)
 parser.add_argument(
     '--change', default='ordered_dots',

@@ -10,7 +10,6 @@ the loop reports it), XLA flags and peak RSS are beside it.
   python benchmarks/bf16_over_f32.py --models ViT-Ti_16 --batch 32 --rounds 5
   python benchmarks/bf16_over_f32.py --models ViT-Ti_16 --batch 32 --devices 2  # both split
 """
-import argparse
 import tempfile
 
 import harness
@@ -18,7 +17,7 @@ import harness
 TARGET = 1.6  # bf16 img/s over float32's, the median of the pairs (issue 16)
 SIDES = ('float32', 'bfloat16')
 
-parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+parser = harness.argument_parser(__doc__)
 harness.add_model_args(parser, dtypes=None, steps=3)
 harness.add_allocator_arg(parser)
 parser.add_argument(

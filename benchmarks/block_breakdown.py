@@ -14,7 +14,6 @@ round, and counts ops in the optimised HLO of each:
 It also counts transposes/copies/converts in the whole ViT-B/16 train step's HLO
 (f32 and bf16) so a reader can see where layout and precision changes land.
 """
-import argparse
 import collections
 import re
 import time
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 from vit_jax import models
 from vit_jax.models import vit
 
-parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+parser = harness.argument_parser(__doc__)
 parser.add_argument('--batch', type=harness.positive_int, default=8)
 parser.add_argument('--tokens', type=harness.positive_int, default=197)
 parser.add_argument('--hidden', type=harness.positive_int, default=768)

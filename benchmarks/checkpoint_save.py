@@ -11,7 +11,6 @@ the whole save until written (`wait_until_finished`), in wall seconds and CPU se
 process (every thread: orbax's and TensorStore's writers too). Sides alternate, the first
 side swapping each round; ratio per round: the CPU of the save as itself over packed.
 """
-import argparse
 import os
 import resource
 import shutil
@@ -29,7 +28,7 @@ from vit_jax import optim
 from vit_jax import sharding
 from vit_jax import step as step_lib
 
-parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+parser = harness.argument_parser(__doc__)
 parser.add_argument('--models', default='ViT-Ti_16,ViT-B_16')
 parser.add_argument('--rounds', type=harness.positive_int, default=6)
 parser.add_argument('--override', action='append', default=[],

@@ -11,12 +11,11 @@ parameters and optimizer state are on every device) is reported beside it.
       --override num_heads=4 --override num_layers=4 --steps 20   # the quickstart's step
   python benchmarks/cpu_devices.py --models ViT-Ti_16,ViT-B_16 --batch 32,8 --steps 4
 """
-import argparse
 import tempfile
 
 import harness
 
-parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+parser = harness.argument_parser(__doc__)
 harness.add_model_args(parser, dtypes='float32', steps=3)
 harness.add_allocator_arg(parser)
 parser.add_argument('--devices', type=int, default=2, help='the split side: CPU devices')

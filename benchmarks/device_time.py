@@ -59,13 +59,13 @@ from vit_jax import host_allocator  # imports no JAX
 KINDS = ('matmul', 'attention', 'convolution', 'reduction fusion', 'elementwise fusion',
          'copy/layout', 'other')
 
-parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+parser = harness.argument_parser(__doc__)
 harness.add_model_args(parser, dtypes='bfloat16', steps=5)
 parser.add_argument('--warmup', type=int, default=3, help='untraced steps before the trace')
 parser.add_argument('--torch', default='compile', choices=('none', 'eager', 'compile'),
                     help="PyTorch's side: eager, under torch.compile, or none")
 parser.add_argument('--top', type=int, default=12, help='the longest HLO ops / kernels listed')
-harness.add_allocator_arg(parser)
+harness.add_allocator_arg(parser, torch_side=True)
 parser.add_argument('--out', default='')
 parser.add_argument('--side', default='', choices=('', 'vit_jax', 'torch'), help=argparse.SUPPRESS)
 args = parser.parse_args()

@@ -98,6 +98,35 @@ def height_width(text):
   return tuple(positive_ints(text))
 
 
+class _DefaultsShown(argparse.HelpFormatter):
+  """--help gives every flag's default, those without a help text too (a default such as
+  device_time.py's --torch compile had been in the source alone)."""
+
+  def _format_action(self, action):
+    if not action.help and _shown_default(action):
+      action = argparse.Action(action.option_strings, action.dest, nargs=action.nargs,
+                               default=action.default, metavar=action.metavar,
+                               help='default: %(default)s')
+    return super()._format_action(action)
+
+  def _get_help_string(self, action):
+    if '%(default)' in action.help or not _shown_default(action):
+      return action.help
+    return action.help + ' (default: %(default)s)'
+
+
+def _shown_default(action):
+  return action.option_strings and action.default not in (None, False, [], '', argparse.SUPPRESS)
+
+
+def argument_parser(doc):
+  """The script's parser: its docstring's first paragraph as the description (its first
+  line alone had stopped mid-sentence), every default shown."""
+  first = doc.strip().split('\n\n')[0]
+  return argparse.ArgumentParser(description=' '.join(first.split()),
+                                 formatter_class=_DefaultsShown)
+
+
 def add_model_args(parser, dtypes='float32', steps=2):
   """The flags every model benchmark takes: models and batches, dtypes (not where dtypes is
   None: the script fixes them), size, timing, overrides."""
@@ -114,14 +143,14 @@ def add_model_args(parser, dtypes='float32', steps=2):
                       help='variant field, e.g. --override num_layers=2 (repeatable)')
 
 
-def add_allocator_arg(parser):
+def add_allocator_arg(parser, torch_side=False):
   """--allocator: the host allocator of the benchmark's vit_jax process; by default the
   environment's VIT_JAX_HOST_ALLOCATOR, else auto, as vit-train takes it."""
   parser.add_argument(
       '--allocator', default=os.environ.get(host_allocator.CHOICE) or 'auto',
       help="vit_jax's host allocator, as VIT_JAX_HOST_ALLOCATOR takes it (auto, jemalloc, "
-      "system, a path; default: that variable's value, else auto); PyTorch's side is "
-      "started without it")
+      "system, a path; default: that variable's value, else auto)" +
+      ("; PyTorch's side is started without it" if torch_side else ''))
 
 
 def reexec_under_allocator(allocator):

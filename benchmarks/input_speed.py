@@ -10,7 +10,6 @@ window, resize to --image_size, random flip, scale to [-1, 1], batch) and eval_b
 fresh iterator for each, takes one batch untimed (pipeline start-up), then times
 --batches batches; rounds alternate train, eval, train, eval.
 """
-import argparse
 import shutil
 import tempfile
 import time
@@ -21,7 +20,7 @@ import harness
 from tests import data_fixtures
 from vit_jax import input_pipeline
 
-parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+parser = harness.argument_parser(__doc__)
 parser.add_argument('--images', type=harness.positive_int, default=512)
 parser.add_argument('--jpeg_size', default='375,500', type=harness.height_width,
                     help='height,width of the JPEGs')

@@ -18,9 +18,9 @@ as many steps. Runs alternate loop, bare, loop, ... With --normal_priority_too, 
 also runs the loop with the input pipeline's threads at normal priority
 (vit_jax/pipeline_priority.py off), and the order of the three rotates per round.
 """
-import argparse
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -33,10 +33,12 @@ from vit_jax import pipeline_priority
 from vit_jax import tensorboard_events
 from vit_jax import train
 
-parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-parser.add_argument('--model', default='ViT-Ti_16')
+parser = harness.argument_parser(__doc__)
+# One model and one dtype; --models and --dtypes (the other scripts' names, which shared
+# error messages name) are the same flags.
+parser.add_argument('--model', '--models', default='ViT-Ti_16', help='one model')
 parser.add_argument('--batch', type=harness.positive_int, default=32)
-parser.add_argument('--dtype', default='float32')
+parser.add_argument('--dtype', '--dtypes', default='float32', help='one dtype')
 parser.add_argument('--image_size', type=harness.positive_int, default=224)
 parser.add_argument('--steps', type=harness.positive_int, default=13,
                     help='loop steps per run (first: compile)')
@@ -54,6 +56,9 @@ parser.add_argument('--normal_priority_too', action='store_true',
                     help="also the loop with tf.data's threads at normal CPU priority")
 parser.add_argument('--out', default='')
 args = parser.parse_args()
+for flag, value in (('--model', args.model), ('--dtype', args.dtype)):
+  if ',' in value:
+    sys.exit(f'loop.py: {flag} {value}: one at a time here: run loop.py once per value')
 
 
 class _Recorder:

@@ -35,7 +35,7 @@ import jax
 from vit_jax import device_peaks
 from vit_jax import flops as vflops
 
-parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+parser = harness.argument_parser(__doc__)
 harness.add_model_args(parser)
 parser.add_argument(
     '--remat', default='',

@@ -42,12 +42,12 @@ import harness
 
 from vit_jax import host_allocator  # imports no JAX, so the PyTorch worker may load it
 
-parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+parser = harness.argument_parser(__doc__)
 harness.add_model_args(parser)
 parser.add_argument('--torch_impl', default='auto', choices=('auto', 'timm', 'minimal'))
 parser.add_argument('--remat', default='',
                     help="vit_jax's remat policy (models/remat.py); '' = off")
-harness.add_allocator_arg(parser)
+harness.add_allocator_arg(parser, torch_side=True)
 parser.add_argument('--torch_device', default='auto', choices=('auto', 'cpu', 'cuda'),
                     help="PyTorch's device; auto: cuda where JAX's default backend is a GPU")
 parser.add_argument(

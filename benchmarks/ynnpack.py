@@ -8,7 +8,6 @@ the other), interleaved per model and round: A B A B ..., and the ratio is taken
 
   python benchmarks/ynnpack.py --out /tmp/ynnpack.json
 """
-import argparse
 import os
 import tempfile
 
@@ -16,7 +15,7 @@ import harness
 
 from vit_jax import xla_cpu_flags
 
-parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+parser = harness.argument_parser(__doc__)
 harness.add_model_args(parser, dtypes='float32', steps=3)
 parser.add_argument('--probe_rounds', type=int, default=4,
                     help="rounds of vit_jax.xla_cpu_flags.probe() after the steps (0: none)")

@@ -363,6 +363,36 @@ def test_a_bad_model_flag_is_refused_in_one_line(flags, line):
   assert _refusal('train_step', *with_flags(base, flags)).startswith(line)
 
 
+def test_help_says_the_whole_first_paragraph_and_every_default(monkeypatch):
+  """The description had been the docstring's first line, cut mid-sentence; flags without a
+  help text had shown no default."""
+  harness = _benchmark_module(monkeypatch, 'harness')
+  parser = harness.argument_parser("""What one save costs: packed, as vit_jax saves,
+  against every array saved as itself.
+
+    python benchmarks/x.py
+  """)
+  parser.add_argument('--torch', default='compile')
+  parser.add_argument('--rounds', type=int, default=6, help='rounds')
+  parser.add_argument('--out', default='')
+  parser.add_argument('--quiet', action='store_true')
+  text = ' '.join(parser.format_help().split())
+  assert ('What one save costs: packed, as vit_jax saves, against every array saved as itself. '
+          'options:') in text
+  assert '--torch TORCH default: compile' in text and '--rounds ROUNDS rounds (default: 6)' in text
+  assert text.endswith('--out OUT --quiet')  # nothing to say for an empty or a False default
+
+
+def test_loop_takes_the_flag_names_its_messages_give():
+  """loop.py times one model and dtype; a shared message names --dtypes, which it had not
+  taken ('unrecognized arguments')."""
+  assert _refusal(
+      'loop', '--dtypes',
+      'bf16').startswith("loop.py: ViT-Ti_16: dtype 'bf16' is unknown: set --dtypes to one of ")
+  assert _refusal('loop', '--models', 'ViT-Ti_16,ViT-S_16') == (
+      'loop.py: --model ViT-Ti_16,ViT-S_16: one at a time here: run loop.py once per value')
+
+
 @pytest.mark.parametrize('change', ['fused_attention', 'tokens_padded_once'])
 def test_before_after_fused_attention(tmp_path, change):
   # Where it fuses: cuDNN's attention calls after (a forward and a backward per block), none
