@@ -188,11 +188,15 @@ def table(results):
 
 
 def _majority_rate(config):
-  """Share of the corrupted test patches whose colour is the most frequent class."""
-  counts = np.zeros(512)
+  """Share of the test patches whose colour is the most frequent class: what always
+  predicting that class scores. Every patch is counted; the corrupted ones are a uniform
+  random subset of them, so this is also their expected share."""
+  cfg = config.masked_patches
+  counts = np.zeros(2**(3 * int(cfg.bits)))
   for batch in input_pipeline.eval_batches(config, global_batch=1000):
-    t = np.asarray(masked_patches.targets(batch['image'][batch['mask']], 4, config.masked_patches))
-    counts += np.bincount(t.ravel(), minlength=512)
+    t = np.asarray(
+        masked_patches.targets(batch['image'][batch['mask']], config.model.patch_size, cfg))
+    counts += np.bincount(t.ravel(), minlength=len(counts))
   return float(counts.max() / counts.sum())
 
 
