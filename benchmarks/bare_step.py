@@ -6,10 +6,8 @@ Used by train_step.py, vs_pytorch.py, loop.py and block_breakdown.py so that all
 same thing. Call `setup` before the first JAX computation. (harness.py holds what needs no
 JAX: the PyTorch worker of vs_pytorch.py imports only that, so its RSS is its own.)
 """
-import datetime
 import gc
 import os
-import platform
 import sys
 import time
 
@@ -59,11 +57,9 @@ def overrides(items):
 
 
 def machine_info():
+  """What JAX runs on in this process (harness.write_json adds the host: CPU, date, ...)."""
   dev = jax.devices()[0]
   return {
-      'date': datetime.date.today().isoformat(),
-      'host': platform.node(),
-      'cpu_cores': harness.cores(),
       'platform': dev.platform,
       'device_kind': getattr(dev, 'device_kind', ''),
       'device_count': jax.device_count(),
@@ -71,7 +67,6 @@ def machine_info():
       'xla_flags': os.environ.get('XLA_FLAGS', ''),
       'host_allocator': host_allocator.describe(),
       'gpu_memory': gpu_memory() if dev.platform == 'gpu' else '',
-      'python': platform.python_version(),
   }
 
 

@@ -5,9 +5,12 @@ JSON, load and memory of the process, the model/batch flags, and PyTorch's side 
 (The PyTorch workers import only this; the JAX side is bare_step.py.)
 """
 import argparse
+import datetime
+import importlib.metadata
 import importlib.util
 import json
 import os
+import platform
 import resource
 import statistics
 import subprocess
@@ -17,6 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
   sys.path.insert(0, REPO)
 
+from vit_jax import cpu_features  # noqa: E402  (no JAX)
 from vit_jax import host_allocator  # noqa: E402  (no JAX)
 from vit_jax import xla_cpu_flags  # noqa: E402  (no JAX: it imports jaxlib only when asked)
 
@@ -66,12 +70,32 @@ def markdown_table(header, rows):
   return '\n'.join(lines)
 
 
+def host():
+  """The host a result was measured on, as benchmarks/README.md tells hosts apart."""
+  return {
+      'cpu_model': cpu_features.model(),
+      'cpu_cores': cores(),
+      'hostname': platform.node(),
+      'date': datetime.date.today().isoformat(),
+      'python': platform.python_version(),
+      'jaxlib': _version('jaxlib'),
+  }
+
+
+def _version(package):
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return ''
+
+
 def write_json(path, payload):
+  """Writes `payload` with the host it ran on (`host`) to `path`; nothing where path is ''."""
   if not path:
     return
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, 'w') as f:
-    json.dump(payload, f, indent=2, default=float)
+    json.dump({**payload, 'host': host()}, f, indent=2, default=float)
   print(f'\nwrote {path}')
 
 
@@ -205,7 +229,7 @@ def end_of_processes_run(benchmark, args, env, load_start, results, **fields):
   (the cores, the preloaded allocator, the load average over the run) and writes to --out:
   its name, args, `fields`, those and its `results`."""
   load_end = loadavg()
-  print(f'{cores()} cores; LD_PRELOAD {env.get("LD_PRELOAD", "")!r}')
+  print(f'{cpu_features.model()}, {cores()} cores; LD_PRELOAD {env.get("LD_PRELOAD", "")!r}')
   print(f'loadavg start {load_start[0]:.2f}, end {load_end[0]:.2f}')
   write_json(
       args.out, {

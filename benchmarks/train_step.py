@@ -32,6 +32,7 @@ import bare_step
 import harness
 import jax
 
+from vit_jax import cpu_features
 from vit_jax import device_peaks
 from vit_jax import flops as vflops
 
@@ -213,7 +214,7 @@ def main():
         'n/a' if x['program_host_mib'] is None else f'{x["program_host_mib"]:.0f}',
     ])
   print(f'\n### train_step ({payload["machine"]["device_kind"] or "cpu"}, '
-        f'{jax.device_count()} device(s), {harness.cores()} cores)\n')
+        f'{jax.device_count()} device(s); {cpu_features.model()}, {harness.cores()} cores)\n')
   print(
       harness.markdown_table([
           'model', 'batch', 'dtype', 'img/s median (min–max over rounds)', 'step s',

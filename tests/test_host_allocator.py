@@ -45,6 +45,11 @@ def test_by_default_jemalloc_is_preloaded_where_installed(tmp_path, monkeypatch)
   # Another preload is kept beside jemalloc.
   env = host_allocator.reexec_environment({'LD_PRELOAD': '/opt/other.so'})
   assert env['LD_PRELOAD'] == f'{library}:/opt/other.so'
+  # A process not started as vit-train starts: installed, not in use (it had said "no
+  # libjemalloc.so.2 installed" and given the apt-get line on a host that had it).
+  assert host_allocator.describe({}) == (
+      f"host allocator: the C library's malloc ({library} is installed, but this process was "
+      'not started under it, as vit-train starts)')
 
 
 def test_by_default_the_c_library_malloc_where_jemalloc_is_not_installed(monkeypatch):

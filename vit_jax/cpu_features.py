@@ -22,6 +22,14 @@ def fields(path=None):
   return info
 
 
+def model(path=None):
+  """The CPU as benchmarks/README.md names hosts: its model name, then family, model and
+  stepping, e.g. 'AMD EPYC 9B14 25 17 1'; 'unknown cpu' where /proc/cpuinfo says nothing."""
+  info = fields(path)
+  parts = [info.get(k, '') for k in ('model name', 'cpu family', 'model', 'stepping')]
+  return ' '.join(filter(None, parts)) or 'unknown cpu'
+
+
 def features(path=None):
   """The CPU's feature flags (x86 `flags`, Arm `Features`), or None where none are listed."""
   info = fields(path)

@@ -159,6 +159,10 @@ def describe(environ=None):
   if xla_cpu_flags.accelerator_plugin_installed():
     return "host allocator: the C library's malloc (a TPU/GPU plugin is installed)"
   if (environ.get(CHOICE) or 'auto') == 'auto':
+    installed = _installed()
+    if installed:  # a process that is not vit-train (python -c, a benchmark without --allocator)
+      return (f"host allocator: the C library's malloc ({installed} is installed, but this "
+              'process was not started under it, as vit-train starts)')
     return ("host allocator: the C library's malloc (no libjemalloc.so.2 installed; with it "
             'each CPU step reuses its memory instead of faulting it in again, which is faster: '
             'apt-get install libjemalloc2)')

@@ -220,18 +220,10 @@ def host_key():
   process may use, the jaxlib version, and the C heap allocator the probe inherits (its
   verdict moved with it: under jemalloc YNNPACK off/on was 0.87-0.95 in 2 of 2 probes,
   under glibc's malloc 0.93-0.96 and then a tie; benchmarks/README.md, tenth session)."""
-  info = cpu_features.fields()
-  cpu = ' '.join(
-      filter(None, [
-          info.get('model name', ''),
-          info.get('cpu family', ''),
-          info.get('model', ''),
-          info.get('stepping', '')
-      ]))
   # Imported here: host_allocator imports this module.
   from vit_jax import host_allocator  # pylint: disable=import-outside-toplevel
   malloc = host_allocator.preloaded_malloc(os.environ) or 'libc malloc'
-  return f'{cpu or "unknown cpu"} | {cores()} cores | jaxlib {_jaxlib_version()} | {malloc}'
+  return f'{cpu_features.model()} | {cores()} cores | jaxlib {_jaxlib_version()} | {malloc}'
 
 
 def cores():
