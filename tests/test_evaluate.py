@@ -233,6 +233,31 @@ def test_extract_features_matches_direct_apply(tiny):
   np.testing.assert_allclose(feats, direct, atol=1e-5)
 
 
+def test_a_model_with_a_pre_logits_layer_gives_its_representation(tiny, tmp_path):
+  """The paper's pre-training models (and the published ImageNet-21k files) have one: its
+  Dense layer and the sown features had shared the scope name 'pre_logits', so few-shot
+  evaluation, vit-inspect and few-shot during training all failed ("Duplicate use of scope
+  name")."""
+  model = models.get_model('ViT-Ti_16', num_classes=10, representation_size=8, **TINY)
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 3)))['params']
+  feats, _ = evaluate.extract_features(model, params, tiny['config'], 'test', batch_size=16)
+  images = np.stack([data_fixtures.id_image(i) for i in range(60, 80)])
+  images = np.repeat(images[..., None], 3, -1).astype(np.float32) / 127.5 - 1
+  direct = model.clone(num_classes=0).apply({'params': params}, images)  # tanh(pre_logits)
+  assert feats.shape == (20, 8)
+  np.testing.assert_allclose(feats, direct, atol=1e-5)
+  # As the user runs it: vit-evaluate on the file, the layer's size read from it.
+  path = str(tmp_path / 'with_pre_logits.npz')
+  checkpoint.save_npz(path, params)
+  args = dict(checkpoint=path, workdir=None, model='ViT-Ti_16',
+              model_overrides=','.join(f'{k}={v}' for k, v in TINY.items()),
+              dataset='fashion_mnist_local', data_dir=tiny['idx_dir'], image_size=28,
+              eval_crop='resize', mode='fewshot', train_split='train', eval_split='test',
+              shots=['1'], seeds=['0'], l2_reg=1.0, batch_size=8)
+  table = evaluate_cli.run(types.SimpleNamespace(**args))
+  assert table.splitlines()[-1].split()[1:3] == ['fashion_mnist_local', '1-shot'], table
+
+
 def test_a_long_extraction_reports_its_progress(tiny, monkeypatch, caplog):
   monkeypatch.setattr(evaluate, 'PROGRESS_EVERY_S', 0)
   with caplog.at_level(logging.INFO):

@@ -173,6 +173,15 @@ def test_attention_maps_of_a_model(tiny):
   assert vit_inspect.token_spacing(tiny['model']) == 7
 
 
+def test_attention_maps_of_a_model_with_a_pre_logits_layer(tiny):
+  """Its Dense layer and the sown features had shared the scope name 'pre_logits':
+  vit-inspect drew two figures of the paper's pre-training models and exited 1."""
+  model = models.get_model('ViT-Ti_16', num_classes=10, representation_size=8, **TINY)
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 3)))['params']
+  images = vit_inspect.load_images(tiny['images'], 28)
+  assert vit_inspect.attention_maps(model, params, images).shape == (2, 2, 2, 17, 17)
+
+
 def test_cli_end_to_end(tiny):
   outdir = str(tiny['tmp'] / 'figures')
   cmd = [

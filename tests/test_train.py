@@ -188,6 +188,17 @@ class _Scalars:
     pass
 
 
+def test_fewshot_during_a_run_with_a_pre_logits_layer(idx_dir, tmp_path):
+  """The paper's pre-training configs have one (representation_size): the first few-shot
+  evaluation had died on its scope name, after the last step, leaving no final.npz."""
+  config = _config(idx_dir, fewshot_every_steps=3, fewshot_shots=(1,), fewshot_seeds=(0,),
+                   fewshot_datasets=(('fashion_mnist_local', 'train[:40]', 'test[:20]'),))
+  config.model.representation_size = 8
+  out = train.train_and_evaluate(config, str(tmp_path / 'run'))
+  assert 0 <= out['fewshot/fashion_mnist_local/1shot'] <= 1
+  assert os.path.exists(tmp_path / 'run' / 'final.npz')
+
+
 def test_a_run_over_an_undecodable_file_counts_its_skips_at_the_end(tmp_path, caplog):
   """The file is named once, but skipped on every pass: the run's end says how often, as
   TensorBoard's data/skipped_images does (the log had said '1 so far' alone)."""

@@ -228,7 +228,7 @@ def data_config(config, *, dataset=None, data_dir=None, split):
 @functools.partial(jax.jit, static_argnums=0)  # modules hash by their fields
 def _apply(model, params, images):
   _, state = model.apply({'params': params}, images, train=False, mutable=['intermediates'])
-  return state['intermediates']['pre_logits'][0]
+  return state['intermediates']['representation'][0]
 
 
 def apply_fn(model):

@@ -76,7 +76,7 @@ class BiTResNet(nn.Module):
                 self.dtype, self.remat, name=f'block{i + 1}')(x)
     x = activations.relu(normalization.GroupNorm(epsilon=_GN_EPS, dtype=self.dtype, name='norm')(x))
     x = jnp.mean(x, axis=(1, 2))
-    self.sow('intermediates', 'pre_logits', x)
+    self.sow('intermediates', 'representation', x)  # the few-shot features
     if not self.num_classes:
       return x
     x = nn.Dense(self.num_classes, dtype=self.dtype, kernel_init=nn.initializers.zeros,

@@ -266,7 +266,8 @@ class VisionTransformer(nn.Module):
       x = jnp.tanh(
           nn.Dense(self.representation_size, dtype=self.dtype, name='pre_logits',
                    **precision.dense_options(self.dtype))(x).astype(self.dtype))
-    self.sow('intermediates', 'pre_logits', x)  # few-shot features
+    # The few-shot features; not named 'pre_logits', the Dense layer's own scope above.
+    self.sow('intermediates', 'representation', x)
     if not self.num_classes:
       return x
     x = nn.Dense(self.num_classes, dtype=self.dtype, kernel_init=nn.initializers.zeros,
