@@ -194,6 +194,12 @@ def test_fewshot_config_errors_name_the_fix():
         ValueError, match=f'^{field} .* is not a tuple of whole numbers.*: set e.g. '
         f'--config.{field}=1,5$'):
       config_checks.validate_fewshot(bad)
+  c.fewshot_seeds = (0, 1, 0)
+  with pytest.raises(
+      ValueError, match=r'^fewshot_seeds \(0, 1, 0\) gives a value twice: set '
+      '--config.fewshot_seeds with each once$'):
+    config_checks.validate_fewshot(c)
+  c.fewshot_seeds = (0, 1)
   c.fewshot_l2_reg = 0.0
   with pytest.raises(ValueError, match='^fewshot_l2_reg 0.0 is not positive'):
     config_checks.validate_fewshot(c)
@@ -430,6 +436,9 @@ def test_cli_default_shots_skip_what_a_small_pool_cannot_draw(tiny):
       (dict(shots=['1', 'five']), '--shots=1,five: expected whole numbers >= 1'),
       (dict(shots=['0']), '--shots=0: expected whole numbers >= 1'),
       (dict(seeds=['-1']), '--seeds=-1: expected whole numbers >= 0'),
+      # One draw scored twice had read '0.7016 ± 0.0000'.
+      (dict(seeds=['0', '0']), '--seeds=0,0 gives 0 twice: give each once'),
+      (dict(shots=['5', '1', '5']), '--shots=5,1,5 gives 5 twice: give each once'),
       (dict(l2_reg=0.0), '--l2_reg=0.0 is not a positive number: use e.g. --l2_reg=1024'),
       (dict(l2_reg=math.inf), '--l2_reg=inf is not a positive number'),
       (dict(image_size=0), '--image_size=0: pass the resolution in pixels'),

@@ -232,6 +232,9 @@ def validate_fewshot(config):
               and all(isinstance(v, int) and not isinstance(v, bool) and ok(v) for v in values)):
         raise ValueError(f'{field} {values!r} is not a tuple of {want}: set e.g. '
                          f'--config.{field}=1,5')
+      if len(set(values)) < len(values):  # one draw twice would read as a spread of 0
+        raise ValueError(f'{field} {tuple(values)!r} gives a value twice: set '
+                         f'--config.{field} with each once')
     if not float(config.fewshot_l2_reg) > 0:
       raise ValueError(f'fewshot_l2_reg {config.fewshot_l2_reg} is not positive: set '
                        '--config.fewshot_l2_reg (the paper\'s few-shot ridge: 1024)')

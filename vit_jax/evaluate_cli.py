@@ -241,6 +241,9 @@ def _whole_numbers(flags_, name, minimum):
   if not numbers or min(numbers) < minimum:
     raise ValueError(f'--{name}={",".join(values)}: expected whole numbers >= {minimum}, '
                      f'comma-separated: e.g. --{name}=1,5')
+  twice = [n for i, n in enumerate(numbers) if n in numbers[:i]]
+  if twice:  # one draw scored twice had read as a spread of 0; one k as a single row
+    raise ValueError(f'--{name}={",".join(values)} gives {twice[0]} twice: give each once')
   return numbers
 
 
