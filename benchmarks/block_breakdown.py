@@ -33,12 +33,14 @@ parser.add_argument('--tokens', type=harness.positive_int, default=197)
 parser.add_argument('--hidden', type=harness.positive_int, default=768)
 parser.add_argument('--mlp', type=harness.positive_int, default=3072)
 parser.add_argument('--heads', type=harness.positive_int, default=12)
-parser.add_argument('--dtypes', default='float32,bfloat16')
+parser.add_argument('--dtypes', default='float32',
+                    help='float32, bfloat16, or both where their XLA:CPU flags are the same')
 parser.add_argument('--reps', type=harness.positive_int, default=3,
                     help='timed calls per variant per round')
 parser.add_argument('--rounds', type=harness.positive_int, default=3)
 parser.add_argument('--step_hlo', default='ViT-B_16',
                     help='model whose train step HLO is counted ("" skips)')
+harness.add_allocator_arg(parser)
 parser.add_argument('--out', default='')
 args = parser.parse_args()
 for _dtype in args.dtypes.split(','):
@@ -130,7 +132,8 @@ def op_counts(hlo_text):
 
 
 def main():
-  bare_step.setup(1)
+  harness.reexec_under_allocator(args.allocator)  # the flags and allocator vit-train runs with
+  bare_step.setup(1, args.dtypes.split(','))
   load_start = harness.loadavg()
   variants = ['vit_jax', 'attn_bhqd', 'fused_qkv', 'attn_only', 'attn_dpa', 'mlp_only']
   shape = (args.batch, args.tokens, args.hidden)

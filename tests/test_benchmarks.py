@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import harmless_preload
 from tests.conftest import with_flags
+from vit_jax import cpu_features
 from vit_jax import host_memory
 from vit_jax.models import accelerator
 from vit_jax.models import attention
@@ -450,6 +451,10 @@ def test_block_breakdown(tmp_path):
          } == {'vit_jax', 'attn_bhqd', 'fused_qkv', 'attn_only', 'attn_dpa', 'mlp_only'}
   assert p['attn_dpa_max_abs_diff_vs_attn_only_f32'] < 1e-4
   assert all(r['fwd_bwd_s_per_round'][0] > 0 for r in p['results'])
+  # Every JSON names the host as benchmarks/README.md tells hosts apart (it had held the
+  # hostname alone), and this one ran under vit-train's allocator choice.
+  assert p['host']['cpu_model'] == cpu_features.model() and p['host']['cpu_cores'] >= 1
+  assert p['args']['allocator'] == (os.environ.get('VIT_JAX_HOST_ALLOCATOR') or 'auto')
 
 
 def test_no_script_reuses_a_package_module_name():
