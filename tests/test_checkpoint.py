@@ -470,3 +470,21 @@ def test_another_patch_size_names_the_field(tmp_path):
   assert str(e.value) == ("embedding/kernel: checkpoint (4, 4, 3, 16) vs model (7, 7, 3, 16): "
                           "the file's patches are 4x4, the model's 7x7: set the model's "
                           'patch_size to 4 (vit-train: --config.model.patch_size=4)')
+
+
+def test_load_model_builds_what_a_published_file_holds(tmp_path):
+  """The README's first snippet: an imagenet21k file has a 21,843-class head and pre-logits,
+  a fine-tuned one a 384-px grid; get_model at 1000 classes and 224 px fits neither (flax's
+  ScopeParamShapeError)."""
+  tiny = dict(num_layers=1, hidden_size=32, mlp_dim=64, num_heads=2)
+  path = str(tmp_path / 'in21k.npz')
+  model = models.get_model('ViT-Ti_16', num_classes=21843, representation_size=32, **tiny)
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 384, 384, 3)))['params']
+  checkpoint.save_npz(path, params)
+  loaded_model, loaded = checkpoint.load_model(path, 'ViT-Ti_16', **tiny)
+  assert (loaded_model.num_classes, loaded_model.representation_size) == (21843, 32)
+  images = jnp.zeros((1, 384, 384, 3))  # the file's own resolution, read from its grid
+  np.testing.assert_array_equal(loaded_model.apply({'params': loaded}, images, train=False),
+                                model.apply({'params': params}, images, train=False))
+  small, resized = checkpoint.load_model(path, 'ViT-Ti_16', image_size=224, **tiny)
+  assert small.apply({'params': resized}, jnp.zeros((1, 224, 224, 3))).shape == (1, 21843)
