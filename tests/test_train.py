@@ -188,6 +188,33 @@ class _Scalars:
     pass
 
 
+def test_an_evaluation_failing_at_the_last_step_leaves_that_step_saved(
+    idx_dir, tmp_path, monkeypatch, caplog):
+  """An evaluation that fails (out of memory, its data) at a step due to be saved had left
+  only the checkpoint before it; the step is saved on the way out, and the same command then
+  evaluates the saved state, training nothing."""
+  config = _config(idx_dir, total_steps=4, checkpoint_every_steps=2)
+  real_evaluate = train.evaluate
+
+  def failing(*args, **kwargs):
+    raise RuntimeError('RESOURCE_EXHAUSTED: out of memory while evaluating')
+
+  monkeypatch.setattr(train, 'evaluate', failing)
+  with pytest.raises(RuntimeError,
+                     match='out of memory while evaluating'), caplog.at_level(logging.WARNING):
+    train.train_and_evaluate(config, str(tmp_path / 'run'))
+  assert sorted(os.listdir(tmp_path / 'run' / 'checkpoints')) == ['2', '4']
+  assert 'Saved step 4 before stopping on the error below' in caplog.text
+  caplog.clear()
+  assert not os.path.exists(tmp_path / 'run' / 'final.npz')
+  monkeypatch.setattr(train, 'evaluate', real_evaluate)
+  with caplog.at_level(logging.INFO):
+    out = train.train_and_evaluate(config, str(tmp_path / 'run'))
+  assert out['step'] == 4 and 0 <= out['accuracy'] <= 1
+  assert os.path.exists(tmp_path / 'run' / 'final.npz')
+  assert 'Compiled the train step' not in caplog.text  # nothing trained again
+
+
 def test_fewshot_during_a_run_with_a_pre_logits_layer(idx_dir, tmp_path):
   """The paper's pre-training configs have one (representation_size): the first few-shot
   evaluation had died on its scope name, after the last step, leaving no final.npz."""

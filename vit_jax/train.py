@@ -620,30 +620,40 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
         result.update(step=step, loss=float(metrics['loss']))
       evaluating = _due(step, config.eval_every_steps) or step == total_steps
       fewshot_due = fewshot and (_due(step, config.fewshot_every_steps) or step == total_steps)
-      if evaluating or fewshot_due:
-        check_guard(_local(state['guard']))  # a sync too: the steps before count as training
-        # The train step's freed temporaries, which jemalloc would keep beside the evaluation's.
-        host_memory.release_freed()
-        with chrono.paused():
-          params = eval_params(state)
-        if evaluating:
+      try:
+        if evaluating or fewshot_due:
+          check_guard(_local(state['guard']))  # a sync too: the steps before count as training
+          # The train step's freed temporaries, which jemalloc would keep beside the evaluation's.
+          host_memory.release_freed()
           with chrono.paused():
-            accuracy, n = evaluate(eval_step, params, config, batch_sharding, num_classes)
-          logging.info('step %d  %s %s %.4f (%d %s%s)', step, config.eval_split, metric, accuracy,
-                       n, unit, ', Polyak average' if polyak.enabled(config) else '')
-          writer.write_scalars(step, {'accuracy': accuracy})
-          result.update(accuracy=accuracy)
-          if real:
+            params = eval_params(state)
+          if evaluating:
             with chrono.paused():
-              result.update(_evaluate_real(eval_step, params, real, batch_sharding, step, writer))
-        if fewshot_due:
-          with chrono.paused():
-            scores = fewshot(params)
-          logging.info('step %d  few-shot linear: %s', step,
-                       '  '.join(f'{k[len("fewshot/"):]} {v:.4f}' for k, v in scores.items()))
-          writer.write_scalars(step, scores)
-          result.update(scores)
-        host_memory.release_freed()  # and the evaluation's
+              accuracy, n = evaluate(eval_step, params, config, batch_sharding, num_classes)
+            logging.info('step %d  %s %s %.4f (%d %s%s)', step, config.eval_split, metric, accuracy,
+                         n, unit, ', Polyak average' if polyak.enabled(config) else '')
+            writer.write_scalars(step, {'accuracy': accuracy})
+            result.update(accuracy=accuracy)
+            if real:
+              with chrono.paused():
+                result.update(_evaluate_real(eval_step, params, real, batch_sharding, step, writer))
+          if fewshot_due:
+            with chrono.paused():
+              scores = fewshot(params)
+            logging.info('step %d  few-shot linear: %s', step,
+                         '  '.join(f'{k[len("fewshot/"):]} {v:.4f}' for k, v in scores.items()))
+            writer.write_scalars(step, scores)
+            result.update(scores)
+          host_memory.release_freed()  # and the evaluation's
+      except TrainingError:  # a non-finite state: never saved
+        raise
+      except Exception:
+        # The step's state is kept where a save was due: an evaluation that failed (out of
+        # memory, its data) had left the checkpoint before it, and at the last step the
+        # same command evaluates the saved state again, training nothing.
+        if _due(step, config.checkpoint_every_steps) or step == last:
+          _save_after_a_failure(save, check_save, step)
+        raise
       result['step'] = step
       preempted = preemption.reached(step)
       if preempted or _due(step, config.checkpoint_every_steps) or step == last:
@@ -691,6 +701,17 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       pass
   result['params'] = eval_params(state)  # what final.npz holds
   return result
+
+
+def _save_after_a_failure(save, check_save, step):
+  """Saves step `step` while an error is on its way out; a save that fails too is logged,
+  not raised, so that the error the user sees is the first one."""
+  try:
+    save(step)
+    check_save(block=True)
+    logging.warning('Saved step %d before stopping on the error below', step)
+  except Exception as e:  # pylint: disable=broad-except
+    logging.error('Step %d could not be saved either: %s', step, errors.one_line(e))
 
 
 class _CpuPeakCheck:
