@@ -441,6 +441,10 @@ def test_folder_photos_stored_turned_are_warned_about(tmp_path):
       "train on them upright, turn the files' pixels first (ImageMagick: mogrify -auto-orient "
       '*.jpg)')
   assert ip.orientation_warning(_config(dataset='fashion_mnist_local')) is None
+  # A file that cannot be read is not this check's to report (training names it).
+  os.remove(turned)
+  os.symlink(str(tmp_path / 'gone.jpg'), turned)  # listed, but it cannot be opened
+  assert ip.orientation_warning(c) is None
 
 
 def test_folder_splits_are_checked_before_training(tmp_path):

@@ -400,9 +400,13 @@ class _FolderSource(_LocalSource):
     jpegs = [p for p in self.arrays(split)[0] if p.lower().endswith(('.jpg', '.jpeg'))][:sampled]
     turned = []
     for path in jpegs:
-      with tf.io.gfile.GFile(path, 'rb') as f:
-        if jpeg_orientation.orientation(f.read(1 << 16)) != 1:
-          turned.append(path)
+      try:
+        with tf.io.gfile.GFile(path, 'rb') as f:
+          head = f.read(1 << 16)
+      except (OSError, tf.errors.OpError):
+        continue  # unreadable: training skips it and says so
+      if jpeg_orientation.orientation(head) != 1:
+        turned.append(path)
     if not turned:
       return None
     return (f'{len(turned)} of {len(jpegs)} JPEGs checked in folder:{self.root}, split '
