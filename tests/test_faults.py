@@ -8,6 +8,7 @@ tests copy its workdir. Faults found at start-up are also checked in-process (fa
 """
 import gzip
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -381,6 +382,53 @@ def test_stale_lock_is_taken_over(tmp_path, caplog):
     rundir.WorkdirLock(str(tmp_path)).acquire()  # a live holder: refused
   lock.release()
   assert not (tmp_path / 'lock').exists()
+
+
+def _take_stale_lock(workdir, barrier, holders):
+  barrier.wait()
+  lock = rundir.WorkdirLock(workdir)
+  try:
+    lock.acquire()
+  except train.ConfigError:
+    return
+  holders.put(os.getpid())
+  time.sleep(0.5)  # held while the other tries
+
+
+def test_a_stale_lock_is_taken_over_by_one_of_two_runs(tmp_path):
+  """Two runs that found the lock stale at once had both taken it over (one removed the lock
+  the other had just made): 14 of 30 tries in an audit. One run, and only one, takes it."""
+  jax.process_index()  # started before the forks, which only lock
+  dead = subprocess.Popen(['true'])
+  dead.wait()
+  context = multiprocessing.get_context('fork')
+  for trial in range(8):
+    workdir = tmp_path / str(trial)
+    workdir.mkdir()
+    (workdir / 'lock').write_text(json.dumps({'host': socket.gethostname(), 'pid': dead.pid}))
+    barrier, holders = context.Barrier(2), context.Queue()
+    runs = [
+        context.Process(target=_take_stale_lock, args=(str(workdir), barrier, holders))
+        for _ in range(2)
+    ]
+    for run in runs:
+      run.start()
+    for run in runs:
+      run.join(60)
+    taken = []
+    while not holders.empty():
+      taken.append(holders.get())
+    assert len(taken) == 1, (trial, taken)
+    assert not (workdir / 'lock.takeover').exists()
+
+
+def test_release_leaves_a_lock_another_run_took(tmp_path):
+  lock = rundir.WorkdirLock(str(tmp_path))
+  lock.acquire()
+  other = {'host': socket.gethostname(), 'pid': os.getpid() + 1}
+  (tmp_path / 'lock').write_text(json.dumps(other))  # taken over meanwhile
+  lock.release()
+  assert json.loads((tmp_path / 'lock').read_text()) == other
 
 
 # 5. Damaged checkpoints, another model's workdir.

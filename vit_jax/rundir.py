@@ -287,7 +287,7 @@ class WorkdirLock:
           f.write(data)
         self.held = True
         return
-      for _ in range(3):
+      for _ in range(50):
         try:
           fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
@@ -297,12 +297,7 @@ class WorkdirLock:
                 f'workdir {os.path.dirname(self.path)} is in use by {self._holder_text(holder)}: '
                 'wait for that run to end or use another --workdir (delete the lock file only '
                 'if that run is gone)') from None
-          logging.warning('Taking over the stale lock of %s: that process is gone',
-                          self._holder_text(holder))
-          try:
-            os.unlink(self.path)
-          except FileNotFoundError:
-            pass
+          self._remove_stale()
           continue
         self.held = True
         with os.fdopen(fd, 'w') as f:
@@ -315,9 +310,37 @@ class WorkdirLock:
                                f'{errors.one_line(e)}: free space or fix permissions, or use '
                                'another --workdir') from None
 
+  def _remove_stale(self):
+    """Removes a stale lock while holding `<lock>.takeover` (made exclusively): of two runs
+    that found the lock stale at once, one had removed the lock the other had just taken,
+    and both ran. The lock is checked again inside, so a fresh one is never removed."""
+    guard = self.path + '.takeover'
+    try:
+      os.close(os.open(guard, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:  # another run is taking over: look again shortly
+      try:
+        if time.time() - os.path.getmtime(guard) > 10:  # its taker died in the act
+          os.unlink(guard)
+      except FileNotFoundError:
+        pass
+      time.sleep(0.05)
+      return
+    try:
+      holder = self._read()
+      if os.path.exists(self.path) and self._stale(holder):
+        logging.warning('Taking over the stale lock of %s: that process is gone',
+                        self._holder_text(holder))
+        os.unlink(self.path)
+    finally:
+      os.unlink(guard)
+
   def release(self):
+    """Removes the lock if it is still this run's (a run that took it over keeps its own)."""
     if self.held:
       self.held = False
+      holder = self._read() or {}
+      if (holder.get('host'), holder.get('pid')) != (socket.gethostname(), os.getpid()):
+        return
       try:
         tf.io.gfile.remove(self.path)
       except (OSError, tf.errors.OpError):
