@@ -215,6 +215,23 @@ def test_an_evaluation_failing_at_the_last_step_leaves_that_step_saved(
   assert 'Compiled the train step' not in caplog.text  # nothing trained again
 
 
+def test_a_finished_run_taken_further_sets_its_final_npz_aside(idx_dir, tmp_path, caplog):
+  """Extended to more steps and stopped part-way, the run had left the earlier final.npz,
+  which vit-evaluate and vit-predict then took for this run's parameters, with exit 0."""
+  run = str(tmp_path / 'run')
+  train.train_and_evaluate(_config(idx_dir, total_steps=2), run)
+  earlier = np.load(os.path.join(run, 'final.npz'))['head/bias']
+  longer = _config(idx_dir, total_steps=4, checkpoint_every_steps=1, resume_changes='total_steps')
+  with caplog.at_level(logging.WARNING):
+    train.train_and_evaluate(longer, run, stop_after_steps=3)
+  assert not os.path.exists(os.path.join(run, 'final.npz'))  # not finished: no final.npz
+  kept = os.path.join(run, 'final.step2.npz')
+  np.testing.assert_array_equal(np.load(kept)['head/bias'], earlier)  # kept, not lost
+  assert f'Renamed the final.npz of step 2 to {kept}: this run goes on past it' in caplog.text
+  train.train_and_evaluate(longer, run)
+  assert os.path.exists(os.path.join(run, 'final.npz')) and os.path.exists(kept)
+
+
 def test_fewshot_during_a_run_with_a_pre_logits_layer(idx_dir, tmp_path):
   """The paper's pre-training configs have one (representation_size): the first few-shot
   evaluation had died on its scope name, after the last step, leaving no final.npz."""

@@ -546,6 +546,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   def save(step):
     check_guard(_local(state['guard']))  # a non-finite state is never saved
     check_save(block=True)
+    _set_aside_earlier_final(workdir, start)
     saves['pending'] = step
     write_config()
     try:
@@ -701,6 +702,19 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       pass
   result['params'] = eval_params(state)  # what final.npz holds
   return result
+
+
+def _set_aside_earlier_final(workdir, start):
+  """A finished run taken on to more steps: its final.npz is renamed final.step<start>.npz
+  once a later state is saved, so that vit-evaluate and vit-predict do not take the earlier
+  run's parameters for this one's (they had, with exit 0, while it was at step 300 of 1500);
+  a sweep sees the point unfinished. Kept until then: an extension that diverges before its
+  first save leaves the workdir as it was."""
+  final = os.path.join(workdir, 'final.npz')
+  if start and jax.process_index() == 0 and tf.io.gfile.exists(final):
+    kept = os.path.join(workdir, f'final.step{start}.npz')
+    tf.io.gfile.rename(final, kept, overwrite=True)
+    logging.warning('Renamed the final.npz of step %d to %s: this run goes on past it', start, kept)
 
 
 def _save_after_a_failure(save, check_save, step):
