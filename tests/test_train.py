@@ -232,6 +232,19 @@ def test_a_finished_run_taken_further_sets_its_final_npz_aside(idx_dir, tmp_path
   assert os.path.exists(os.path.join(run, 'final.npz')) and os.path.exists(kept)
 
 
+def test_a_damaged_record_of_the_cpu_flags_is_said_and_written_again(idx_dir, tmp_path, caplog):
+  """It had been chosen afresh in silence: a resume that may not be bit-identical."""
+  run = str(tmp_path / 'run')
+  train.train_and_evaluate(_config(idx_dir, total_steps=2), run)
+  record = os.path.join(run, rundir.CPU_FLAGS_FILE)
+  with open(record, 'w') as f:
+    f.write('garbage\x00{')
+  with caplog.at_level(logging.WARNING):
+    train.train_and_evaluate(_config(idx_dir, total_steps=3, resume_changes='total_steps'), run)
+  assert f'The XLA:CPU flags this run started with are not readable in {record}' in caplog.text
+  assert rundir.recorded_cpu_flags(run) == tuple(xla_cpu_flags.last_flags)
+
+
 def test_fewshot_during_a_run_with_a_pre_logits_layer(idx_dir, tmp_path):
   """The paper's pre-training configs have one (representation_size): the first few-shot
   evaluation had died on its scope name, after the last step, leaving no final.npz."""

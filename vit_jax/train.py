@@ -431,8 +431,16 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
 
   if not start:
     write_config()
-  if start == 0 and jax.devices()[0].platform == 'cpu':  # what a resumption will run with
-    rundir.record_cpu_flags(workdir, xla_cpu_flags.last_flags)
+  if jax.devices()[0].platform == 'cpu':  # what a resumption will run with
+    if start and rundir.recorded_cpu_flags(workdir) is None:  # deleted or damaged
+      logging.warning(
+          'The XLA:CPU flags this run started with are not readable in %s: it resumes under '
+          'those chosen now (%s), which may round otherwise than the steps before (not '
+          'bit-identical to an unbroken run); they are recorded for the next resume',
+          os.path.join(workdir, rundir.CPU_FLAGS_FILE), ' '.join(xla_cpu_flags.last_flags)
+          or "XLA's defaults")
+    if not start or rundir.recorded_cpu_flags(workdir) is None:
+      rundir.record_cpu_flags(workdir, xla_cpu_flags.last_flags)
   flops_per_step = flops.step_flops(config, num_classes)
   peak, peak_source = device_peaks.resolve_peak(config.dtype, config.peak_flops_per_device)
   logging.info(
