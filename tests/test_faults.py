@@ -1219,15 +1219,23 @@ def test_a_second_sigterm_or_sighup_while_the_first_unwinds_is_ignored(tmp_path,
 
 
 def test_second_ctrl_c_aborts_at_once(tmp_path):
-  """It had said 'the last complete checkpoint is kept' before any was written."""
-  proc = _python(tmp_path, 'import os, signal, time', 'from vit_jax import train',
-                 'p = train._Preemption()', 'os.kill(os.getpid(), signal.SIGINT)',
+  """It had said 'the last complete checkpoint is kept' before any was written. train.INFO
+  ends with the line too, as after the other stops, and the run's lock is gone (both had
+  been left as they were)."""
+  run = tmp_path / 'run'
+  run.mkdir()
+  (run / 'train.INFO').write_text('W1205 ... Ctrl-C: saving a checkpoint after this step\n')
+  proc = _python(tmp_path, 'import os, signal, time', 'from vit_jax import rundir, train',
+                 f'rundir.WorkdirLock({str(run)!r}).acquire()',
+                 f'p = train._Preemption({str(run)!r})', 'os.kill(os.getpid(), signal.SIGINT)',
                  'assert p.requested == "SIGINT"', 'os.kill(os.getpid(), signal.SIGINT)',
                  'time.sleep(30)')
   assert proc.returncode == 130, proc.stderr[-3000:]
-  assert proc.stderr.strip().splitlines()[-1] == (
-      'vit-train: second Ctrl-C: stopped at once, without saving this step: run the same command '
-      'to resume from the last complete checkpoint (from step 0 if none was written)')
+  line = ('vit-train: second Ctrl-C: stopped at once, without saving this step: run the same '
+          'command to resume from the last complete checkpoint (from step 0 if none was written)')
+  assert proc.stderr.strip().splitlines()[-1] == line
+  assert (run / 'train.INFO').read_text().splitlines()[-1] == line
+  assert not (run / 'lock').exists()
 
 
 def test_full_disk_at_start_up_is_one_line(tmp_path):

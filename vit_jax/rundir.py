@@ -220,6 +220,30 @@ def _proc_start(pid):
     return None
 
 
+def leave_at_once(workdir, line):
+  """For a process about to os._exit (a second Ctrl-C): appends `line` (bytes) to
+  train.INFO, as the run's other stops end it, and removes the lock if it is this
+  process's. Local workdirs only, and os calls only: this runs in a signal handler."""
+  if paths.is_remote(workdir):
+    return
+  try:
+    fd = os.open(os.path.join(workdir, 'train.INFO'), os.O_WRONLY | os.O_APPEND)
+    try:
+      os.write(fd, line)
+    finally:
+      os.close(fd)
+  except OSError:
+    pass
+  lock = os.path.join(workdir, 'lock')
+  try:
+    with open(lock, encoding='utf-8') as f:
+      holder = json.loads(f.read())
+    if (holder.get('host'), holder.get('pid')) == (socket.gethostname(), os.getpid()):
+      os.unlink(lock)
+  except (OSError, ValueError, AttributeError):
+    pass
+
+
 class WorkdirLock:
   """One run per workdir: `<workdir>/lock` holds the host, pid and start time of its run.
 

@@ -566,7 +566,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                           f'{_save_cause(e)}: free space or fix permissions there, then run '
                           'the same command to resume') from None
 
-  preemption = _Preemption()
+  preemption = _Preemption(workdir)
   if _RECEIVED_OUTSIDE_THE_LOOP:  # received, but its exception was lost
     preemption.close()
     raise _OUTSIDE_THE_LOOP[_RECEIVED_OUTSIDE_THE_LOOP[0]]()
@@ -925,7 +925,10 @@ class _Preemption:
   same one; Ctrl-C and SIGHUP keep Python's default there.
   """
 
-  def __init__(self):
+  def __init__(self, workdir=None):
+    """`workdir`: the run's, whose train.INFO gets the line of a second Ctrl-C too and whose
+    lock that exit removes."""
+    self.workdir = workdir
     self.requested = None  # None, 'SIGTERM', 'SIGINT' or 'SIGHUP'
     self._previous = {}
     if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
@@ -937,10 +940,12 @@ class _Preemption:
   def _on_signal(self, signum, frame):
     del frame
     if signum == signal.SIGINT and self.requested is not None:
-      os.write(
-          2, f'{errors.PROGRAM}: second Ctrl-C: stopped at once, without saving this step: run '
-          'the same command to resume from the last complete checkpoint (from step 0 if none '
-          'was written)\n'.encode())
+      line = (f'{errors.PROGRAM}: second Ctrl-C: stopped at once, without saving this step: run '
+              'the same command to resume from the last complete checkpoint (from step 0 if '
+              'none was written)\n').encode()
+      os.write(2, line)
+      if self.workdir:  # os calls only: logging could wait on a lock the loop holds
+        rundir.leave_at_once(self.workdir, line)
       os._exit(130)  # pylint: disable=protected-access
     if self.requested is None:
       if signum == signal.SIGINT:
