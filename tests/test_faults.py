@@ -6,6 +6,7 @@ one thing, and checks the exit status, the last line of the output (one line nam
 fix) and what is on disk before and after. One good run (8 simulated devices) is shared:
 tests copy its workdir. Faults found at start-up are also checked in-process (faster).
 """
+import errno
 import gzip
 import json
 import multiprocessing
@@ -25,6 +26,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from vit_jax import checkpoint
+from vit_jax import errors
 from vit_jax import rundir
 from vit_jax import train
 from vit_jax.configs import finetune
@@ -569,7 +571,9 @@ def test_failed_save_stops_at_once(tmp_path):
   # is, the run stops by the next save at the latest, not at the end.
   failed = re.search(r'^vit-train: the checkpoint of step (\d+) could not be written', last)
   assert failed, err[-3000:]
-  assert 'File too large' in last
+  assert 'File too large' in last and re.search(
+      r'raise it \(ulimit -f unlimited\), then run the same command to resume( from step \d+)?$',
+      last), last
   # orbax's failed write tasks are reported once, by our line, not as tracebacks.
   assert 'Traceback' not in err and 'never retrieved' not in err, err[-3000:]
   assert f'step {int(failed.group(1)) + 20}/200' not in err
@@ -1252,6 +1256,12 @@ def test_workdir_that_cannot_be_created_is_one_line(tmp_path):
   assert last == (f'vit-train: cannot create workdir {tmp_path}/a_file/run: {tmp_path}/a_file is '
                   'not a directory: choose a writable --workdir'), last
   assert 'Traceback' not in err
+  # A link to a folder that is gone (an unmounted disk) had been told 'File exists'.
+  os.symlink('gone/data', tmp_path / 'link')
+  rc, err, last = _cli(tmp_path, 'link/run')
+  assert (rc, last) == (1, f'vit-train: cannot create workdir {tmp_path}/link/run: {tmp_path}/link '
+                        f'is a symbolic link to {tmp_path}/gone/data, which does not exist: create '
+                        f'{tmp_path}/gone/data (mkdir -p) or choose a writable --workdir'), last
 
 
 def test_a_bucket_that_cannot_be_written_names_credentials(monkeypatch):
@@ -1394,9 +1404,45 @@ def test_step_that_does_not_fit_is_one_line(tmp_path):
     assert fix in last
 
 
-def test_a_failed_save_is_named_by_its_errno_whatever_the_text_around_it():
+def test_a_failed_write_is_named_by_its_errno_and_given_its_fix(tmp_path, monkeypatch):
   # tensorstore's message has held the errno text before the code, and (once in CI) the
   # file's JSON spec there instead.
   for text in ('Error writing "a": File too large [os_error_code=27]',
                'Error writing {"driver": "file", "x": true}\'] [os_error_code=\'27\']'):
-    assert train._save_cause(RuntimeError(text)) == 'File too large (errno 27)'
+    assert errors.write_failure(RuntimeError(text), str(tmp_path)) == (
+        "File too large (errno 27): a file outgrew the shell's file-size limit (ulimit -f) or "
+        "the file system's: raise it (ulimit -f unlimited)")
+  assert errors.write_failure(RuntimeError('save failed'), tmp_path).endswith(
+      'save failed: free space or fix permissions there')  # no errno, and space to spare
+  wrapped = RuntimeError('save failed')
+  wrapped.__cause__ = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+  assert errors.write_failure(wrapped, tmp_path) == 'No space left on device: free space there'
+  denied = PermissionError(errno.EACCES, 'Permission denied', str(tmp_path / 'x'))
+  assert errors.write_failure(denied, tmp_path).endswith(': give this user write permission there')
+  # TensorFlow's event writer says only 'Could not flush events file' on a full disk.
+  monkeypatch.setattr(shutil, 'disk_usage', lambda _: types.SimpleNamespace(free=3 << 10))
+  flush = 'Could not flush events file. [Op:FlushSummaryWriter]'
+  assert errors.write_failure(
+      RuntimeError(flush),
+      tmp_path / 'not yet') == (f'{flush} (3 KiB free on its disk): free space there')
+  assert errors.write_failure(RuntimeError(flush), 'gs://b/run').endswith('fix permissions there')
+
+
+def test_a_final_npz_that_cannot_be_written_is_named_and_written_by_the_same_command(
+    tmp_path, monkeypatch):
+  """A full disk at the end had said 'cannot write to <workdir>' without naming the file."""
+  workdir = str(tmp_path / 'run')
+  real_save = checkpoint.save_npz
+
+  def full(path, params):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  monkeypatch.setattr(checkpoint, 'save_npz', full)
+  with pytest.raises(train.TrainingError) as e:
+    train.train_and_evaluate(_config(), workdir)
+  assert str(e.value) == (f'{workdir}/final.npz could not be written: No space left on device: '
+                          'free space there, then run the same command to write it (the '
+                          'checkpoint of the last step, 3, is saved)')
+  monkeypatch.setattr(checkpoint, 'save_npz', real_save)
+  result = train.train_and_evaluate(_config(), workdir)
+  assert result['step'] == 3 and os.path.exists(f'{workdir}/final.npz')

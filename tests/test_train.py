@@ -263,17 +263,29 @@ def test_a_run_over_an_undecodable_file_counts_its_skips_at_the_end(tmp_path, ca
   for split in ('train', 'test'):
     fx.write_folder(root, split, {'a': [1, 2, 3], 'b': [4, 5, 6]})
   fx.write_corrupt(os.path.join(root, 'train', 'a', 'bad.png'))
+  fx.write_corrupt(os.path.join(root, 'test', 'b', 'bad.png'))
   config = _config(None, dataset='folder:' + root, batch_size=8, eval_batch_size=8, total_steps=4,
                    shuffle_buffer=7)
   scalars = _Scalars()
-  with caplog.at_level(logging.WARNING):
+  with caplog.at_level(logging.INFO):
     train.train_and_evaluate(config, str(tmp_path / 'run'), writer=scalars)
   skips = scalars.at[4]['data/skipped_images']
   assert skips >= 4  # 32 images drawn from 7 records, one of them undecodable
-  said = [r.getMessage() for r in caplog.records if 'undecodable' in r.getMessage()]
-  assert len(said) == 2 and os.path.join(root, 'train', 'a', 'bad.png') in said[0]
-  assert said[1] == (f'Skipped {skips} undecodable image(s) in all while training of 1 file(s), '
+  said = [
+      r.getMessage() for r in caplog.records
+      if r.levelno >= logging.WARNING and 'undecodable' in r.getMessage()
+  ]
+  assert len(said) == 3 and os.path.join(root, 'train', 'a', 'bad.png') in said[0]
+  assert 'each skip counted in data/skipped_images' in said[0]
+  # The evaluation's skip: named by its split, not counted in a training metric.
+  assert said[1].startswith("Skipped 1 undecodable image(s) while reading split 'test' (1 so far")
+  assert 'data/skipped_images' not in said[1]
+  assert said[2] == (f'Skipped {skips} undecodable image(s) in all while training of 1 file(s), '
                      'named in the warnings above')
+  # The accuracy's denominator says what it left out (it had said '6 examples' alone).
+  assert re.search(
+      r'step 4  test top-1 accuracy [\d.]+ \(6 examples; 1 of the 7 could not be '
+      r'decoded, not counted\)$', caplog.text, re.M), caplog.text[-2000:]
 
 
 def test_the_loop_reports_its_speed_and_traces_on_request(idx_dir, tmp_path, caplog):

@@ -1,6 +1,9 @@
 """The errors a run ends with (vit-train prints each as one line, `vit-train: <message>`), and
 the plain words every command uses for a value of the wrong type."""
+import errno
+import os
 import re
+import shutil
 
 # What vit-train's one-line errors start with (`python -m vit_jax.main` is the same program).
 PROGRAM = 'vit-train'
@@ -35,6 +38,65 @@ def one_line(error):
   lines = [l.strip() for l in str(error).splitlines() if l.strip()]
   text = lines[-1] if lines else type(error).__name__
   return text if len(text) <= 300 else text[:297] + '...'
+
+
+# The fix for a write that failed with each errno; any other: _WRITE_FIX.
+_WRITE_FIXES = {
+    errno.ENOSPC: 'free space there',
+    errno.EDQUOT: 'free space there or raise your disk quota',
+    errno.EACCES: 'give this user write permission there',
+    errno.EPERM: 'give this user write permission there',
+    errno.EROFS: 'its file system is mounted read-only: remount it writable',
+    errno.EFBIG: ("a file outgrew the shell's file-size limit (ulimit -f) or the file system's: "
+                  'raise it (ulimit -f unlimited)'),
+}
+_WRITE_FIX = 'free space or fix permissions there'
+_NEARLY_FULL = 64 << 20  # free bytes below which a write failing without an errno is blamed on space
+
+
+def write_failure(error, where):
+  """'<cause>: <fix>' of a write under `where` (a file or folder) that raised `error`.
+
+  The cause is the errno's text where one is found: an OSError down the exception chain,
+  or tensorstore's os_error_code, whose surrounding text varies (seen: the file's JSON spec).
+  A failure that carries none (TensorFlow's 'Could not flush events file') on a nearly full
+  disk is said to be one. The fix is the errno's: a full disk and a file-size limit had both
+  been told to 'free space or fix permissions'.
+  """
+  code, cause = _errno_and_cause(error)
+  if code is None:
+    free = _free_bytes(where)
+    if free is not None and free < _NEARLY_FULL:
+      code, cause = errno.ENOSPC, f'{cause} ({free >> 10} KiB free on its disk)'
+  return f'{cause}: {_WRITE_FIXES.get(code, _WRITE_FIX)}'
+
+
+def _errno_and_cause(error):
+  """(errno or None, one line naming the root cause) of a failed write."""
+  seen = error
+  while seen is not None:
+    if isinstance(seen, OSError) and seen.strerror:
+      return seen.errno, one_line(seen)
+    seen = seen.__cause__ or seen.__context__
+  found = re.search(r'os_error_code=\'?(\d+)', str(error))
+  if found:
+    code = int(found.group(1))
+    return code, f'{os.strerror(code)} (errno {code})'
+  return None, one_line(error)
+
+
+def _free_bytes(where):
+  """Free bytes on the local disk holding `where` (or its nearest existing folder above), or
+  None (an object store, or nothing there to ask)."""
+  if '://' in str(where):
+    return None
+  path = os.path.abspath(where)
+  while not os.path.exists(path) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)
+  try:
+    return shutil.disk_usage(path).free
+  except OSError:
+    return None
 
 
 def op_error_line(error):

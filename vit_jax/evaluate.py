@@ -314,6 +314,15 @@ def accuracy_over_split(eval_step, params, config, batch_sharding, check_labels=
   return correct / max(count, 1.0), int(count)
 
 
+def not_counted(n, split_size):
+  """'; <k> of the <split_size> could not be decoded, not counted' where `n` counted records
+  fall short of the split's, else '': files that could not be decoded had left the
+  accuracy's denominator with only an earlier warning to say so."""
+  if n >= split_size:
+    return ''
+  return f'; {split_size - n} of the {split_size} could not be decoded, not counted'
+
+
 def top1_accuracy(model, params, config, split, batch_size, head_index=None):
   """(accuracy, examples counted) of the model's head on `split` (top1_hits; head_index
   as top1_step's)."""

@@ -131,6 +131,13 @@ def orientation_warning(config) -> str | None:
   return data_sources.source(config).orientation_warning(config.train_split)
 
 
+def split_labels(config, field) -> np.ndarray | None:
+  """The labels of the split config[field] where the dataset knows them without reading its
+  images (IDX files, folders), else None (TFDS)."""
+  keep_tf_off_accelerators()
+  return data_sources.source(config).labels(config[field])
+
+
 def class_names(config) -> tuple[str, ...]:
   """The dataset's class names, index i naming label i (known without reading the data)."""
   keep_tf_off_accelerators()
@@ -138,20 +145,24 @@ def class_names(config) -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------- pipelines
+SKIPPED_METRIC = 'data/skipped_images'  # the training loop's count of undecodable images
+
+
 class Batches:
   """An iterator of host batches (dicts of numpy arrays) that counts what it skipped.
 
   `skipped`: images of this host's stream that could not be decoded since the iterator
   started, each occurrence counted (a bad file met every epoch counts every epoch); the
-  training loop reports it as 'data/skipped_images'. The warning names each file once: a
+  training loop reports it as SKIPPED_METRIC. The warning names each file once: a
   bad file of a folder dataset had been warned about again on every pass over the data, a
   line per batch that met one. Where the records do not name their files (TFDS), it is
   logged when the count reaches 1, 2, 4, 8, ...
   """
 
   def __init__(self, ds: tf.data.Dataset, stage: str, finish: Callable[[dict], dict] | None = None,
-               describe: Callable[[int], str] | None = None):
+               describe: Callable[[int], str] | None = None, counted_in: str | None = None):
     self._ds, self._stage, self._finish, self._describe = ds, stage, finish, describe
+    self._counted_in = counted_in  # the metric that counts the skips, where one does
     self._numpy = None  # Started by the first next(), not here.
     self.skipped = 0
     self._named = set()  # the records whose files a warning named
@@ -180,12 +191,12 @@ class Batches:
     if new:
       self._named.update(new)
       again = len(failed) - len(new)
+      counted = f', each skip counted in {self._counted_in}' if self._counted_in else ''
       logging.warning(
           'Skipped %d undecodable image(s) while %s (%d so far in this stream)%s%s; a file is '
-          "named once and skipped on every pass, each skip counted in data/skipped_images (a "
-          "bare TensorFlow line on stderr such as 'Input file read error' is one of these)",
-          skipped, self._stage, self.skipped, self._names(new),
-          f' (and {again} named before)' if again else '')
+          "named once and skipped on every pass%s (a bare TensorFlow line on stderr such as "
+          "'Input file read error' is one of these)", skipped, self._stage, self.skipped,
+          self._names(new), f' (and {again} named before)' if again else '', counted)
 
   def summary(self) -> str | None:
     """The skips of the stream so far in one line, or None where there were none."""
@@ -352,7 +363,8 @@ def train_batches(config, *, global_batch: int, start_step: int = 0,
     }
 
   ds = _decode_batches(ds, example, local, _fallback(config), drop_remainder=True)
-  return Batches(_options(ds.prefetch(2)), 'training', _fill_undecodable_rows, shard.describe)
+  return Batches(_options(ds.prefetch(2)), 'training', _fill_undecodable_rows, shard.describe,
+                 counted_in=SKIPPED_METRIC)
 
 
 def _fill_undecodable_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -405,7 +417,9 @@ def eval_batches(config, *, global_batch: int, process_index: int | None = None,
   pad = dict(_place(tf.zeros([0], tf.int64), _empty(fallback), local, fallback, 0),
              failed=tf.zeros([0], tf.int64))
   ds = ds.concatenate(tf.data.Dataset.from_tensors(pad).repeat())
-  return Batches(_options(ds.take(num_batches).prefetch(2)), 'evaluating', describe=shard.describe)
+  # Named by its split: few-shot evaluation reads training splits through here too.
+  return Batches(_options(ds.take(num_batches).prefetch(2)), f'reading split {config.eval_split!r}',
+                 describe=shard.describe)
 
 
 def _eval_local_batch(max_size: int, local: int) -> int:

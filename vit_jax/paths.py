@@ -67,8 +67,15 @@ def make_workdir(path, flag='--workdir'):
              f'login) and its access to the bucket, or choose another {flag}')
     else:
       fix = f'choose a writable {flag}'
-    blocking = _file_in_the_way(path)
-    why = f'{blocking} is not a directory' if blocking else errors.one_line(e)
+    blocking, dangling = _file_in_the_way(path), _dangling_link(path)
+    if blocking:
+      why = f'{blocking} is not a directory'
+    elif dangling:  # makedirs says only 'File exists'
+      target = os.path.normpath(os.path.join(os.path.dirname(dangling), os.readlink(dangling)))
+      why = f'{dangling} is a symbolic link to {target}, which does not exist'
+      fix = f'create {target} (mkdir -p) or {fix}'
+    else:
+      why = errors.one_line(e)
     raise ValueError(f'cannot create workdir {path}: {why}: {fix}') from None
 
 
@@ -80,6 +87,18 @@ def _file_in_the_way(path):
   for i in range(2, len(parts) + 1):
     prefix = os.sep.join(parts[:i])
     if os.path.exists(prefix) and not os.path.isdir(prefix):
+      return prefix
+  return None
+
+
+def _dangling_link(path):
+  """The first local ancestor of `path` (or `path` itself) that is a link to nothing."""
+  if is_remote(path):
+    return None
+  parts = os.path.abspath(path).split(os.sep)
+  for i in range(2, len(parts) + 1):
+    prefix = os.sep.join(parts[:i])
+    if os.path.islink(prefix) and not os.path.exists(prefix):
       return prefix
   return None
 

@@ -50,8 +50,8 @@ def record_cpu_flags(workdir, flags):
     try:
       _write_whole(path, json.dumps({'flags': list(flags)}))
     except (OSError, tf.errors.OpError) as e:
-      raise errors.ConfigError(f'cannot write {path}: {errors.one_line(e)}: free space or fix '
-                               'permissions, or use another --workdir') from None
+      raise errors.ConfigError(f'cannot write {path}: {errors.write_failure(e, path)}, or use '
+                               'another --workdir') from None
 
 
 CLASS_NAMES_FILE = 'class_names.txt'  # the head's classes, one per line (vit-predict --labels)
@@ -66,8 +66,8 @@ def record_class_names(workdir, names):
     try:
       _write_whole(path, ''.join(f'{n}\n' for n in names))
     except (OSError, tf.errors.OpError) as e:
-      raise errors.ConfigError(f'cannot write {path}: {errors.one_line(e)}: free space or fix '
-                               'permissions, or use another --workdir') from None
+      raise errors.ConfigError(f'cannot write {path}: {errors.write_failure(e, path)}, or use '
+                               'another --workdir') from None
 
 
 def recorded_class_names(workdir):
@@ -104,8 +104,8 @@ def write_config(config, workdir):
     try:
       _write_whole(path, config.to_json_best_effort(indent=2))
     except (OSError, tf.errors.OpError) as e:
-      raise errors.ConfigError(f'cannot write {path}: {errors.one_line(e)}: free space or fix '
-                               'permissions, or use another --workdir') from None
+      raise errors.ConfigError(f'cannot write {path}: {errors.write_failure(e, path)}, or use '
+                               'another --workdir') from None
 
 
 def _flatten(tree, prefix=''):
@@ -330,9 +330,10 @@ class WorkdirLock:
       raise errors.ConfigError(f'cannot take the lock {self.path}: another run keeps taking it')
     except (OSError, tf.errors.OpError) as e:
       self.release()
-      raise errors.ConfigError(f'cannot write to workdir {os.path.dirname(self.path)}: '
-                               f'{errors.one_line(e)}: free space or fix permissions, or use '
-                               'another --workdir') from None
+      workdir = os.path.dirname(self.path)
+      raise errors.ConfigError(
+          f'cannot write to workdir {workdir}: '
+          f'{errors.write_failure(e, workdir)}, or use another --workdir') from None
 
   def _remove_stale(self):
     """Removes a stale lock while holding `<lock>.takeover` (made exclusively): of two runs

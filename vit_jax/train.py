@@ -10,7 +10,6 @@ import contextlib
 import logging as std_logging
 import math
 import os
-import re
 import shlex
 import signal
 import sys
@@ -390,8 +389,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   try:
     manager = checkpoint.train_state_manager(ckpt_dir, config.keep_checkpoints)
   except (OSError, tf.errors.OpError) as e:
-    raise ConfigError(f'cannot create {ckpt_dir}: {errors.one_line(e)}: free space or fix '
-                      'permissions, or use another --workdir') from None
+    raise ConfigError(f'cannot create {ckpt_dir}: {errors.write_failure(e, ckpt_dir)}, or use '
+                      'another --workdir') from None
   try:
     state, state_sh = step_lib.create_train_state(config, model, tx, mesh, num_classes, manager)
   except checkpoint.DifferentModelError as e:
@@ -496,8 +495,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
     if start == 0:
       writer.write_hparams(tensorboard_events.hparams_of(config))
   except (OSError, tf.errors.OpError) as e:
-    raise ConfigError(f'cannot write the metrics to {workdir}: {errors.one_line(e)}: free space or '
-                      'fix permissions, or use another --workdir') from None
+    raise ConfigError(f'cannot write the metrics to {workdir}: '
+                      f'{errors.write_failure(e, workdir)}, or use another --workdir') from None
 
   train_data = input_pipeline.train_batches(config, global_batch=config.batch_size,
                                             start_step=start)
@@ -514,8 +513,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                             config.profile_steps, resumed_at=start, last_step=total_steps)
   last = total_steps if stop_after_steps is None else min(stop_after_steps, total_steps)
   result = {'step': start}
-  metric, unit = (('masked-patch accuracy', 'patches') if masked_patches.is_masked(config) else
-                  ('top-1 accuracy', 'examples'))
+  masked = masked_patches.is_masked(config)
+  metric = 'masked-patch accuracy' if masked else 'top-1 accuracy'
   stop_on_nonfinite = config.get('on_nonfinite', 'stop') == 'stop'
   # Cheap checks: the guard of the previous step is read only once it is ready (no
   # stall); a forced read (a sync) comes before every log line, evaluation and save.
@@ -546,8 +545,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
     except Exception as e:  # pylint: disable=broad-except  (any failure of the write)
       time.sleep(1.0)  # let the failed write's other callbacks finish (and print) first
       raise TrainingError(
-          f'the checkpoint of step {step} could not be written to {ckpt_dir}: {_save_cause(e)}: '
-          'free space or fix permissions there, then run the same command to resume'
+          f'the checkpoint of step {step} could not be written to {ckpt_dir}: '
+          f'{errors.write_failure(e, ckpt_dir)}, then run the same command to resume'
           + (f' from step {saves["last"]}' if saves['last'] else '')) from None
     saves['pending'], saves['last'] = None, step
 
@@ -563,8 +562,9 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
     except Exception as e:  # pylint: disable=broad-except
       saves['pending'] = None
       raise TrainingError(f'the checkpoint of step {step} could not be written to {ckpt_dir}: '
-                          f'{_save_cause(e)}: free space or fix permissions there, then run '
-                          'the same command to resume') from None
+                          f'{errors.write_failure(e, ckpt_dir)}, then run the same command to '
+                          'resume'
+                          + (f' from step {saves["last"]}' if saves['last'] else '')) from None
 
   preemption = _Preemption(workdir)
   if _RECEIVED_OUTSIDE_THE_LOOP:  # received, but its exception was lost
@@ -624,7 +624,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                 **{
                     k: float(v) for k, v in metrics.items()
                 },
-                **speed, 'data/skipped_images': train_data.skipped
+                **speed, input_pipeline.SKIPPED_METRIC: train_data.skipped
             })
         result.update(step=step, loss=float(metrics['loss']))
       evaluating = _due(step, config.eval_every_steps) or step == total_steps
@@ -639,8 +639,10 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
           if evaluating:
             with chrono.paused():
               accuracy, n = evaluate(eval_step, params, config, batch_sharding, num_classes)
-            logging.info('step %d  %s %s %.4f (%d %s%s)', step, config.eval_split, metric, accuracy,
-                         n, unit, ', Polyak average' if polyak.enabled(config) else '')
+            counted = (f'{n} patches' if masked else f'{n} example{"" if n == 1 else "s"}'
+                       f'{evaluate_lib.not_counted(n, info.num_eval_examples)}')
+            logging.info('step %d  %s %s %.4f (%s%s)', step, config.eval_split, metric, accuracy,
+                         counted, ', Polyak average' if polyak.enabled(config) else '')
             writer.write_scalars(step, {'accuracy': accuracy})
             result.update(accuracy=accuracy)
             if real:
@@ -692,15 +694,23 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       if start < total_steps:  # a finished run started again trained nothing under this config
         write_config()
       if jax.process_index() == 0:
-        checkpoint.save_npz(os.path.join(workdir, 'final.npz'), params)
+        final = os.path.join(workdir, 'final.npz')
+        try:
+          checkpoint.save_npz(final, params)
+        except (OSError, tf.errors.OpError) as e:
+          raise TrainingError(f'{final} could not be written: {errors.write_failure(e, final)}, '
+                              'then run the same command to write it (the checkpoint of the '
+                              f'last step, {total_steps}, is saved)') from None
       if preemption.requested:  # during the last evaluation, which went on
         logging.warning('%s came after the last step: the run finished all the same',
                         preemption.requested)
       logging.info('Final %s %s: %.4f after %d steps (parameters: %s)', config.eval_split, metric,
                    result['accuracy'], total_steps, os.path.join(workdir, 'final.npz'))
   except (OSError, tf.errors.OpError) as e:
-    raise TrainingError(f'cannot write to {workdir}: {errors.one_line(e)}: free space or fix '
-                        'permissions, then run the same command to resume') from None
+    raise TrainingError(f'cannot write to {workdir}: {errors.write_failure(e, workdir)}, then run '
+                        'the same command to resume'
+                        + (f' from step {saves["last"]}' if saves['last'] else
+                           ' (from the start: no checkpoint had been saved)')) from None
   finally:
     profile.close()
     preemption.close()
@@ -872,22 +882,6 @@ def _fitting_train_step(config, model, tx, schedule, mesh, in_shardings, abstrac
       return compiled, c
   raise TrainingError(
       _memory_message(c, need, limit, n_dev, of_host, searched=config.accum_steps == 0))
-
-
-def _save_cause(error):
-  """The root cause of a failed save, one line (an OSError's errno text when there is one)."""
-  seen = error
-  while seen is not None:
-    if isinstance(seen, OSError) and seen.strerror:
-      return errors.one_line(seen)
-    seen = seen.__cause__ or seen.__context__
-  # tensorstore's errno; the text around it varies (seen: the file's JSON spec before it),
-  # so the cause is the C library's text for that number.
-  found = re.search(r'os_error_code=\'?(\d+)', str(error))
-  if found:
-    code = int(found.group(1))
-    return f'{os.strerror(code)} (errno {code})'
-  return errors.one_line(error)
 
 
 def _without_guard(state):
