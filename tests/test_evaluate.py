@@ -360,6 +360,17 @@ def test_cli_end_to_end(tiny):
   checkpoint.save_npz(head_free, {k: v for k, v in tiny['params'].items() if k != 'head'})
   with pytest.raises(ValueError, match='use --mode fewshot'):
     evaluate_cli.run(types.SimpleNamespace(**{**args, 'checkpoint': head_free, 'batch_size': 8}))
+  # A file that cannot be decoded is named in the row: it had left the denominator in silence.
+  root = os.path.join(os.path.dirname(tiny['path']), 'ten')
+  data_fixtures.write_folder(root, 'test', {f'c{i}': [i] for i in range(10)})
+  data_fixtures.write_corrupt(os.path.join(root, 'test', 'c3', 'bad.png'))
+  table = evaluate_cli.run(
+      types.SimpleNamespace(**{
+          **args, 'dataset': f'folder:{root}',
+          'batch_size': 8
+      }))
+  assert table.splitlines()[1].endswith(
+      '(10 images; 1 of the 11 could not be decoded, not counted)'), table
 
 
 @pytest.mark.parametrize('lands_in', ['the evaluation', 'a __del__'])
@@ -391,7 +402,7 @@ def test_ctrl_c_is_one_line(tiny, lands_in):
   assert not out.stdout
 
 
-def test_cli_default_shots_skip_what_a_small_pool_cannot_draw(tiny):
+def test_cli_default_shots_skip_what_a_small_pool_cannot_draw(tiny, monkeypatch):
   """6 train images a class: the default shots 10 and 25 get a row saying why, the rest
   are evaluated; shots typed on the command line that do not fit, or bad values, stop with
   one line naming the fix."""
@@ -450,6 +461,16 @@ def test_cli_default_shots_skip_what_a_small_pool_cannot_draw(tiny):
   for bad, message in refusals:
     with pytest.raises(ValueError, match='^' + re.escape(message)):
       evaluate_cli.run(types.SimpleNamespace(**{**args, **bad}))
+  # Typed shots the pool cannot draw are refused from its labels, before any features: a
+  # large folder's k-shot pool had been run through the model first.
+  def no_features(*_, **__):
+    raise AssertionError('features extracted before the shots were checked')
+
+  monkeypatch.setattr(evaluate, 'extract_features', no_features)
+  with pytest.raises(
+      ValueError, match=r'^fashion_mnist_local: class 0 \(T-shirt/top\) has 6 '
+      'train images, fewer than 10 shots: use --shots=1'):
+    evaluate_cli.run(types.SimpleNamespace(**{**args, 'shots': ['1', '10']}))
 
 
 def test_mean_over_datasets_takes_the_shots_every_dataset_has():

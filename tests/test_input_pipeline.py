@@ -372,7 +372,7 @@ def test_folder_eval_skips_and_counts_corrupt(folder, caplog):
     per_host = [list(it) for it in iterators]
   assert [it.skipped for it in iterators] == [int(h == bad // 4) for h in range(2)]
   # The warning names the file, so that the user can find it.
-  assert 'Skipped 1 undecodable image(s) while evaluating (1 so far in this stream): ' + \
+  assert "Skipped 1 undecodable image(s) while reading split 'test' (1 so far in this stream): " + \
       os.path.join(root, 'test', 'c', '00012b.png') in caplog.text
   assert len(per_host[0]) == len(per_host[1]) == 2
   labels = collections.Counter()
@@ -400,6 +400,18 @@ def test_folder_order_is_fixed_and_mixes_the_classes(tmp_path):
   data_sources.clear_cache()
   again = list(data_sources.source(c).arrays('train')[0])
   assert len(again) == 41 and [p for p in again if not p.endswith('00099.png')] == list(paths)
+
+
+def test_split_labels_are_those_the_pipeline_reads(tmp_path, idx_dir):
+  """Labels known without the images (vit-evaluate checks shots on them before any
+  features): a slice of a folder or of IDX files, as eval_batches gives them; TFDS: None."""
+  root = str(tmp_path / 'pets')
+  fx.write_folder(root, 'train', {'a': list(range(0, 7)), 'b': list(range(7, 12))})
+  for c in (_config(dataset='folder:' + root), _config(data_dir=idx_dir)):
+    c.eval_split = 'train[25%:90%]'
+    read = [b['label'][b['mask']] for b in ip.eval_batches(c, global_batch=4)]
+    np.testing.assert_array_equal(ip.split_labels(c, 'eval_split'), np.concatenate(read))
+  assert data_sources.Source().labels('train') is None
 
 
 def test_folder_hidden_folders_and_other_files_are_left_out_and_said(tmp_path):

@@ -149,6 +149,12 @@ class Source:
     del spec
     return None
 
+  def labels(self, spec: str) -> np.ndarray | None:
+    """The labels of the split `spec` where they are known without reading its images, else
+    None (a TFDS dataset stores them beside each image)."""
+    del spec
+    return None
+
 
 class _LocalSource(Source):
   """Random-access data held as per-split arrays; records are indices."""
@@ -173,6 +179,10 @@ class _LocalSource(Source):
             'image': self.load_item(tf.gather(items, i)),
             'label': tf.gather(labels, i)
         }, describe=describe)
+
+  def labels(self, spec: str) -> np.ndarray:
+    return np.concatenate(
+        [self.arrays(name)[1][a:b] for name, a, b in self.host_ranges(spec, 1)[0]]).astype(np.int32)
 
   def load_item(self, item: tf.Tensor) -> tf.Tensor:
     return item

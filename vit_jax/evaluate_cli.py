@@ -146,6 +146,12 @@ def run(flags_):
     reads += [(d, 'eval_split', eval_split) for d in datasets]
   for dataset, field, split in dict.fromkeys(reads):
     input_pipeline.count_split(evaluate.data_config(config, dataset=dataset, split=split), field)
+  if fewshot:  # shots a k-shot pool cannot draw: refused before any features where it can be
+    for dataset, label in zip(datasets, config_checks.dataset_labels(datasets)):
+      cfg = evaluate.data_config(config, dataset=dataset, split=train_split)
+      pool = input_pipeline.split_labels(cfg, 'train_split')
+      if pool is not None:
+        _shots_that_fit(flags_, shots, pool, cfg, train_split, label)
   rows = []
   if top1:
     if run_config is not None and not classifier:
@@ -155,8 +161,13 @@ def run(flags_):
     acc, n = evaluate.top1_accuracy(model, params, config, eval_split, flags_.batch_size,
                                     head_index)
     of = '' if head_index is None else f' of {len(head_index)} of the {model.num_classes} classes'
-    rows.append(('top1', f'{eval_split} ReaL' if real else eval_split,
-                 f'{acc:.4f}  ({n} images{" with a ReaL label" if real else ""}{of})'))
+    if real:
+      counted = f'{n} images with a ReaL label{of}'
+    else:
+      size = input_pipeline.count_split(evaluate.data_config(config, split=eval_split),
+                                        'eval_split')
+      counted = f'{n} image{"" if n == 1 else "s"}{of}{evaluate.not_counted(n, size)}'
+    rows.append(('top1', f'{eval_split} ReaL' if real else eval_split, f'{acc:.4f}  ({counted})'))
   if fewshot:
     rows += _fewshot_rows(flags_, model, params, config, datasets, train_split, eval_split, shots,
                           seeds)
