@@ -47,7 +47,9 @@ def get_config():
   c.momentum = 0.9  # SGD momentum.
   c.base_lr = 1e-3  # Peak learning rate, reached at the end of the warm-up.
   c.lr_decay = 'linear'  # 'linear' or 'cosine' decay after the warm-up.
-  c.end_lr = 0.0  # Learning rate at the last step of linear decay.
+  # Where linear decay ends, at total_steps: the last update (total_steps - 1) is one decay
+  # step above it.
+  c.end_lr = 0.0
   c.warmup_steps = 10_000  # Linear warm-up from 0 to base_lr.
   c.total_steps = -1  # Training steps; -1 derives them from num_epochs.
   c.num_epochs = -1.0  # Epochs over the training set when total_steps is -1.

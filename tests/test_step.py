@@ -97,3 +97,47 @@ def test_a_vit_step_compiles_without_command_buffers_on_an_nvidia_gpu(monkeypatc
 def test_the_command_buffer_option_exists_in_this_jaxlib():
   # XLA refuses an option name it does not know, on every backend.
   jax.jit(lambda x: x + 1, compiler_options=step_lib.NO_COMMAND_BUFFERS).lower(1.0).compile()
+
+
+def test_a_skipped_update_leaves_the_schedule_on_time():
+  """on_nonfinite=skip: a skipped step keeps the moments, but the learning rate of every
+  later update is the schedule's at its step, the one logged. The whole optimizer state had
+  been kept, so each skip delayed the schedule by a step for the rest of the run."""
+  # pylint: disable=g-import-not-at-top
+  from vit_jax import models
+  from vit_jax import optim
+  from vit_jax import sharding
+  from vit_jax.configs import quickstart
+  # pylint: enable=g-import-not-at-top
+  c = quickstart.get_config()
+  c.model.num_layers = 1
+  c.update(optimizer='sgd', momentum=0.0, base_lr=0.1, warmup_steps=4, total_steps=8,
+           lr_decay='linear', weight_decay=0.0, grad_clip_norm=0.0, batch_size=8,
+           on_nonfinite='skip')
+  model = models.from_config(c, 10)
+  schedule, tx = optim.learning_rate_schedule(c, 8), optim.make_optimizer(c, 8)
+  mesh = sharding.make_mesh(c)
+  state, shardings = step_lib.create_train_state(c, model, tx, mesh, 10)
+  data, replicated = sharding.data_sharding(mesh), sharding.replicated(mesh)
+  train_step = step_lib.jit(model, tx, schedule, c, mesh, (shardings, data, replicated))
+  head_grad = jax.jit(
+      jax.grad(lambda p, x, y: step_lib.per_example_loss(model.apply({'params': p}, x, train=False),
+                                                         y, 'softmax_xent').mean()))
+  rng = np.random.default_rng(0)
+  applied, logged = [], []
+  for i in range(6):
+    images = rng.uniform(-1, 1, (8, 28, 28, 3)).astype(np.float32)
+    labels = rng.integers(0, 10, 8).astype(np.int32)
+    if i == 1:
+      images[:] = np.nan  # skipped
+    before = jax.device_get(state['params'])
+    g = np.asarray(head_grad(before, images, labels)['head']['bias'])
+    batch = {'image': jax.device_put(images, data), 'label': jax.device_put(labels, data)}
+    state, metrics = train_step(state, batch, jax.device_put(jax.random.PRNGKey(0), replicated))
+    moved = np.asarray(jax.device_get(state['params'])['head']['bias']) - before['head']['bias']
+    if i != 1:  # SGD without momentum: the head bias moves by -lr * its gradient
+      applied.append(float(-moved @ g / (g @ g)))
+      logged.append(float(metrics['lr']))
+  expected = [float(schedule(i)) for i in (0, 2, 3, 4, 5)]  # 0, 0.05, 0.075, 0.1, 0.075
+  np.testing.assert_allclose(applied, expected, rtol=1e-4, atol=1e-7)
+  np.testing.assert_allclose(logged, expected, rtol=1e-6)

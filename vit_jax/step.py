@@ -169,7 +169,11 @@ def make_train_step(model, tx, schedule, config, mesh):
     if config.get('on_nonfinite', 'stop') == 'skip':  # the step counts, its update does not
       keep = lambda new, old: jnp.where(finite, new, old)
       new_params = jax.tree.map(keep, new_params, params)
-      opt_state = jax.tree.map(keep, opt_state, state['opt_state'])
+      # The moments are kept, but the schedule's count goes on with the step: kept too, it
+      # had applied lr(step - skips) from then on while the log showed lr(step).
+      is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
+      opt_state = jax.tree.map(lambda new, old: new if is_schedule(new) else keep(new, old),
+                               opt_state, state['opt_state'], is_leaf=is_schedule)
     new_state = {'step': state['step'] + 1, 'params': new_params, 'opt_state': opt_state}
     if 'polyak' in state:
       new_state['polyak'] = polyak.update(state['polyak'], new_params, config.polyak_decay)
