@@ -73,9 +73,14 @@ def data_parallel(idx_dir, tmp_path_factory):
 
 def test_data_mesh_of_8_equals_one_device(idx_dir, tmp_path, data_parallel, caplog):
   assert jax.device_count() == 8
+  scalars = _Scalars()
   with caplog.at_level(logging.INFO):
-    one = _run(idx_dir, tmp_path, 'one', mesh_data=1)
+    one = train.train_and_evaluate(_config(idx_dir, mesh_data=1), str(tmp_path / 'one'),
+                                   writer=scalars)
   assert 'mesh_data 1: the run uses 1 of the 8 devices (7 idle)' in caplog.text  # said nowhere
+  # The speed is of the device the step runs on: the idle 7 had divided img/s/core and MFU.
+  third = scalars.at[3]
+  assert third['img_per_sec_per_core'] == pytest.approx(third['steps_per_sec'] * 16)
   assert data_parallel['params']['embedding']['kernel'].sharding.mesh.size == 8
   assert one['params']['embedding']['kernel'].sharding.mesh.size == 1
   assert abs(one['loss'] - data_parallel['loss']) < 1e-5
@@ -228,6 +233,12 @@ def test_a_finished_run_taken_further_sets_its_final_npz_aside(idx_dir, tmp_path
   kept = os.path.join(run, 'final.step2.npz')
   np.testing.assert_array_equal(np.load(kept)['head/bias'], earlier)  # kept, not lost
   assert f'Renamed the final.npz of step 2 to {kept}: this run goes on past it' in caplog.text
+  # The jump back up a new schedule is said: from 0 at the end of the cosine of 2 steps to
+  # 3/4 of base_lr, a third of the way down the cosine from step 1 to step 4.
+  assert longer.lr_decay == 'cosine'
+  assert (
+      "The learning-rate schedule is this config's, not the run's: step 3 trains at lr "
+      f'{longer.base_lr * 0.75:.3g} (0 under the schedule the run was saved with)') in caplog.text
   train.train_and_evaluate(longer, run)
   assert os.path.exists(os.path.join(run, 'final.npz')) and os.path.exists(kept)
 

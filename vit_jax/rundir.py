@@ -9,6 +9,7 @@ import time
 
 from absl import logging
 import jax
+import ml_collections
 import tensorflow as tf
 
 from vit_jax import errors
@@ -106,6 +107,16 @@ def write_config(config, workdir):
     except (OSError, tf.errors.OpError) as e:
       raise errors.ConfigError(f'cannot write {path}: {errors.write_failure(e, path)}, or use '
                                'another --workdir') from None
+
+
+def recorded_config(workdir):
+  """The config.json of the run in `workdir` as a ConfigDict, or None (missing, unreadable:
+  check_resume_config says so where it matters)."""
+  try:
+    with tf.io.gfile.GFile(os.path.join(workdir, 'config.json')) as f:
+      return ml_collections.ConfigDict(json.loads(f.read()))
+  except (ValueError, TypeError, OSError, tf.errors.OpError):
+    return None
 
 
 def _flatten(tree, prefix=''):

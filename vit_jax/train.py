@@ -416,6 +416,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   if start:
     _check_resumed_classes(config, workdir, num_classes)
     logging.info('Resuming from the checkpoint of step %d in %s', start, workdir)
+    if start < total_steps:
+      _say_a_new_schedule(workdir, info.num_train_examples, schedule, start)
   # config.json describes the saved results: a resumed run that saves nothing (diverged,
   # refused, killed) leaves the one they were made with.
   config_written = {'done': False}
@@ -504,9 +506,12 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       _checked_labels(train_data, num_classes, config.train_split), batch_sharding, config.prefetch)
   rng = jax.device_put(jax.random.PRNGKey(config.seed), replicated)
   chrono = chrono_lib.Chrono(
-      total_steps=total_steps, global_batch=config.batch_size,
-      num_train_examples=info.num_train_examples, num_devices=jax.device_count(),
-      flops_per_step=flops_per_step, peak_flops_per_device=peak,
+      total_steps=total_steps,
+      global_batch=config.batch_size,
+      num_train_examples=info.num_train_examples,
+      num_devices=mesh.size,  # idle devices (mesh_data) count in neither img/s/core nor MFU
+      flops_per_step=flops_per_step,
+      peak_flops_per_device=peak,
       core_hours_before=checkpoint.saved_core_hours(manager, start) if start else 0.0)
   peak_check = _CpuPeakCheck(chrono, config.dtype)
   profile = trace.StepTrace(os.path.join(workdir, 'profile'), config.profile_first_step,
@@ -882,6 +887,22 @@ def _fitting_train_step(config, model, tx, schedule, mesh, in_shardings, abstrac
       return compiled, c
   raise TrainingError(
       _memory_message(c, need, limit, n_dev, of_host, searched=config.accum_steps == 0))
+
+
+def _say_a_new_schedule(workdir, num_train_examples, schedule, start):
+  """Logs the step where a resume changes the learning rate (resume_changes of total_steps,
+  base_lr, ...): a finished run taken on to more steps jumps from about end_lr back up the
+  new schedule, which the log had shown only as a new lr at the next log line."""
+  old = rundir.recorded_config(workdir)
+  try:
+    before = optim.learning_rate_schedule(old, optim.total_steps(old, num_train_examples))
+    was, now = float(before(start)), float(schedule(start))
+  except Exception:  # pylint: disable=broad-except  (no record, or one of another version)
+    return
+  if not math.isclose(was, now, rel_tol=1e-6, abs_tol=1e-12):
+    logging.warning(
+        'The learning-rate schedule is this config\'s, not the run\'s: step %d trains at lr '
+        '%.3g (%.3g under the schedule the run was saved with)', start + 1, now, was)
 
 
 def _without_guard(state):
