@@ -233,12 +233,12 @@ def test_a_finished_run_taken_further_sets_its_final_npz_aside(idx_dir, tmp_path
   kept = os.path.join(run, 'final.step2.npz')
   np.testing.assert_array_equal(np.load(kept)['head/bias'], earlier)  # kept, not lost
   assert f'Renamed the final.npz of step 2 to {kept}: this run goes on past it' in caplog.text
-  # The jump back up a new schedule is said: from 0 at the end of the cosine of 2 steps to
-  # 3/4 of base_lr, a third of the way down the cosine from step 1 to step 4.
+  # The jump back up a new schedule is said: from base_lr (step 2 of 2, warm-up 1) to 3/4 of
+  # it, a third of the way down the cosine from step 1 to step 4.
   assert longer.lr_decay == 'cosine'
-  assert (
-      "The learning-rate schedule is this config's, not the run's: step 3 trains at lr "
-      f'{longer.base_lr * 0.75:.3g} (0 under the schedule the run was saved with)') in caplog.text
+  said = ("The learning-rate schedule is this config's, not the run's: step 3 trains at lr "
+          f'{longer.base_lr * 0.75:.3g}, where step 2 trained at {longer.base_lr:.3g}')
+  assert said in caplog.text, caplog.text
   train.train_and_evaluate(longer, run)
   assert os.path.exists(os.path.join(run, 'final.npz')) and os.path.exists(kept)
 

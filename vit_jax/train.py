@@ -897,12 +897,13 @@ def _say_a_new_schedule(workdir, num_train_examples, schedule, start):
   try:
     before = optim.learning_rate_schedule(old, optim.total_steps(old, num_train_examples))
     was, now = float(before(start)), float(schedule(start))
+    last = float(before(start - 1))  # the lr of the saved run's last update
   except Exception:  # pylint: disable=broad-except  (no record, or one of another version)
     return
   if not math.isclose(was, now, rel_tol=1e-6, abs_tol=1e-12):
     logging.warning(
         'The learning-rate schedule is this config\'s, not the run\'s: step %d trains at lr '
-        '%.3g (%.3g under the schedule the run was saved with)', start + 1, now, was)
+        '%.3g, where step %d trained at %.3g', start + 1, now, start, last)
 
 
 def _without_guard(state):
