@@ -81,24 +81,23 @@ def make_workdir(path, flag='--workdir'):
 
 def _file_in_the_way(path):
   """The first local ancestor of `path` (or `path` itself) that exists and is no directory."""
-  if is_remote(path):
-    return None
-  parts = os.path.abspath(path).split(os.sep)
-  for i in range(2, len(parts) + 1):
-    prefix = os.sep.join(parts[:i])
-    if os.path.exists(prefix) and not os.path.isdir(prefix):
-      return prefix
-  return None
+  return _first_ancestor(path, lambda p: os.path.exists(p) and not os.path.isdir(p))
 
 
 def _dangling_link(path):
   """The first local ancestor of `path` (or `path` itself) that is a link to nothing."""
+  return _first_ancestor(path, lambda p: os.path.islink(p) and not os.path.exists(p))
+
+
+def _first_ancestor(path, test):
+  """The first of the local `path`'s ancestors, from the root down, and `path` itself that
+  passes `test`, or None (none does, or `path` is remote)."""
   if is_remote(path):
     return None
   parts = os.path.abspath(path).split(os.sep)
   for i in range(2, len(parts) + 1):
     prefix = os.sep.join(parts[:i])
-    if os.path.islink(prefix) and not os.path.exists(prefix):
+    if test(prefix):
       return prefix
   return None
 
