@@ -271,7 +271,7 @@ def _depth_mismatch(flat, target):
   say (the generic hint of another architecture did not name the depth); else None."""
   have, want = _encoder_blocks(flat), _encoder_blocks(target)
   if have and want and have != want:
-    blocks = lambda n: f'{n} encoder block' + ('s' if n != 1 else '')
+    blocks = lambda n: errors.count_of(n, 'encoder block')
     return (f'the checkpoint has {blocks(have)} where the model has {blocks(want)}: pick the '
             f'model matching the file, with num_layers={have}')
   return None

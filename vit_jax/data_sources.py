@@ -45,6 +45,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from vit_jax import errors
 from vit_jax import image_files
 from vit_jax import jpeg_orientation
 from vit_jax import palette_bmp
@@ -388,7 +389,7 @@ class _FolderSource(_LocalSource):
     """One line: classes, images per split, and what in the class folders is not read."""
     shown = [repr(c) if ',' in c else c for c in self.classes[:10]]  # 'a, b' is one class
     names = ', '.join(shown) + (', ...' if self.num_classes > 10 else '')
-    counts = ', '.join(f'{s}: {self.count(s)} images' for s in splits)
+    counts = ', '.join(f'{s}: {errors.count_of(self.count(s), "image")}' for s in splits)
     read = sorted({name for spec in splits for name, _, _ in self.host_ranges(spec, 1)[0]})
     other = [f'{s}/{e}' for s in read for e in self._loose_files(s)] + [
         f'{s}/{c}/{e}' for s in read for c in self.classes_by_split[s]

@@ -31,6 +31,11 @@ class StoppedBySignal(TrainingError):
     self.status = 128 + signum
 
 
+def count_of(n, noun):
+  """'1 image', '2 images': a count with its noun (plurals by an s)."""
+  return f'{n} {noun}{"" if n == 1 else "s"}'
+
+
 def one_line(error):
   """One line of an exception's text (the last non-empty one), at most 300 characters."""
   if isinstance(error, OSError) and error.strerror:

@@ -17,6 +17,7 @@ from absl import flags
 
 from vit_jax import cli_help
 from vit_jax import config_checks
+from vit_jax import errors
 from vit_jax import model_flags
 from vit_jax import paths
 from vit_jax.configs import common
@@ -166,7 +167,7 @@ def run(flags_):
     else:
       size = input_pipeline.count_split(evaluate.data_config(config, split=eval_split),
                                         'eval_split')
-      counted = f'{n} image{"" if n == 1 else "s"}{of}{evaluate.not_counted(n, size)}'
+      counted = f'{errors.count_of(n, "image")}{of}{evaluate.not_counted(n, size)}'
     rows.append(('top1', f'{eval_split} ReaL' if real else eval_split, f'{acc:.4f}  ({counted})'))
   if fewshot:
     rows += _fewshot_rows(flags_, model, params, config, datasets, train_split, eval_split, shots,
@@ -274,8 +275,8 @@ def _shots_that_fit(flags_, shots, train_y, cfg, train_split, label):
                      'use another --train_split')
   c, n = evaluate.smallest_class(train_y)
   names = input_pipeline.class_names(cfg)
-  why = (f'class {c}{f" ({names[c]})" if c < len(names) else ""} has {n} {train_split} '
-         f'image{"s" if n != 1 else ""}')
+  why = (f'class {c}{f" ({names[c]})" if c < len(names) else ""} has '
+         f'{errors.count_of(n, f"{train_split} image")}')
   fit = [k for k in shots if k <= n]
   typed = _typed(flags_, 'shots')
   if len(fit) < len(shots) and (typed or not fit):

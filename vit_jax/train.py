@@ -644,8 +644,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
           if evaluating:
             with chrono.paused():
               accuracy, n = evaluate(eval_step, params, config, batch_sharding, num_classes)
-            counted = (f'{n} patches' if masked else f'{n} example{"" if n == 1 else "s"}'
-                       f'{evaluate_lib.not_counted(n, info.num_eval_examples)}')
+            counted = (f'{n} patches' if masked else errors.count_of(n, 'example')
+                       + evaluate_lib.not_counted(n, info.num_eval_examples))
             logging.info('step %d  %s %s %.4f (%s%s)', step, config.eval_split, metric, accuracy,
                          counted, ', Polyak average' if polyak.enabled(config) else '')
             writer.write_scalars(step, {'accuracy': accuracy})
