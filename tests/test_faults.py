@@ -1196,10 +1196,10 @@ def test_a_run_started_under_nohup_ignores_sighup(tmp_path):
   proc = _python(
       tmp_path, 'import os, signal', 'from vit_jax import train',
       'signal.signal(signal.SIGHUP, signal.SIG_IGN)', 'p = train._Preemption()',
-      'os.kill(os.getpid(), signal.SIGHUP)',
+      'signal.raise_signal(signal.SIGHUP)',
       'assert p.requested is None and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN',
       'p.close()', 'signal.signal(signal.SIGHUP, signal.SIG_DFL)', 'p = train._Preemption()',
-      'os.kill(os.getpid(), signal.SIGHUP)', 'assert p.requested == "SIGHUP"', 'p.close()',
+      'signal.raise_signal(signal.SIGHUP)', 'assert p.requested == "SIGHUP"', 'p.close()',
       'assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL', 'print("ok")')
   assert proc.returncode == 0 and proc.stdout.strip() == 'ok', proc.stderr[-3000:]
 
@@ -1210,7 +1210,7 @@ def test_a_second_sigterm_or_sighup_while_the_first_unwinds_is_ignored(tmp_path,
   process group too: the second raised again while the first unwound (the lock's release,
   the line), in start-up, outside the loop and in the loop alike. (Each part starts from
   Python's default handler, as the run it stands for.)"""
-  kill, fresh = f'os.kill(os.getpid(), signal.{sig})', f'signal.signal(signal.{sig}, signal.SIG_DFL)'
+  kill, fresh = f'signal.raise_signal(signal.{sig})', f'signal.signal(signal.{sig}, signal.SIG_DFL)'
   proc = _python(tmp_path, 'import os, signal', 'from vit_jax import main, train',
                  'main._stop_while_starting()', 'try:', f'  {kill}',
                  'except main._StoppedWhileStarting:', f'  {kill}', fresh,
@@ -1231,8 +1231,8 @@ def test_second_ctrl_c_aborts_at_once(tmp_path):
   (run / 'train.INFO').write_text('W1205 ... Ctrl-C: saving a checkpoint after this step\n')
   proc = _python(tmp_path, 'import os, signal, time', 'from vit_jax import rundir, train',
                  f'rundir.WorkdirLock({str(run)!r}).acquire()',
-                 f'p = train._Preemption({str(run)!r})', 'os.kill(os.getpid(), signal.SIGINT)',
-                 'assert p.requested == "SIGINT"', 'os.kill(os.getpid(), signal.SIGINT)',
+                 f'p = train._Preemption({str(run)!r})', 'signal.raise_signal(signal.SIGINT)',
+                 'assert p.requested == "SIGINT"', 'signal.raise_signal(signal.SIGINT)',
                  'time.sleep(30)')
   assert proc.returncode == 130, proc.stderr[-3000:]
   line = ('vit-train: second Ctrl-C: stopped at once, without saving this step: run the same '

@@ -295,8 +295,8 @@ def test_a_run_over_an_undecodable_file_counts_its_skips_at_the_end(tmp_path, ca
                      'named in the warnings above')
   # The accuracy's denominator says what it left out (it had said '6 examples' alone).
   assert re.search(
-      r'step 4  test top-1 accuracy [\d.]+ \(6 examples; 1 of the 7 could not be '
-      r'decoded, not counted\)$', caplog.text, re.M), caplog.text[-2000:]
+      r'step 4  test top-1 accuracy [\d.]+ \(6 examples; 1 undecodable image not counted\)$',
+      caplog.text, re.M), caplog.text[-2000:]
 
 
 def test_the_loop_reports_its_speed_and_traces_on_request(idx_dir, tmp_path, caplog):

@@ -43,6 +43,7 @@ import ml_collections
 import numpy as np
 
 from vit_jax import config_checks
+from vit_jax import errors
 from vit_jax import input_pipeline
 from vit_jax import sharding
 from vit_jax.configs import common
@@ -297,35 +298,35 @@ def top1_step(model, head_index=None):
 
 
 def accuracy_over_split(eval_step, params, config, batch_sharding, check_labels=None):
-  """(correct / count, count) summed over every batch of config.eval_split.
+  """(correct / count, count, undecodable) summed over every batch of config.eval_split (all
+  hosts): `undecodable` images were left out of the count.
 
   eval_step: jitted (params, global batch) -> replicated {'correct', 'count'} (top1_step,
   or the masked-patch objective's). check_labels: called with each batch's valid host
   labels before the step.
   """
   correct = count = 0.0
-  for batch in input_pipeline.eval_batches(config, global_batch=config.eval_batch_size):
+  batches = input_pipeline.eval_batches(config, global_batch=config.eval_batch_size)
+  for batch in batches:
     if check_labels is not None:
       check_labels(batch['label'][batch['mask']])
     out = eval_step(params, input_pipeline.to_global(batch, batch_sharding))
     # Replicated: every device holds the sums (several hosts: not all addressable).
     correct += float(np.asarray(out['correct'].addressable_data(0)))
     count += float(np.asarray(out['count'].addressable_data(0)))
-  return correct / max(count, 1.0), int(count)
+  undecodable = int(np.sum(multihost_utils.process_allgather(np.int64(batches.skipped))))
+  return correct / max(count, 1.0), int(count), undecodable
 
 
-def not_counted(n, split_size):
-  """'; <k> of the <split_size> could not be decoded, not counted' where `n` counted records
-  fall short of the split's, else '': files that could not be decoded had left the
-  accuracy's denominator with only an earlier warning to say so."""
-  if n >= split_size:
-    return ''
-  return f'; {split_size - n} of the {split_size} could not be decoded, not counted'
+def not_counted(undecodable):
+  """'; <k> undecodable image(s) not counted', or '' where there were none: they had left
+  the accuracy's denominator with only an earlier warning to say so."""
+  return f'; {errors.count_of(undecodable, "undecodable image")} not counted' if undecodable else ''
 
 
 def top1_accuracy(model, params, config, split, batch_size, head_index=None):
-  """(accuracy, examples counted) of the model's head on `split` (top1_hits; head_index
-  as top1_step's)."""
+  """(accuracy, examples counted, undecodable images left out) of the model's head on
+  `split` (top1_hits; head_index as top1_step's)."""
   if not model.num_classes:
     raise ValueError('The model has no head: use few-shot evaluation (--mode fewshot)')
   mesh = sharding.make_mesh(config)

@@ -159,15 +159,11 @@ def run(flags_):
       raise ValueError(f'{flags_.workdir} is a {rc["objective"]} run: its head predicts '
                        'no class, so there is no top-1: use --mode fewshot (its default)')
     head_index = _head_index(flags_, config, eval_split, model.num_classes)
-    acc, n = evaluate.top1_accuracy(model, params, config, eval_split, flags_.batch_size,
-                                    head_index)
+    acc, n, undecodable = evaluate.top1_accuracy(model, params, config, eval_split,
+                                                 flags_.batch_size, head_index)
     of = '' if head_index is None else f' of {len(head_index)} of the {model.num_classes} classes'
-    if real:
-      counted = f'{n} images with a ReaL label{of}'
-    else:
-      size = input_pipeline.count_split(evaluate.data_config(config, split=eval_split),
-                                        'eval_split')
-      counted = f'{errors.count_of(n, "image")}{of}{evaluate.not_counted(n, size)}'
+    counted = f'{n} images with a ReaL label' if real else errors.count_of(n, 'image')
+    counted += of + evaluate.not_counted(undecodable)
     rows.append(('top1', f'{eval_split} ReaL' if real else eval_split, f'{acc:.4f}  ({counted})'))
   if fewshot:
     rows += _fewshot_rows(flags_, model, params, config, datasets, train_split, eval_split, shots,

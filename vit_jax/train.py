@@ -56,8 +56,9 @@ make_eval_step = evaluate_lib.top1_step  # (model) -> the top-1 step the loop ji
 
 
 def evaluate(eval_step, params, config, batch_sharding, num_classes=None):
-  """(top-1 accuracy, examples counted) over the whole evaluation split, as the CLI counts
-  them (evaluate.accuracy_over_split), with the labels checked against the head."""
+  """(top-1 accuracy, examples counted, undecodable images left out) over the whole
+  evaluation split, as the CLI counts them (evaluate.accuracy_over_split), with the labels
+  checked against the head."""
   check = None if num_classes is None else (
       lambda labels: _check_labels(labels, num_classes, 'eval_split', config.eval_split))
   return evaluate_lib.accuracy_over_split(eval_step, params, config, batch_sharding, check)
@@ -76,7 +77,7 @@ def _real_config(config, num_classes):
 
 
 def _evaluate_real(eval_step, params, real, batch_sharding, step, writer):
-  accuracy, n = evaluate(eval_step, params, real, batch_sharding)
+  accuracy, n, _ = evaluate(eval_step, params, real, batch_sharding)
   logging.info('step %d  ImageNet ReaL top-1 accuracy %.4f (%d images with a ReaL label)', step,
                accuracy, n)
   writer.write_scalars(step, {'real_accuracy': accuracy})
@@ -643,9 +644,10 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
             params = eval_params(state)
           if evaluating:
             with chrono.paused():
-              accuracy, n = evaluate(eval_step, params, config, batch_sharding, num_classes)
-            counted = (f'{n} patches' if masked else errors.count_of(n, 'example')
-                       + evaluate_lib.not_counted(n, info.num_eval_examples))
+              accuracy, n, undecodable = evaluate(eval_step, params, config, batch_sharding,
+                                                  num_classes)
+            counted = ((f'{n} patches' if masked else errors.count_of(n, 'example'))
+                       + evaluate_lib.not_counted(undecodable))
             logging.info('step %d  %s %s %.4f (%s%s)', step, config.eval_split, metric, accuracy,
                          counted, ', Polyak average' if polyak.enabled(config) else '')
             writer.write_scalars(step, {'accuracy': accuracy})
@@ -690,7 +692,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       check_guard(_local(state['guard']))
     if finished and 'accuracy' not in result:  # a finished run, started again
       params = eval_params(state)
-      result['accuracy'], _ = evaluate(eval_step, params, config, batch_sharding, num_classes)
+      result['accuracy'], _, _ = evaluate(eval_step, params, config, batch_sharding, num_classes)
       if real:
         result.update(_evaluate_real(eval_step, params, real, batch_sharding, total_steps, writer))
     if finished:
