@@ -173,6 +173,20 @@ def test_attention_maps_of_a_model(tiny):
   assert vit_inspect.token_spacing(tiny['model']) == 7
 
 
+def test_attention_summaries_of_more_images_than_a_pass_equal_one_pass_over_all(tiny):
+  """vit-inspect had refused more than 32 images (the paper averages the distances over 128);
+  it now runs them IMAGES_PER_PASS at a time: the same rollouts and the same mean."""
+  rng = np.random.default_rng(1)
+  n = vit_inspect.IMAGES_PER_PASS + 3
+  images = rng.uniform(-1, 1, (n, 28, 28, 3)).astype(np.float32)
+  grids, distances = vit_inspect.attention_summaries(tiny['model'], tiny['params'], images)
+  attention = vit_inspect.attention_maps(tiny['model'], tiny['params'], images)
+  np.testing.assert_allclose(grids, vit_inspect.attention_rollout(attention), rtol=1e-5)
+  np.testing.assert_allclose(distances, vit_inspect.mean_attention_distance(attention, 7),
+                             rtol=1e-5)
+  assert grids.shape == (n, 4, 4) and distances.shape == (2, 2)
+
+
 def test_attention_maps_of_a_model_with_a_pre_logits_layer(tiny):
   """Its Dense layer and the sown features had shared the scope name 'pre_logits':
   vit-inspect drew two figures of the paper's pre-training models and exited 1."""
@@ -265,10 +279,25 @@ def test_images_from_a_folder_as_vit_predict_reads_them(tiny):
   assert sorted(n for n in os.listdir(home / 'figs') if n.startswith('rollout')) == [
       'rollout_00_photo0.png', 'rollout_01_photo1.png'
   ]
-  for i in range(vit_inspect.MAX_IMAGES):
+  # 101 images (the paper's distances average 128; 32 had been the most): a rollout each,
+  # numbered to list in order, and those of an earlier run into the same folder removed.
+  for i in range(99):
+    shutil.copy(tiny['images'][0], home / 'photos' / f'copy{i:02d}.jpg')
+  out = shell(model + ['--images', 'photos', '--outdir', 'figs'], home)
+  assert out.returncode == 0, out.stderr[-2000:]
+  rollouts = sorted(n for n in os.listdir(home / 'figs') if n.startswith('rollout'))
+  assert rollouts[0] == 'rollout_000_copy00.png' and rollouts[-1] == 'rollout_100_photo1.png'
+  assert len(rollouts) == 101
+  with np.load(home / 'figs' / 'arrays.npz') as arrays:
+    assert arrays['rollout'].shape == (101, 4, 4)
+  out = shell(model + ['--images', 'photos/sub', '--outdir', 'figs'], home)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert sorted(
+      n for n in os.listdir(home / 'figs') if n.startswith('rollout')) == ['rollout_00_photo1.png']
+  for i in range(99, vit_inspect.MAX_IMAGES):
     shutil.copy(tiny['images'][0], home / 'photos' / f'copy{i}.jpg')
   for images, message in (('photos', f'--images names {vit_inspect.MAX_IMAGES + 2} images; '
-                           'vit-inspect draws a figure for each and runs them as one batch: pass '
+                           'vit-inspect draws a figure for each and holds them all in memory: pass '
                            f'at most {vit_inspect.MAX_IMAGES}'),
                           ('nope.jpg', 'nope.jpg: no such file or folder: pass image files or '
                            'folders')):
