@@ -138,6 +138,39 @@ def test_the_variables_model_init_returns_are_saved_as_their_params(tmp_path):
     np.testing.assert_array_equal(got[k], want[k])
 
 
+@pytest.mark.parametrize('dtype', [jnp.bfloat16, jnp.float16, jnp.float64])
+def test_parameters_in_another_float_dtype_are_written_in_float32(tmp_path, dtype):
+  """bfloat16 parameters had been written as 2-byte void records ('|V2') that neither
+  load_npz nor any other loader reads; the published files are float32."""
+  model = models.get_model('ViT-Ti_16', num_classes=3, num_layers=1, patch_size=8)
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False)['params']
+  cast = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)  # numpy: float64 stays
+  checkpoint.save_npz(str(tmp_path / 'p.npz'), cast)
+  with np.load(tmp_path / 'p.npz', allow_pickle=False) as out:
+    assert {out[k].dtype for k in out.files} == {np.dtype(np.float32)}
+  loaded = flax.traverse_util.flatten_dict(checkpoint.load_npz(str(tmp_path / 'p.npz')), sep='/')
+  for key, value in flax.traverse_util.flatten_dict(cast, sep='/').items():
+    np.testing.assert_array_equal(loaded[key], np.asarray(value).astype(np.float32))
+
+
+def test_what_save_npz_cannot_write_is_one_line_naming_the_fix(tmp_path):
+  model = models.get_model('ViT-Ti_16', num_classes=3, num_layers=1, patch_size=8)
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False)['params']
+  path = str(tmp_path / 'p.npz')
+  with pytest.raises(
+      ValueError, match=r"^save_npz writes a model's parameters; these "
+      r"variables also hold 'batch_stats': pass variables\['params'\]$"):
+    checkpoint.save_npz(path, {'params': params, 'batch_stats': {}})
+  with pytest.raises(
+      ValueError, match=r"^save_npz: 'dense/kernel' is a parameter of neither "
+      r"a ViT \(no 'embedding/kernel'\) nor a BiT ResNet: pass the parameters "
+      r'of a vit_jax.models model$'):
+    checkpoint.save_npz(path, {'dense': {'kernel': np.zeros((2, 2), np.float32)}})
+  with pytest.raises(ValueError, match=r'^save_npz: head/bias is int32, not a float array'):
+    checkpoint.save_npz(path, {'head': {'bias': np.zeros(3, np.int32)}})
+  assert not os.listdir(tmp_path)
+
+
 @pytest.mark.parametrize('kind', ['vit', 'hybrid', 'bit'])
 def test_round_trip_writes_the_published_layout(tmp_path, kind):
   src = tmp_path / 'src.npz'

@@ -188,15 +188,21 @@ def save_npz(path, params):
 
   The write goes to a temporary file renamed into place: a crash never leaves a
   truncated file where a good one was. `params` may also be what model.init returns,
-  {'params': ...}.
+  {'params': ...}. Arrays are written in float32, as the published files hold them: a
+  bfloat16 array had been written as 2-byte void records that no loader reads (float16
+  and bfloat16 widen exactly; float64 is rounded).
   """
-  if isinstance(params, Mapping) and list(params) == ['params']:  # flax's variables
+  if isinstance(params, Mapping) and 'params' in params:  # flax's variables
+    others = [k for k in params if k != 'params']
+    if others:
+      raise ValueError(f'save_npz writes a model\'s parameters; these variables also hold '
+                       f'{", ".join(map(repr, others))}: pass variables[\'params\']')
     params = params['params']
   flat = flax.traverse_util.flatten_dict(jax.device_get(params), sep='/')
   is_vit = 'embedding/kernel' in flat
   out = {}
   for key, value in flat.items():
-    value = np.asarray(value)
+    value = _published_array(key, value)
     if is_vit:
       if _GN_NAME.search(key):
         value = value.reshape(1, 1, 1, -1)
@@ -204,7 +210,12 @@ def save_npz(path, params):
     else:
       if key == 'head/kernel':
         value = value.reshape(1, 1, *value.shape)
-      out[_bit_key_to_file(key)] = value
+      try:
+        out[_bit_key_to_file(key)] = value
+      except (KeyError, ValueError):
+        raise ValueError(f'save_npz: {key!r} is a parameter of neither a ViT (no '
+                         "'embedding/kernel') nor a BiT ResNet: pass the parameters of a "
+                         'vit_jax.models model') from None
   if paths.is_remote(path):  # object stores replace whole objects: no partial file to fear
     buf = io.BytesIO()
     np.savez(buf, **out)
@@ -224,6 +235,15 @@ def save_npz(path, params):
   except BaseException:
     os.unlink(tmp)
     raise
+
+
+def _published_array(key, value):
+  """`value` as a float32 numpy array (the published files' dtype); a non-float is refused."""
+  value = np.asarray(value)
+  if not jnp.issubdtype(value.dtype, jnp.floating):
+    raise ValueError(f'save_npz: {key} is {value.dtype}, not a float array: pass the '
+                     "model's parameters (model.init(...)['params'] or a loaded checkpoint)")
+  return value.astype(np.float32)
 
 
 def _umask():
