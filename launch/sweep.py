@@ -461,7 +461,12 @@ def _cell(value):
   return f'{value:.4f}' if isinstance(value, float) else str(value)
 
 
-def markdown(rows, winner, config, points, sets):
+def train_command(config, flags, workdir):
+  """A vit-train command line to paste: `config`, the override `flags` and `workdir`."""
+  return shlex.join(['vit-train', f'--config={config}', *flags, f'--workdir={workdir}'])
+
+
+def markdown(rows, winner, config, points, sets, workdir):
   lines = [
       f'# Sweep of `{config}`', '', '| ' + ' | '.join(c.replace('_', ' ') for c in COLUMNS) + ' |',
       '|' + '---|' * len(COLUMNS)
@@ -470,10 +475,10 @@ def markdown(rows, winner, config, points, sets):
   lines.append('')
   if winner:
     best = next(r for r in rows if r['point'] == winner)
-    flags = ' '.join(overrides(sets, dict(points)[winner]))
+    command = train_command(config, overrides(sets, dict(points)[winner]), join(workdir, 'winner'))
     lines.append(f'Winner (best final accuracy): **{winner}**, {best["final_accuracy"]:.4f}. '
-                 f'Run it with: `--config={config} {flags}`')
-    lines.append(selection_line(config, sets, dict(points)[winner]))
+                 f'Run it with: `{command}`')
+    lines.append(selection_line(config, sets, dict(points)[winner], workdir))
   else:
     lines.append('Winner: none (no point has an accuracy yet).')
   return '\n'.join(lines) + '\n'
@@ -507,7 +512,7 @@ def held_out(config, point_config):
   return _is_dev(config) or (sliced and _split_names(evaluate) <= _split_names(train))
 
 
-def selection_line(config, sets, assignments):
+def selection_line(config, sets, assignments, workdir):
   """What the winner was chosen on, below the winner's line: held-out data, and then the
   command line of the final run on the whole training set (the paper's protocol: choose on
   held-out training data, train the winner on all of it, report on the test split); or the
@@ -519,9 +524,9 @@ def selection_line(config, sets, assignments):
     if not (_is_dev(config) or split_sets):  # the config's own splits: no other run
       return f'{on}, held out of train_split {c.train_split!r}.'
     final = config[:-len(_DEV)] if _is_dev(config) else config
-    flags = ' '.join(overrides([(k, v) for k, v in sets if k not in _SPLIT_FIELDS], assignments))
+    flags = overrides([(k, v) for k, v in sets if k not in _SPLIT_FIELDS], assignments)
     return (f'{on}, held out of train_split {c.train_split!r}; train the winner on the whole '
-            f'training set: `--config={final} {flags}`.')
+            f'training set: `{train_command(final, flags, join(workdir, "final"))}`.')
   if _is_finetune(config):
     advice = f'sweep --config={config}{_DEV} (Table 4\'s development splits)'
   else:
@@ -535,7 +540,7 @@ def selection_line(config, sets, assignments):
 
 def write_summary(workdir, rows, winner, config, points, sets):
   """DIR/summary.md and DIR/summary.csv; returns the markdown."""
-  text = markdown(rows, winner, config, points, sets)
+  text = markdown(rows, winner, config, points, sets, workdir)
   with paths.open_file(join(workdir, 'summary.md'), 'w') as f:
     f.write(text)
   buf = io.StringIO()

@@ -187,8 +187,8 @@ def test_runs_as_written(argv, user_dir):
     assert re.search(
         r"^Chosen on eval_split 'train\[90%:\]', held out of train_split "
         r"'train\[:90%\]'; train the winner on the whole training set: "
-        r'`--config=quickstart .*--config.base_lr=[\d.]+ --config.model.dropout_'
-        r'rate=[\d.]+`.$', out.stdout, re.MULTILINE), out.stdout[-800:]
+        r'`vit-train --config=quickstart .*--config.base_lr=[\d.]+ --config.model.dropout_'
+        r'rate=[\d.]+ --workdir=\S+/final`.$', out.stdout, re.MULTILINE), out.stdout[-800:]
   if argv[0] == 'vit-inspect':  # all four figures: the rollout and distance need --images
     figures = os.listdir(user_dir / _flag(argv, 'outdir'))
     assert {'position_embedding_similarity.png', 'embedding_filters.png',

@@ -310,7 +310,8 @@ def test_failing_point_does_not_stop_the_sweep(tmp_path, capsys, monkeypatch):
   assert '| base_lr=0.001 | ok | 0.7000 | 0.7000 | 20 |' in md
   assert '| base_lr=0.03 | failed (exit OSError: no such interpreter) | - | - | - |' in md
   assert 'Winner (best final accuracy): **base_lr=0.001**, 0.7000' in md
-  assert f'`--config={FINETUNE} --config.base_lr=0.001`' in md
+  assert (f'`vit-train --config={FINETUNE} --config.base_lr=0.001 '
+          f'--workdir={workdir}/winner`') in md
   assert md in out  # The table is printed too.
 
   # Summarize again later: statuses come from the points' sweep_status files, and the exit
@@ -349,8 +350,8 @@ def test_summarize_only_names_the_flags_the_points_ran_with(tmp_path, monkeypatc
   p = console_script('vit-sweep', tmp_path, '--workdir=sw', *flags, '--summarize-only')
   assert p.returncode == 0, p.stderr
   winner = ('Winner (best final accuracy): **base_lr=0.003**, 0.7000. Run it with: '
-            '`--config=quickstart --config.total_steps=250 --config.warmup_steps=50 '
-            '--config.base_lr=0.003`')
+            '`vit-train --config=quickstart --config.total_steps=250 --config.warmup_steps=50 '
+            '--config.base_lr=0.003 --workdir=sw/winner`')
   assert p.stdout.rstrip('\n').splitlines()[-2] == winner
   assert (tmp_path / 'sw' / 'summary.md').read_text().splitlines()[-2] == winner
   assert [l for l in p.stderr.splitlines() if l.startswith('vit-sweep')
@@ -365,18 +366,19 @@ def test_summarize_only_names_the_flags_the_points_ran_with(tmp_path, monkeypatc
     ('quickstart', [
         ('total_steps', '100'), ('train_split', 'train[:90%]'), ('eval_split', 'train[90%:]')
     ], "Chosen on eval_split 'train[90%:]', held out of train_split 'train[:90%]'; train the "
-     'winner on the whole training set: `--config=quickstart --config.total_steps=100 '
-     '--config.base_lr=0.003`.'),
+     'winner on the whole training set: `vit-train --config=quickstart --config.total_steps=100 '
+     '--config.base_lr=0.003 --workdir=sw/final`.'),
     (FINETUNE, [], "Chosen on eval_split 'train[98%:]', held out of train_split 'train[:98%]'; "
-     'train the winner on the whole training set: `--config=configs/finetune.py:ViT-B_16,cifar10 '
-     '--config.base_lr=0.003`.'),
+     'train the winner on the whole training set: `vit-train '
+     '--config=configs/finetune.py:ViT-B_16,cifar10 --config.base_lr=0.003 --workdir=sw/final`.'),
     ('finetune:ViT-B_16,cifar10', [], "Note: chosen on eval_split 'test', not on data held out "
      "of train_split 'train' as the paper chooses: an accuracy reported on the split that chose "
      'the winner overstates it. To choose on held-out data, sweep '
      "--config=finetune:ViT-B_16,cifar10,dev (Table 4's development splits)."),
     ('finetune:ViT-B_16,vtab/dtd,dev', [], "Chosen on eval_split 'validation[:200]', held out "
      "of train_split 'train[:800]'; train the winner on the whole training set: "
-     '`--config=finetune:ViT-B_16,vtab/dtd --config.base_lr=0.003`.'),
+     '`vit-train --config=finetune:ViT-B_16,vtab/dtd --config.base_lr=0.003 '
+     '--workdir=sw/final`.'),
     ('quickstart', [('eval_split', 'train')], "Note: chosen on eval_split 'train', not on data "
      "held out of train_split 'train' as the paper chooses: an accuracy reported on the split "
      "that chose the winner overstates it. To choose on held-out data, add --set "
@@ -384,8 +386,9 @@ def test_summarize_only_names_the_flags_the_points_ran_with(tmp_path, monkeypatc
 ])
 def test_the_summary_says_what_the_winner_was_chosen_on(config, sets, line):
   """The paper chooses on data held out of the training set, then trains the winner on all of
-  it; a sweep on the split results are reported on had named its winner without a word."""
-  assert sweep.selection_line(config, sets, [('base_lr', 0.003)]) == line
+  it; a sweep on the split results are reported on had named its winner without a word.
+  The final run's line is a vit-train command to paste (it had been its flags alone)."""
+  assert sweep.selection_line(config, sets, [('base_lr', 0.003)], 'sw') == line
 
 
 def test_a_workdir_of_another_sweep_is_refused(tmp_path, monkeypatch):
