@@ -589,7 +589,12 @@ def test_help_and_refused_arguments_answer_before_tensorflow_loads(home):
         'cat.jpg'], 'vit-predict: cat.jpg: no such file or folder: pass image files or folders'),
       (['vit-predict', '--checkpoint', 'nope.npz', '--model', 'ViT-B_16', 'img/pic.gif'],
        'vit-predict: nope.npz cannot be read (No such file or directory (nope.npz)): check '
-       'the path and download'),
+       'the path, or download the file (README: "Published checkpoints")'),
+      # A published file's name: the download that fixes it (it had said 'download').
+      (['vit-predict', '--checkpoint', 'ViT-B_16.npz', '--model', 'ViT-B_16', 'img/pic.gif'],
+       'vit-predict: ViT-B_16.npz cannot be read (No such file or directory (ViT-B_16.npz)): '
+       'check the path, or download it: curl -O '
+       'https://storage.googleapis.com/vit_models/imagenet21k/ViT-B_16.npz'),
       (['vit-evaluate', '--workdir', 'wd', '--shots=1,five'],
        'vit-evaluate: --shots=1,five: expected whole numbers >= 1, comma-separated: e.g. '
        '--shots=1,5'),

@@ -60,7 +60,7 @@ def _read_npz(path):
     # OSError locally; tf.errors.OpError from gs:// (TensorFlow is imported only there).
     if not isinstance(e, OSError) and not type(e).__module__.startswith('tensorflow'):
       raise
-    fix = 'check the path and download'
+    fix = _missing_file_fix(path) if isinstance(e, FileNotFoundError) else 'check the path'
     if paths.is_remote(path):
       public = re.sub('^gs://', 'https://storage.googleapis.com/', str(path))  # gs:// by curl
       fix = (f'download it (curl -O {public}, or gsutil cp) and pass the local file'
@@ -100,6 +100,18 @@ def _read_npz(path):
           'it is damaged or from a diverged run: download or export it '
           'again')
   return arrays
+
+
+def _missing_file_fix(path):
+  """The fix for a local .npz that is not there: where its name is a published file's
+  (ViT-B_16.npz, BiT-M-R50x1.npz), the command that downloads it."""
+  from vit_jax.configs import finetune  # pylint: disable=g-import-not-at-top  (imports us)
+  stem = os.path.basename(str(path))[:-len('.npz')] if str(path).endswith('.npz') else ''
+  model = stem[len('BiT-M-'):] if stem.startswith('BiT-M-') else stem
+  if model not in finetune.MODELS or ('ViT-' in model) == stem.startswith('BiT-M-'):
+    return 'check the path, or download the file (README: "Published checkpoints")'
+  public = finetune.pretrained_path(model).replace('gs://', 'https://storage.googleapis.com/')
+  return f'check the path, or download it: curl -O {public}'
 
 
 def _is_bit(flat):
