@@ -105,7 +105,8 @@ def _read_npz(path):
 def _missing_file_fix(path):
   """The fix for a local .npz that is not there: where its name is a published file's
   (ViT-B_16.npz, BiT-M-R50x1.npz), the command that downloads it."""
-  from vit_jax.configs import finetune  # pylint: disable=g-import-not-at-top  (imports us)
+  # pylint: disable-next=g-import-not-at-top  (the table of published files, on this failure only)
+  from vit_jax.configs import finetune
   stem = os.path.basename(str(path))[:-len('.npz')] if str(path).endswith('.npz') else ''
   model = stem[len('BiT-M-'):] if stem.startswith('BiT-M-') else stem
   if model not in finetune.MODELS or ('ViT-' in model) == stem.startswith('BiT-M-'):
