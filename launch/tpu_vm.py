@@ -62,6 +62,8 @@ STOP_WAIT_S = 600
 # Left out of the tarball of the working tree.
 TAR_EXCLUDES = ('.git', '.venv', 'workdirs', '__pycache__', '*.egg-info', '.pytest_cache', 'build',
                 'dist', '*.npz')  # Checkpoints: read them from gs:// instead.
+# Left out only at the top of the tree: what the README's first-look commands write there.
+TAR_EXCLUDES_AT_ROOT = ('shoe.png', 'figures')
 # Runtime images per TPU generation (gcloud compute tpus versions list --zone Z).
 RUNTIME_VERSIONS = {
     'v2': 'tpu-ubuntu2204-base',
@@ -646,8 +648,10 @@ def setup_commands(args):
                         '[--branch B]')
     tarball = tarball_path(args.name)
     commands.append(['mkdir', '-p', os.path.dirname(tarball)])
-    commands.append(
-        ['tar', '-czf', tarball, *(f'--exclude={p}' for p in TAR_EXCLUDES), '-C', REPO_ROOT, '.'])
+    commands.append([
+        'tar', '-czf', tarball, *(f'--exclude={p}' for p in TAR_EXCLUDES),
+        *(f'--exclude=./{p}' for p in TAR_EXCLUDES_AT_ROOT), '-C', REPO_ROOT, '.'
+    ])
     commands.append([
         'gcloud', 'compute', 'tpus', 'tpu-vm', 'scp', tarball, f'{args.name}:{CODE_DIR}.tar.gz',
         '--zone', args.zone
@@ -716,6 +720,7 @@ def remote_config(spec, repo_url=None):
                       f'to the TPU VM: move it under {root} (e.g. to configs/) and pass that '
                       f'path, or {fix}')
   excluded = [p for p in TAR_EXCLUDES if any(fnmatch.fnmatch(part, p) for part in parts)]
+  excluded += [p for p in TAR_EXCLUDES_AT_ROOT if parts[0] == p]
   if excluded and not repo_url:
     raise LaunchError(f'--config {spec!r}: setup leaves {excluded[0]} out of the tree it ships '
                       f'to the TPU VM: move the file elsewhere under {root} (e.g. to configs/), '

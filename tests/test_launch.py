@@ -178,6 +178,31 @@ def test_setup_copies_the_working_tree():
   assert 'python3.12 -m venv' in ssh[-1]
 
 
+def test_setup_tarball_leaves_out_runs_checkpoints_and_first_look_outputs(monkeypatch, tmp_path):
+  """The tar command that setup builds, run on a small tree: the README's first-look outputs
+  (shoe.png, figures/) had been shipped to every worker; a figures/ folder deeper down is
+  the user's and goes."""
+  tree = tmp_path / 'tree'
+  for f in ('setup.py', 'constraints.txt', 'vit_jax/train.py', 'shoe.png', 'figures/rollout_00.png',
+            'workdirs/q/final.npz', 'ViT-B_16.npz', '.venv/bin/python', 'docs/figures/a.png',
+            'configs/shoe.png'):
+    (tree / f).parent.mkdir(parents=True, exist_ok=True)
+    (tree / f).write_text('x')
+  monkeypatch.setattr(tpu_vm, 'REPO_ROOT', str(tree))
+  tar = next(c for c in build('setup') if c[:1] == ['tar'])
+  tar[2] = str(tmp_path / 'code.tar.gz')
+  subprocess.run(tar, check=True)
+  listed = subprocess.run(['tar', '-tzf', tar[2]], check=True, capture_output=True, text=True)
+  shipped = sorted(m[2:] for m in listed.stdout.split() if not m.endswith('/'))
+  assert shipped == [
+      'configs/shoe.png', 'constraints.txt', 'docs/figures/a.png', 'setup.py', 'vit_jax/train.py'
+  ]
+  # A config file in what is left out would not reach the workers: refused, as in workdirs/.
+  (tree / 'figures/my.py').write_text('')
+  with pytest.raises(tpu_vm.LaunchError, match=r'setup leaves figures out of the tree it ships'):
+    tpu_vm.remote_config(str(tree / 'figures/my.py'))
+
+
 def test_setup_from_a_wheel_needs_repo_url(monkeypatch):
   monkeypatch.setattr(tpu_vm, 'REPO_ROOT', '/usr/lib/python3/site-packages/vit_jax')
   with pytest.raises(tpu_vm.LaunchError, match='installed from a wheel.*--repo_url'):
