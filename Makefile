@@ -11,10 +11,12 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
 .PHONY: quickstart test lint format fashion-mnist jemalloc
 
+# setuptools warns, in a box, that folders named like the package in the working directory
+# may take precedence on import: here ./vit_jax IS the package, so its warning is silenced.
 $(VENV)/installed: setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $@
 
 # Required by the quickstart, and by the tests that run the CLI as a user does (test_faults.py).
