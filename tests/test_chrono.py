@@ -168,8 +168,7 @@ def test_setup_text():
           '86,000,000 parameters; 431 PFLOP per step; peak 990 TFLOP/s per device '
           '(table:NVIDIA H100 80GB HBM3)')
   assert chrono_lib.setup_text(1, 999.6e6, 5e18, 'given').startswith('1 parameters; 1 GFLOP')
-  text = chrono_lib.setup_text(10, None, None, 'unknown:NVIDIA GeForce RTX 4090')
-  assert 'not counted for this objective (no MFU)' in text
+  text = chrono_lib.setup_text(10, 1e9, None, 'unknown:NVIDIA GeForce RTX 4090')
   assert 'no peak FLOP/s known for unknown:NVIDIA GeForce RTX 4090' in text
 
 
@@ -244,8 +243,12 @@ def test_step_flops_of_a_config():
   # 5 tokens, D 8, MLP 16, 10 classes: embedding 2*4*768*8 = 49,152; layer 2*5*8*8*4 +
   # 2*2*5*5*8 + 2*2*5*8*16 = 5,920; head 2*8*10 = 160. x3 for training, x8 images.
   assert flops.step_flops(config, 10) == 8 * 3 * (49_152 + 5_920 + 160)
+  # Masked patch prediction: no head; every one of the 4 patch tokens to 512 colours
+  # (2*8*512 each) in its place.
   config.objective = 'masked_patches'
-  assert flops.step_flops(config, 10) is None
+  assert flops.step_flops(config, 10) == 8 * 3 * (49_152 + 5_920 + 4 * 2 * 8 * 512)
+  config.masked_patches.target = 'pixels'  # 16*16*3 values per patch
+  assert flops.step_flops(config, 10) == 8 * 3 * (49_152 + 5_920 + 4 * 2 * 8 * 768)
 
 
 def _traces(logdir):

@@ -131,6 +131,27 @@ def test_analytic_vs_xla(name, size, num_classes, kw, low):
   assert low <= _analytic_over_xla(name, size, num_classes, **kw) <= 1.0
 
 
+def test_masked_patch_call_vs_xla():
+  """The masked patch objective's forward pass (its head on every patch token) as XLA
+  counts it; the corruption's selects are elementwise. (kind and source are arguments: as
+  constants XLA would fold the selects and drop the patch embedding.)"""
+  kw = dict(num_layers=2)
+  model = models.get_model('ViT-Ti_16', 0, **kw)
+  x = jnp.zeros((1, 224, 224, 3))
+  kind, source = jnp.ones((1, 196), jnp.int32), jnp.zeros((1, 196), jnp.int32)
+
+  def apply(p, x, kind, source):
+    return model.apply({'params': p}, x, corrupt=(kind, source), patch_outputs=512)
+
+  abstract = jax.eval_shape(
+      lambda x: model.init(jax.random.PRNGKey(0), x, corrupt=(kind, source), patch_outputs=512),
+      x)['params']
+  params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract)
+  analytic = flops.forward_flops('ViT-Ti_16', 224, 0, patch_outputs=512, **kw)
+  assert analytic == flops.forward_flops('ViT-Ti_16', 224, 0, **kw) + 196 * 2 * 192 * 512
+  assert 0.97 <= analytic / flops.xla_flops(apply, params, x, kind, source) <= 1.0
+
+
 def test_derived_quantities():
   fwd = flops.forward_flops('ViT-B_16')
   assert 35.1e9 < fwd < 35.2e9  # ~17.6 GMACs, as commonly quoted for ViT-B/16 at 224

@@ -1,6 +1,7 @@
 """Masked patch prediction (vit_jax/masked_patches.py, configs/masked_patches.py)."""
 import gzip
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -15,8 +16,10 @@ import numpy as np
 import pytest
 
 from vit_jax import checkpoint
+from vit_jax import chrono as chrono_lib
 from vit_jax import config_checks
 from vit_jax import evaluate_cli
+from vit_jax import flops
 from vit_jax import masked_patches as mp
 from vit_jax import models
 from vit_jax import train
@@ -330,11 +333,15 @@ def compilation_cache(tmp_path):
   cache.reset_cache()
 
 
-def test_train_resume_and_load_pretrained(tmp_path, compilation_cache):  # pylint: disable=redefined-outer-name,unused-argument
-  """A short run through train_and_evaluate; stopped and resumed it gives the same bits;
-  its final.npz fine-tunes through load_pretrained (head and mask embedding dropped)."""
+def test_train_resume_and_load_pretrained(tmp_path, compilation_cache, caplog):  # pylint: disable=redefined-outer-name,unused-argument
+  """A short run through train_and_evaluate, which reports its MFU; stopped and resumed it
+  gives the same bits; its final.npz fine-tunes through load_pretrained (head and mask
+  embedding dropped)."""
   c = _tiny_run_config(checkpoint_every_steps=2, keep_checkpoints=-1)
-  straight = train.train_and_evaluate(c, str(tmp_path / 'a'))
+  with caplog.at_level(logging.INFO):
+    straight = train.train_and_evaluate(c, str(tmp_path / 'a'))
+  flops_text = chrono_lib.setup_text(1, flops.step_flops(c, 10), 1, '').split('; ')[1]
+  assert f' parameters; {flops_text};' in caplog.text and ' MFU ' in caplog.text
   # vit-evaluate on the run: few-shot by default, as its head predicts pixels, not classes.
   args = dict(workdir=str(tmp_path / 'a'), checkpoint=None, mode=None, train_split='train[:64]',
               eval_split='test[:64]', shots=['1'], seeds=['0'], l2_reg=1024.0, batch_size=64)

@@ -53,8 +53,7 @@ def setup_text(num_params, flops_per_step, peak_flops_per_device, peak_source):
   """The start-up facts, e.g. '141,066 parameters; 1.53 GFLOP per step; peak 23.5 GFLOP/s
   per device (measured)'; says why MFU will be missing."""
   parts = [f'{num_params:,} parameters']
-  parts.append('FLOPs per step not counted for this objective (no MFU)' if flops_per_step is
-               None else f'{_si(flops_per_step)}FLOP per step')
+  parts.append(f'{_si(flops_per_step)}FLOP per step')
   parts.append(f'no peak FLOP/s known for {peak_source} (no MFU; set '
                '--config.peak_flops_per_device)' if peak_flops_per_device is
                None else f'peak {rate_text(peak_flops_per_device)} per device ({peak_source})')

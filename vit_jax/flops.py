@@ -27,6 +27,7 @@ bottleneck sits on its 3x3 conv in both.
 """
 import jax
 
+from vit_jax import masked_patches
 from vit_jax.models import variants
 
 # JFT-300M, the pre-training set of Table 6: about 303M images in 18,291 classes.
@@ -123,11 +124,14 @@ def feature_map_size(name, image_size=224, **overrides):
   return _stem(variants.get_variant(name, **overrides), image_size, False)[1]
 
 
-def forward_flops(name, image_size=224, num_classes=1000, *, count_padding=False, **overrides):
+def forward_flops(name, image_size=224, num_classes=1000, *, count_padding=False, patch_outputs=0,
+                  **overrides):
   """FLOPs of one forward pass of one image_size x image_size image.
 
   `overrides` are variant fields (patch_size, num_layers, resnet_layers, ...) as in
   models.get_model; num_classes=0 leaves the head out. count_padding: see above.
+  patch_outputs: the masked patch objective's call (models/vit.py), whose head maps every
+  patch token to patch_outputs values in place of pre-logits and the classification head.
   """
   fields = variants.get_variant(name, **overrides)
   flops, size, channels = _stem(fields, image_size, count_padding)
@@ -138,10 +142,12 @@ def forward_flops(name, image_size=224, num_classes=1000, *, count_padding=False
   if size % p:
     raise ValueError(f'{name}: feature map {size}x{size} of a {image_size}px image is '
                      f'not divisible by patch size {p}')
-  grid = size // p
-  flops += 2 * grid * grid * p * p * channels * hidden  # patch embedding, VALID
-  tokens = grid * grid + (fields['classifier'] == 'token')
+  patches = (size // p)**2
+  flops += 2 * patches * p * p * channels * hidden  # patch embedding, VALID
+  tokens = patches + (fields['classifier'] == 'token')
   flops += _encoder(tokens, hidden, fields['mlp_dim'], fields['num_layers'])
+  if patch_outputs:
+    return flops + 2 * patches * hidden * patch_outputs
   features = hidden
   if fields['representation_size'] is not None:
     features = fields['representation_size']
@@ -161,11 +167,13 @@ def train_step_flops(name, batch_size, image_size=224, num_classes=1000, **overr
 
 def step_flops(config, num_classes):
   """FLOPs of one step of the loop's `config` (global batch, config.model overrides), the
-  numerator of MFU; None for an objective other than classification (masked patches),
-  whose head this module does not count. Remat's recomputation and accumulation leave
-  the model's FLOPs unchanged."""
-  if config.get('objective', 'classification') != 'classification':
-    return None
+  numerator of MFU; the masked patch objective's (config.objective) with its head. Remat's
+  recomputation and accumulation leave the model's FLOPs unchanged."""
+  if masked_patches.is_masked(config):
+    patch_size = variants.get_variant(config.model_name, **config.model)['patch_size']
+    outputs = masked_patches.num_outputs(config.masked_patches, patch_size)
+    return config.batch_size * TRAIN_TO_FORWARD * forward_flops(
+        config.model_name, config.image_size, 0, patch_outputs=outputs, **config.model)
   return train_step_flops(config.model_name, config.batch_size, config.image_size, num_classes,
                           **config.model)
 

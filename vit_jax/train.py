@@ -473,7 +473,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                     state), abstract_batch, jax.ShapeDtypeStruct((2,), jnp.uint32)))
   build_seconds = time.perf_counter() - t_build  # ahead-of-time compilation, if any
-  if peak_source == 'measured' and flops_per_step:  # (no MFU without the step's FLOPs)
+  if peak_source == 'measured':
     earlier, peak = peak, device_peaks.better_cpu_peak(config.dtype, peak)
     logging.info(
         'peak %s per device, timed again after compiling (%s before): MFU takes the '
