@@ -174,10 +174,11 @@ def installed_jemalloc():
 
 
 def user_env(venv, devices=1):
-  """The environment of a user whose shell has `venv` activated (and nothing of ours)."""
+  """The environment of a user whose shell has `venv` activated (and nothing of ours:
+  ipykernel, for one, leaves what is written to fd 2 out of a cell's output under pytest)."""
   env = {
       k: v for k, v in os.environ.items()
-      if k not in ('PYTHONPATH', 'VIRTUAL_ENV', 'TF_CPP_MIN_LOG_LEVEL')
+      if k not in ('PYTHONPATH', 'VIRTUAL_ENV', 'TF_CPP_MIN_LOG_LEVEL', 'PYTEST_CURRENT_TEST')
   }
   env['PATH'] = f'{venv}/bin:' + env.get('PATH', '')
   env['VIRTUAL_ENV'] = str(venv)

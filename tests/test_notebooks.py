@@ -79,6 +79,9 @@ def test_quickstart_notebook(wheel_venv, tmp_path):
   assert 'step 4: loss' in text and 'top-1 accuracy' in text
   assert os.path.exists(tmp_path / 'work' / 'finetune' / 'final.npz')
   assert any('image/png' in o.get('data', {}) for o in outputs)
+  # ipykernel shows what TensorFlow's C++ libraries write to fd 2 as they load in the cell's
+  # output: the notebook imports vit_jax.tensorflow_quietly first, which keeps them out.
+  assert 'absl::InitializeLog' not in text and 'oneDNN custom operations' not in text, text
 
 
 def test_inspect_notebook(wheel_venv, tmp_path):

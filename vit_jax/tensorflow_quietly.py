@@ -8,7 +8,8 @@ often a one-line error for a mistyped value, then came fifth. Importing this mod
 imports TensorFlow with file descriptor 2 captured and writes back every captured line
 except those notices (and the CPU-instruction notice, which TF_CPP_MIN_LOG_LEVEL drops
 when set). The command-line programs import it before anything that imports TensorFlow;
-`import vit_jax` does not, so a notebook gets TensorFlow as it comes.
+`import vit_jax` does not; the quickstart notebook imports it first, as ipykernel shows
+what is written to fd 2 in the cell's output.
 Turning the oneDNN operations off (TF_ENABLE_ONEDNN_OPTS=0) would also silence them, but
 the input pipeline ran slower without them (benchmarks/README.md, twenty-seventh session).
 
