@@ -4,9 +4,12 @@
 written by the test.
 """
 import glob
+import json
 import logging
 import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
 import types
@@ -241,6 +244,75 @@ def test_a_finished_run_taken_further_sets_its_final_npz_aside(idx_dir, tmp_path
   assert said in caplog.text, caplog.text
   train.train_and_evaluate(longer, run)
   assert os.path.exists(os.path.join(run, 'final.npz')) and os.path.exists(kept)
+
+
+def test_final_npz_set_aside_under_its_own_step_and_never_over_another(idx_dir, tmp_path, caplog):
+  """A finished run whose newest checkpoints are gone resumes from an older one: its
+  final.npz had been renamed after the restored step (final.step2.npz holding step 4), and
+  an earlier final.step<N>.npz had been overwritten."""
+  run = str(tmp_path / 'run')
+  config = _config(idx_dir, total_steps=4, checkpoint_every_steps=2)
+  train.train_and_evaluate(config, run)
+  first = np.load(os.path.join(run, 'final.npz'))['head/bias']
+  shutil.rmtree(os.path.join(run, 'checkpoints', '4'))
+  with caplog.at_level(logging.WARNING):
+    train.train_and_evaluate(config, run)
+  kept = os.path.join(run, 'final.step4.npz')
+  assert (f'Renamed the final.npz of step 4 to {kept}: this run resumed from step 2 and trains '
+          'its own') in caplog.text
+  np.testing.assert_array_equal(np.load(kept)['head/bias'], first)
+  np.testing.assert_array_equal(np.load(os.path.join(run, 'final.npz'))['head/bias'], first)
+  shutil.rmtree(os.path.join(run, 'checkpoints', '4'))  # again: step4.npz is not replaced
+  train.train_and_evaluate(config, run)
+  assert sorted(f for f in os.listdir(run) if f.startswith('final')) == [
+      'final.npz', 'final.step4.2.npz', 'final.step4.npz'
+  ]
+
+
+def test_a_final_npz_without_checkpoints_is_not_trained_over(idx_dir, tmp_path):
+  """Checkpoints deleted to free space: the same command had trained again from step 0 in
+  silence and replaced final.npz (and config.json) with the new run's."""
+  run = str(tmp_path / 'run')
+  train.train_and_evaluate(_config(idx_dir, total_steps=2), run)
+  files = {f: os.path.getmtime(os.path.join(run, f)) for f in ('final.npz', 'config.json')}
+  shutil.rmtree(os.path.join(run, 'checkpoints'))
+  final = os.path.join(run, 'final.npz')
+  with pytest.raises(
+      train.ConfigError,
+      match=(f'^workdir {run} holds the final.npz of a finished run but no checkpoint of it in '
+             f'{run}/checkpoints: training again from step 0 would replace it: use another '
+             f'--workdir \\(or fine-tune from it with --config.pretrained_path={final}\\), '
+             'or move final.npz out')):
+    train.train_and_evaluate(_config(idx_dir, total_steps=2), run)
+  assert {f: os.path.getmtime(os.path.join(run, f)) for f in files} == files
+  assert not os.path.exists(os.path.join(run, 'lock'))
+
+
+def test_a_run_whose_lock_is_taken_stops_before_it_saves(idx_dir, tmp_path, monkeypatch):
+  """Its workdir deleted, or its lock removed by hand and a second run started there: the
+  run had gone on saving (and removing old steps) beside the other, which then died on a
+  checkpoint gone from under it."""
+  run = str(tmp_path / 'run')
+  real_save = checkpoint.save_train_state
+  saved = []
+
+  def save_then_lose_the_lock(manager, step, *args, **kwargs):
+    real_save(manager, step, *args, **kwargs)
+    saved.append(step)
+    os.remove(os.path.join(run, 'lock'))
+
+  monkeypatch.setattr(checkpoint, 'save_train_state', save_then_lose_the_lock)
+  with pytest.raises(
+      train.TrainingError,
+      match=(f'^workdir {run}: its lock {run}/lock is gone \\(the workdir or the '
+             'lock deleted\\?\\): this run stops without saving step 2; ')):
+    train.train_and_evaluate(_config(idx_dir, total_steps=3, checkpoint_every_steps=1), run)
+  assert saved == [1]
+  with open(os.path.join(run, 'lock'), 'w') as f:  # another run's, alive: this host's pid 1
+    json.dump({'host': socket.gethostname(), 'pid': 1, 'started': 'now'}, f)
+  lock = rundir.WorkdirLock(run)
+  lock.held = True
+  assert lock.lost().startswith('its lock is now held by pid 1 on ')
 
 
 def test_a_damaged_record_of_the_cpu_flags_is_said_and_written_again(idx_dir, tmp_path, caplog):

@@ -370,6 +370,28 @@ class WorkdirLock:
     finally:
       os.unlink(guard)
 
+  def training_now(self):
+    """'pid N on HOST (started ..., lock ...)' where a live run holds the lock, else None
+    (also on gs://, where a preempted run's lock stays and cannot be told stale)."""
+    if paths.is_remote(self.path) or not os.path.exists(self.path):
+      return None
+    holder = self._read()
+    return None if self._stale(holder) else self._holder_text(holder)
+
+  def lost(self):
+    """None while the lock is this run's (or not held: other processes, gs://, whose
+    lock a preempted run's successor takes over); else what became of it, for a run that
+    must stop rather than write beside another."""
+    if not self.held or paths.is_remote(self.path):
+      return None
+    holder = self._read()
+    if holder is None and not os.path.exists(self.path):
+      return f'its lock {self.path} is gone (the workdir or the lock deleted?)'
+    if holder is None or (holder.get('host'), holder.get('pid')) != (socket.gethostname(),
+                                                                     os.getpid()):
+      return f'its lock is now held by {self._holder_text(holder)}'
+    return None
+
   def release(self):
     """Removes the lock if it is still this run's (a run that took it over keeps its own)."""
     if self.held:

@@ -236,7 +236,7 @@ def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
       if warning:
         logging.warning('%s', warning)
     return _train(config, workdir, info, num_classes, total_steps, schedule, tx, model, real,
-                  fewshot, stop_after_steps, writer)
+                  fewshot, stop_after_steps, writer, lock)
   finally:
     lock.release()
 
@@ -377,7 +377,7 @@ def _quiet_library_noise():
 
 
 def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model, real, fewshot,
-           stop_after_steps, writer):
+           stop_after_steps, writer, lock):
   _quiet_library_noise()
   mesh = sharding.make_mesh(config)
   if mesh.size < jax.device_count():
@@ -410,6 +410,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                       f'{config.model_name}: {e}') from None
   param_sh = state_sh['params']
   start = int(_local(state['step']))
+  if not start:
+    _refuse_retraining_a_final(workdir, ckpt_dir)
   if start > total_steps:
     raise ConfigError(f'workdir {workdir} holds a run at step {start}, past total_steps '
                       f'{total_steps}: set --config.total_steps to {start} or more, or use '
@@ -558,8 +560,13 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
 
   def save(step):
     check_guard(_local(state['guard']))  # a non-finite state is never saved
+    lost = lock.lost()
+    if lost:  # another run may be writing the workdir now: neither save nor clean up there
+      raise TrainingError(f'workdir {workdir}: {lost}: this run stops without saving step '
+                          f'{step}; check what the workdir holds, then run the same command '
+                          'to go on from it')
     check_save(block=True)
-    _set_aside_earlier_final(workdir, start)
+    _set_aside_earlier_final(workdir, start, info.num_train_examples)
     saves['pending'] = step
     write_config()
     try:
@@ -729,17 +736,46 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   return result
 
 
-def _set_aside_earlier_final(workdir, start):
-  """A finished run taken on to more steps: its final.npz is renamed final.step<start>.npz
-  once a later state is saved, so that vit-evaluate and vit-predict do not take the earlier
-  run's parameters for this one's (they had, with exit 0, while it was at step 300 of 1500);
-  a sweep sees the point unfinished. Kept until then: an extension that diverges before its
-  first save leaves the workdir as it was."""
+def _refuse_retraining_a_final(workdir, ckpt_dir):
+  """A run about to start from step 0 in a workdir whose final.npz stays from an earlier
+  run (its checkpoints deleted or damaged): training would overwrite that result, as it had,
+  silently, where the user had removed the checkpoints to free space."""
   final = os.path.join(workdir, 'final.npz')
-  if start and jax.process_index() == 0 and tf.io.gfile.exists(final):
-    kept = os.path.join(workdir, f'final.step{start}.npz')
-    tf.io.gfile.rename(final, kept, overwrite=True)
-    logging.warning('Renamed the final.npz of step %d to %s: this run goes on past it', start, kept)
+  if tf.io.gfile.exists(final):
+    raise ConfigError(f'workdir {workdir} holds the final.npz of a finished run but no '
+                      f'checkpoint of it in {ckpt_dir}: training again from step 0 would replace '
+                      'it: use another --workdir (or fine-tune from it with '
+                      f'--config.pretrained_path={shlex.quote(final)}), or move final.npz out of '
+                      'the workdir to train there from the start')
+
+
+def _set_aside_earlier_final(workdir, start, num_train_examples):
+  """A finished run taken on to more steps: its final.npz is renamed final.step<N>.npz (N:
+  its own step, the total_steps of the config.json it was written with) once a later state
+  is saved, so that vit-evaluate and vit-predict do not take the earlier run's parameters
+  for this one's (they had, with exit 0, while it was at step 300 of 1500); a sweep sees the
+  point unfinished. Kept until then: an extension that diverges before its first save leaves
+  the workdir as it was. An earlier final.step<N>.npz is never replaced."""
+  final = os.path.join(workdir, 'final.npz')
+  if not (start and jax.process_index() == 0 and tf.io.gfile.exists(final)):
+    return
+  recorded = rundir.recorded_config(workdir)
+  try:  # the restored step where the record is unreadable (config.json is checked at start)
+    step = optim.total_steps(recorded, num_train_examples) if recorded else start
+  except (AttributeError, KeyError, TypeError, ValueError):
+    step = start
+  kept = os.path.join(workdir, f'final.step{step}.npz')
+  copy = 1
+  while tf.io.gfile.exists(kept):
+    copy += 1
+    kept = os.path.join(workdir, f'final.step{step}.{copy}.npz')
+  tf.io.gfile.rename(final, kept)
+  if step > start:  # its later checkpoints are gone: those steps are trained again
+    logging.warning(
+        'Renamed the final.npz of step %d to %s: this run resumed from step %d '
+        'and trains its own', step, kept, start)
+  else:
+    logging.warning('Renamed the final.npz of step %d to %s: this run goes on past it', step, kept)
 
 
 def _save_after_a_failure(save, check_save, step):
