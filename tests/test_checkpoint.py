@@ -3,8 +3,12 @@
 The fake files are built from the model's own jax.eval_shape tree (ViT, hybrid) or from
 BiT's TF naming written out here, filled with random numbers: nothing is downloaded.
 """
+import json
 import logging
 import os
+import socket
+import subprocess
+import sys
 import zipfile
 
 import flax
@@ -17,6 +21,7 @@ import scipy.ndimage
 from tests import numpy_reference as ref
 from vit_jax import checkpoint
 from vit_jax import models
+from vit_jax import rundir
 from vit_jax.configs import common
 
 
@@ -280,6 +285,44 @@ def test_a_damaged_npz_is_one_line_and_a_workdir_is_told_to_rerun(tmp_path):
   with pytest.raises(
       ValueError, match=r'config.json is damaged \(.*\): restore it, or run '
       r"the run's vit-train command again with --config.resume_changes='\*' to write it again"):
+    checkpoint.load_run(str(run))
+
+
+def test_a_workdir_being_trained_says_so(tmp_path, caplog):
+  """vit-evaluate, vit-predict and vit-inspect on the workdir of a live run had said to run
+  vit-train there (which the lock refuses), or took the run before's final.npz in silence."""
+  run = tmp_path / 'run'
+  run.mkdir()
+  live = {
+      'host': socket.gethostname(),
+      'pid': os.getpid(),
+      'started': 'today',
+      'proc_start': rundir._proc_start(os.getpid())
+  }  # pylint: disable=protected-access
+  (run / 'lock').write_text(json.dumps(live))  # this process: alive
+  with pytest.raises(
+      ValueError, match=(f'^{run} has no final.npz yet: a run is training there now \\(pid '
+                         f'{os.getpid()} on .*\\): wait for it to end')):
+    checkpoint.load_run(str(run))  # in its first seconds: no config.json either
+  model = models.get_model('ViT-Ti_16', 10, **TINY)
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False)['params']
+  c = common.get_config()
+  c.model_name, c.image_size = 'ViT-Ti_16', 32
+  c.model.update(TINY)
+  (run / 'config.json').write_text(c.to_json_best_effort())
+  checkpoint.save_npz(str(run / 'final.npz'), params)  # of the run before this one
+  with caplog.at_level(logging.WARNING):
+    checkpoint.load_run(str(run))
+  assert f'{run} is being trained now (pid {os.getpid()} on ' in caplog.text
+  # The run gone (kill -9): its lock is stale, and the run is told to be finished.
+  dead = subprocess.Popen([sys.executable, '-c', 'pass'])
+  dead.wait()
+  (run / 'lock').write_text(json.dumps({**live, 'pid': dead.pid, 'proc_start': None}))
+  os.remove(run / 'final.npz')
+  with pytest.raises(
+      ValueError, match=(f'^{run} has no final.npz: its run stopped before the end \\(the end '
+                         'of its train.INFO says where\\); run vit-train again with the same '
+                         '--workdir to finish it$')):
     checkpoint.load_run(str(run))
 
 

@@ -582,6 +582,7 @@ def test_a_mistyped_flag_is_one_line(program, tmp_path):
 def test_help_and_refused_arguments_answer_before_tensorflow_loads(home):
   """vit-predict and vit-evaluate import TensorFlow (~5 s of a 2-core host) only to read
   data: --help, and a path or value refused before the data, come without it."""
+  os.makedirs(os.path.join(home, 'run', 'checkpoints', '2'), exist_ok=True)
   for argv, last in [
       (['vit-predict', '--help'], '--top_k: Classes shown per image'),
       (['vit-evaluate', '--help'], '--shots: Shots per class.'),
@@ -595,6 +596,10 @@ def test_help_and_refused_arguments_answer_before_tensorflow_loads(home):
        'vit-predict: ViT-B_16.npz cannot be read (No such file or directory (ViT-B_16.npz)): '
        'check the path, or download it: curl -O '
        'https://storage.googleapis.com/vit_models/imagenet21k/ViT-B_16.npz'),
+      # A run's orbax checkpoint, given as if it were a file of parameters.
+      (['vit-predict', '--checkpoint', 'run/checkpoints/2', '--model', 'ViT-B_16', 'img/pic.gif'],
+       'vit-predict: run/checkpoints/2 cannot be read (Is a directory (run/checkpoints/2)): pass '
+       "an .npz file: the folders under a run's checkpoints/ hold its training state"),
       (['vit-evaluate', '--workdir', 'wd', '--shots=1,five'],
        'vit-evaluate: --shots=1,five: expected whole numbers >= 1, comma-separated: e.g. '
        '--shots=1,5'),

@@ -61,6 +61,9 @@ def _read_npz(path):
     if not isinstance(e, OSError) and not type(e).__module__.startswith('tensorflow'):
       raise
     fix = _missing_file_fix(path) if isinstance(e, FileNotFoundError) else 'check the path'
+    if isinstance(e, IsADirectoryError):  # e.g. a run's checkpoints/<step>: orbax's, not .npz
+      fix = ('pass an .npz file: the folders under a run\'s checkpoints/ hold its training state, '
+             'which vit-train resumes from; its parameters are the final.npz it writes at the end')
     if paths.is_remote(path):
       public = re.sub('^gs://', 'https://storage.googleapis.com/', str(path))  # gs:// by curl
       fix = (f'download it (curl -O {public}, or gsutil cp) and pass the local file'
@@ -438,12 +441,32 @@ def load_model(path, model_name, image_size=None, **overrides):
   return model, params
 
 
+def _training_now(workdir):
+  """The holder of the workdir's lock while its run trains, else None; TensorFlow (which
+  rundir imports) is not imported for the workdirs of runs that have ended."""
+  if paths.is_remote(workdir) or not os.path.exists(os.path.join(workdir, 'lock')):
+    return None
+  # pylint: disable=g-import-not-at-top  (TensorFlow: only while a lock is there)
+  from vit_jax import tensorflow_quietly  # noqa: F401  (first: the commands' stderr stays theirs)
+  from vit_jax import rundir
+  # pylint: enable=g-import-not-at-top
+  return rundir.WorkdirLock(workdir).training_now()
+
+
 def load_run(workdir):
   """(config, model, params) of a finished `vit-train` run: its config.json and final.npz."""
   workdir = paths.resolve(workdir)
   config_path = os.path.join(workdir, 'config.json')
   final_path = os.path.join(workdir, 'final.npz')
   rerun = 'run vit-train again with the same --workdir'
+  live = _training_now(workdir)
+  if live and not paths.exists(final_path):
+    raise ValueError(f'{workdir} has no final.npz yet: a run is training there now ({live}): '
+                     'wait for it to end (its train.INFO shows how far it is)')
+  if live:
+    logging.warning(
+        '%s is being trained now (%s): its final.npz is of the run before, until '
+        'this one writes its own', workdir, live)
   try:
     with paths.open_file(config_path, 'r') as f:
       config = ml_collections.ConfigDict(json.load(f))
@@ -466,8 +489,8 @@ def load_run(workdir):
                      'run\'s vit-train command again with --config.resume_changes=\'*\' to write '
                      'it again') from None
   if not paths.exists(final_path):
-    raise ValueError(f'{workdir} has no final.npz: the run has not finished (the end of its '
-                     f'train.INFO says why); {rerun} to finish it') from None
+    raise ValueError(f'{workdir} has no final.npz: its run stopped before the end (the end of '
+                     f'its train.INFO says where); {rerun} to finish it') from None
   try:
     params = load_npz(final_path)
   except UnreadableFileError as e:
