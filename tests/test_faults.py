@@ -9,6 +9,7 @@ tests copy its workdir. Faults found at start-up are also checked in-process (fa
 import errno
 import gzip
 import json
+import logging
 import multiprocessing
 import os
 import re
@@ -378,7 +379,19 @@ def test_stale_lock_is_taken_over(tmp_path, caplog):
   dead.wait()
   (tmp_path / 'lock').write_text(json.dumps({'host': socket.gethostname(), 'pid': dead.pid}))
   lock = rundir.WorkdirLock(str(tmp_path))
-  lock.acquire()
+  with caplog.at_level(logging.WARNING):
+    lock.acquire()
+  assert f'Taking over the stale lock of pid {dead.pid} on ' in caplog.text
+  lock.release()
+  # An unreadable lock over 10 s old (its writer killed mid-write): said as such; it had
+  # read 'the stale lock of an unreadable lock'.
+  (tmp_path / 'lock').write_text('{"host": "vm", "pi')
+  os.utime(tmp_path / 'lock', (time.time() - 60, time.time() - 60))
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    lock.acquire()
+  assert (f'Taking over the lock {tmp_path}/lock, unreadable and over 10 s old: the run that '
+          'wrote it is gone') in caplog.text
   assert json.loads((tmp_path / 'lock').read_text())['pid'] == os.getpid()
   with pytest.raises(train.ConfigError, match=f'in use by pid {os.getpid()}'):
     rundir.WorkdirLock(str(tmp_path)).acquire()  # a live holder: refused

@@ -364,8 +364,13 @@ class WorkdirLock:
     try:
       holder = self._read()
       if os.path.exists(self.path) and self._stale(holder):
-        logging.warning('Taking over the stale lock of %s: that process is gone',
-                        self._holder_text(holder))
+        if holder is None:
+          logging.warning(
+              'Taking over the lock %s, unreadable and over 10 s old: the run '
+              'that wrote it is gone', self.path)
+        else:
+          logging.warning('Taking over the stale lock of %s: that process is gone',
+                          self._holder_text(holder))
         os.unlink(self.path)
     finally:
       os.unlink(guard)
