@@ -302,7 +302,8 @@ def test_a_workdir_being_trained_says_so(tmp_path, caplog):
   (run / 'lock').write_text(json.dumps(live))  # this process: alive
   with pytest.raises(
       ValueError, match=(f'^{run} has no final.npz yet: a run is training there now \\(pid '
-                         f'{os.getpid()} on .*\\): wait for it to end')):
+                         f'{os.getpid()} on .*\\): wait for it to end \\(its train.INFO shows how '
+                         'far it is\\), or read one of its checkpoints with --step N$')):
     checkpoint.load_run(str(run))  # in its first seconds: no config.json either
   model = models.get_model('ViT-Ti_16', 10, **TINY)
   params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False)['params']
@@ -322,7 +323,7 @@ def test_a_workdir_being_trained_says_so(tmp_path, caplog):
   with pytest.raises(
       ValueError, match=(f'^{run} has no final.npz: its run stopped before the end \\(the end '
                          'of its train.INFO says where\\); run vit-train again with the same '
-                         '--workdir to finish it$')):
+                         '--workdir to finish it, or read one of its checkpoints with --step N$')):
     checkpoint.load_run(str(run))
 
 

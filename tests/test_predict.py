@@ -599,7 +599,8 @@ def test_help_and_refused_arguments_answer_before_tensorflow_loads(home):
       # A run's orbax checkpoint, given as if it were a file of parameters.
       (['vit-predict', '--checkpoint', 'run/checkpoints/2', '--model', 'ViT-B_16', 'img/pic.gif'],
        'vit-predict: run/checkpoints/2 cannot be read (Is a directory (run/checkpoints/2)): pass '
-       "an .npz file: the folders under a run's checkpoints/ hold its training state"),
+       "an .npz file: the folders under a run's checkpoints/ hold its training state "
+       '(vit-evaluate, vit-predict and vit-inspect read one as --workdir RUN --step STEP)'),
       (['vit-evaluate', '--workdir', 'wd', '--shots=1,five'],
        'vit-evaluate: --shots=1,five: expected whole numbers >= 1, comma-separated: e.g. '
        '--shots=1,5'),

@@ -31,6 +31,7 @@ from vit_jax import train
 from vit_jax import step as step_lib
 from vit_jax import xla_cpu_flags
 from tests import data_fixtures as fx
+from tests.conftest import console_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -172,6 +173,28 @@ def test_polyak_average_is_exported_and_resumes_bit_identically(idx_dir, tmp_pat
   _assert_trees_close(straight['params'], exported, 0.0)
   assert not np.allclose(np.asarray(iterates[-1]['head']['kernel']),
                          np.asarray(exported['head']['kernel']))  # not the last iterate
+  # A checkpoint read as vit-evaluate/predict/inspect --step read it: the average there.
+  _, _, at_last = checkpoint.load_run(str(tmp_path / 'straight'), step=4)
+  _assert_trees_close(exported, at_last, 0.0)
+  _, _, at_2 = checkpoint.load_run(str(tmp_path / 'straight'), step=2)
+  _assert_trees_close(
+      jax.tree.map(lambda a, b: (a + decay * b) /
+                   (1 + decay), jax.tree.map(np.asarray, iterates[1]),
+                   jax.tree.map(np.asarray, iterates[0])), at_2, 1e-6)
+  with pytest.raises(ValueError, match=r'has no checkpoint of step 1: pass one of its steps '
+                     r'\(2, 3, 4\)'):  # keep_checkpoints 3
+    checkpoint.load_run(str(tmp_path / 'straight'), step=1)
+  out = console_script('vit-evaluate', tmp_path, '--workdir', 'straight', '--step', '2', '--mode',
+                       'top1')
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert re.search(r'^top1 +test +0\.\d{4}', out.stdout, re.M), out.stdout
+  data = tmp_path / 'straight' / 'checkpoints' / '3' / 'default' / 'ocdbt.process_0' / 'd'
+  for name in os.listdir(data):
+    os.truncate(data / name, 100)
+  with pytest.raises(
+      ValueError, match=r'checkpoints/3 cannot be read \(.+\): it is damaged; '
+      r'pass another of its steps \(2, 4\)$'):
+    checkpoint.load_run(str(tmp_path / 'straight'), step=3)
 
   workdir = str(tmp_path / 'resumed')
   train.train_and_evaluate(averaged, workdir, stop_after_steps=2)

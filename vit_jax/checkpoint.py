@@ -33,6 +33,7 @@ from vit_jax import errors
 from vit_jax import models
 from vit_jax import packed_state
 from vit_jax import paths
+from vit_jax import polyak
 
 # BiT unit sub-layers: TF name prefix -> (our norm, our conv).
 _BIT_LAYERS = {'a': ('gn1', 'conv1'), 'b': ('gn2', 'conv2'), 'c': ('gn3', 'conv3')}
@@ -62,8 +63,8 @@ def _read_npz(path):
       raise
     fix = _missing_file_fix(path) if isinstance(e, FileNotFoundError) else 'check the path'
     if isinstance(e, IsADirectoryError):  # e.g. a run's checkpoints/<step>: orbax's, not .npz
-      fix = ('pass an .npz file: the folders under a run\'s checkpoints/ hold its training state, '
-             'which vit-train resumes from; its parameters are the final.npz it writes at the end')
+      fix = ("pass an .npz file: the folders under a run's checkpoints/ hold its training state "
+             '(vit-evaluate, vit-predict and vit-inspect read one as --workdir RUN --step STEP)')
     if paths.is_remote(path):
       public = re.sub('^gs://', 'https://storage.googleapis.com/', str(path))  # gs:// by curl
       fix = (f'download it (curl -O {public}, or gsutil cp) and pass the local file'
@@ -453,17 +454,20 @@ def _training_now(workdir):
   return rundir.WorkdirLock(workdir).training_now()
 
 
-def load_run(workdir):
-  """(config, model, params) of a finished `vit-train` run: its config.json and final.npz."""
+def load_run(workdir, step=None):
+  """(config, model, params) of a finished `vit-train` run: its config.json and final.npz;
+  with `step`, of its checkpoint of that step instead (a run part-way, or still training),
+  the parameters as the run evaluates them (the Polyak average where it keeps one)."""
   workdir = paths.resolve(workdir)
   config_path = os.path.join(workdir, 'config.json')
   final_path = os.path.join(workdir, 'final.npz')
   rerun = 'run vit-train again with the same --workdir'
   live = _training_now(workdir)
-  if live and not paths.exists(final_path):
+  if live and step is None and not paths.exists(final_path):
     raise ValueError(f'{workdir} has no final.npz yet: a run is training there now ({live}): '
-                     'wait for it to end (its train.INFO shows how far it is)')
-  if live:
+                     'wait for it to end (its train.INFO shows how far it is), or read one of '
+                     'its checkpoints with --step N')
+  if live and step is None:
     logging.warning(
         '%s is being trained now (%s): its final.npz is of the run before, until '
         'this one writes its own', workdir, live)
@@ -488,14 +492,19 @@ def load_run(workdir):
     raise ValueError(f'{config_path} is damaged ({errors.one_line(e)}): restore it, or run the '
                      'run\'s vit-train command again with --config.resume_changes=\'*\' to write '
                      'it again') from None
-  if not paths.exists(final_path):
+  if step is not None:
+    final_path = os.path.join(workdir, 'checkpoints', str(step))  # (named in the errors below)
+    params = _evaluated_params(workdir, step, config)
+  elif not paths.exists(final_path):
     raise ValueError(f'{workdir} has no final.npz: its run stopped before the end (the end of '
-                     f'its train.INFO says where); {rerun} to finish it') from None
-  try:
-    params = load_npz(final_path)
-  except UnreadableFileError as e:
-    raise ValueError(f'{final_path} {e.reason}: {rerun} to write it again from the last '
-                     'checkpoint') from None
+                     f'its train.INFO says where); {rerun} to finish it, or read one of its '
+                     'checkpoints with --step N') from None
+  else:
+    try:
+      params = load_npz(final_path)
+    except UnreadableFileError as e:
+      raise ValueError(f'{final_path} {e.reason}: {rerun} to write it again from the last '
+                       'checkpoint') from None
   flat = flax.traverse_util.flatten_dict(params, sep='/')
   num_classes = flat['head/kernel'].shape[-1] if 'head/kernel' in flat else 0
   try:
@@ -516,6 +525,26 @@ def load_run(workdir):
                        f'file {shape} vs model {spec.shape}): {rerun} to write it again from '
                        'the last checkpoint, or pass the file as --checkpoint with its --model')
   return config, model, jax.tree.map(jnp.asarray, params)
+
+
+def _evaluated_params(workdir, step, config):
+  """The parameters a run evaluates at its checkpoint of `step` (saved_arrays): its Polyak
+  average where config.polyak_decay keeps one, as final.npz holds at the end."""
+  arrays = saved_arrays(os.path.join(workdir, 'checkpoints'), step)
+
+  def tree(prefix):
+    return flax.traverse_util.unflatten_dict(
+        {
+            k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)
+        }, sep='/')
+
+  params = tree('params/')
+  if polyak.enabled(config):
+    params = polyak.averaged({
+        'sum': tree('polyak/sum/'),
+        'weight': arrays['polyak/weight']
+    }, params, xp=np)
+  return jax.tree.map(lambda x: np.asarray(x, np.float32), params)
 
 
 # Training state: orbax, asynchronous, written collectively by all hosts.
@@ -839,23 +868,33 @@ def saved_arrays(directory, step=None):
     if step not in steps:
       raise ValueError(f'{directory} has no checkpoint of step {step}: pass one of its steps '
                        f'({", ".join(map(str, steps))})')
-    layout = _custom_metadata(manager, step).get(_LAYOUT)
-    host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend='cpu')[0])
-    if layout is None:  # written before packed_state: orbax's tree of the state
-      target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=host),
-                            dict(manager.item_metadata(step)))
-      state = manager.restore(step, args=ocp.args.StandardRestore(target))
-    else:
-      abstract = packed_state.nest({
-          e['path']: jax.ShapeDtypeStruct(tuple(e['shape']), np.dtype(e['dtype']), sharding=host)
-          for e in layout['leaves']
-      })
-      restored = manager.restore(
-          step, args=ocp.args.StandardRestore(packed_state.restore_target(layout, abstract)))
-      state = packed_state.unpack(restored, layout, abstract)
+    try:
+      state = _restore_on_host(manager, step)
+    except Exception as e:  # pylint: disable=broad-except  (damage of any kind, as orbax says)
+      others = ', '.join(str(s) for s in steps if s != step)
+      raise ValueError(f'{directory}/{step} cannot be read ({_one_line(e)}): it is damaged; '
+                       + (f'pass another of its steps ({others})'
+                          if others else 'no other step is there')) from None
   return {
       packed_state.leaf_path(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(state)
   }
+
+
+def _restore_on_host(manager, step):
+  """The train state saved at `step`, on the host's CPU, in whichever layout it was written."""
+  layout = _custom_metadata(manager, step).get(_LAYOUT)
+  host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend='cpu')[0])
+  if layout is None:  # written before packed_state: orbax's tree of the state
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=host),
+                          dict(manager.item_metadata(step)))
+    return manager.restore(step, args=ocp.args.StandardRestore(target))
+  abstract = packed_state.nest({
+      e['path']: jax.ShapeDtypeStruct(tuple(e['shape']), np.dtype(e['dtype']), sharding=host)
+      for e in layout['leaves']
+  })
+  restored = manager.restore(
+      step, args=ocp.args.StandardRestore(packed_state.restore_target(layout, abstract)))
+  return packed_state.unpack(restored, layout, abstract)
 
 
 def _one_line(error):

@@ -1,8 +1,9 @@
 """The flags that name a model in the evaluate, inspect and predict programs, and loading it.
 
 Either a finished training run, `--workdir DIR` (its config.json and final.npz: model,
-resolution and data come from the run), or a published-format file, `--checkpoint F.npz
---model NAME [--model_overrides ...] [--image_size N]`.
+resolution and data come from the run; with `--step N`, its checkpoint of step N instead),
+or a published-format file, `--checkpoint F.npz --model NAME [--model_overrides ...]
+[--image_size N]`.
 """
 import ast
 import sys
@@ -17,6 +18,10 @@ def define_flags():
   flags.DEFINE_string(
       'workdir', None, 'A finished vit-train run: reads its config.json and '
       'final.npz (model, resolution and dataset come from the run).')
+  flags.DEFINE_integer(
+      'step', None, "With --workdir: the run's checkpoint of this step (WORKDIR/checkpoints/"
+      'STEP) instead of its final.npz, e.g. while it trains; the parameters the run evaluates '
+      '(its Polyak average, where it keeps one).', lower_bound=0)
   flags.DEFINE_string('checkpoint', None, 'A published-format .npz file (instead of --workdir).')
   flags.DEFINE_string(
       'model', None, 'With --checkpoint (required there): a name from '
@@ -51,6 +56,10 @@ def load(flags_):
   if bool(workdir) == bool(flags_.checkpoint):
     raise ValueError('Name one model: --workdir DIR (a finished vit-train run) or '
                      '--checkpoint FILE.npz with --model NAME')
+  step = getattr(flags_, 'step', None)
+  if step is not None and not workdir:
+    raise ValueError(f'--step {step} only with --workdir: it names a checkpoint of a vit-train '
+                     'run (WORKDIR/checkpoints/STEP); a --checkpoint file has no steps')
   ignored = [
       f'--{name}' for name in ('model', 'model_overrides', 'image_size')
       if getattr(flags_, name, None) not in (None, '')
@@ -64,7 +73,7 @@ def load(flags_):
     raise ValueError(f'--image_size={image_size}: pass the resolution in pixels (1 or '
                      'more), or leave it out for 224')
   if workdir:
-    config, model, params = checkpoint.load_run(workdir)
+    config, model, params = checkpoint.load_run(workdir, step)
     image_size = config.image_size
   else:
     if not flags_.model:  # a file's shapes alone do not name its patch size or variant

@@ -43,8 +43,10 @@ def update(average, params, decay):
   }
 
 
-def averaged(average, params):
-  """The averaged parameters; `params` themselves while the average is empty (step 0)."""
+def averaged(average, params, xp=jnp):
+  """The averaged parameters; `params` themselves while the average is empty (step 0).
+  xp=np: on the host, in NumPy's IEEE division, which the loop's jitted export matched where
+  XLA:CPU's own, called outside it, came out an ulp off (checkpoint.load_run's `step`)."""
   weight = average['weight']
-  return jax.tree.map(lambda s, p: jnp.where(weight > 0, s / jnp.maximum(weight, 1e-30), p),
+  return jax.tree.map(lambda s, p: xp.where(weight > 0, s / xp.maximum(weight, 1e-30), p),
                       average['sum'], params)
