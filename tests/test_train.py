@@ -153,7 +153,7 @@ def test_resume_continues_at_step_7_and_equals_uninterrupted(idx_dir, tmp_path, 
   _assert_trees_close(straight['params'], resumed['params'], 0.0)
 
 
-def test_polyak_average_is_exported_and_resumes_bit_identically(idx_dir, tmp_path):
+def test_polyak_average_is_exported_and_resumes_bit_identically(idx_dir, tmp_path, monkeypatch):
   # The iterates of a run without averaging (the average never changes the training).
   config = _config(idx_dir, total_steps=4, checkpoint_every_steps=1)
   plain = str(tmp_path / 'plain')
@@ -195,6 +195,18 @@ def test_polyak_average_is_exported_and_resumes_bit_identically(idx_dir, tmp_pat
       ValueError, match=r'checkpoints/3 cannot be read \(.+\): it is damaged; '
       r'pass another of its steps \(2, 4\)$'):
     checkpoint.load_run(str(tmp_path / 'straight'), step=3)
+  # Removed while read, as a live run's keep_checkpoints does: not called damaged.
+  real_restore = checkpoint._restore_on_host  # pylint: disable=protected-access
+
+  def removed_midway(manager, step):
+    shutil.rmtree(tmp_path / 'straight' / 'checkpoints' / str(step))
+    return real_restore(manager, step)
+
+  monkeypatch.setattr(checkpoint, '_restore_on_host', removed_midway)
+  with pytest.raises(
+      ValueError, match=r'checkpoints/2 was removed while it was read \(the run '
+      r'keeps its newest keep_checkpoints\): pass one of its steps \(3, 4\)$'):
+    checkpoint.load_run(str(tmp_path / 'straight'), step=2)
 
   workdir = str(tmp_path / 'resumed')
   train.train_and_evaluate(averaged, workdir, stop_after_steps=2)

@@ -871,6 +871,11 @@ def saved_arrays(directory, step=None):
     try:
       state = _restore_on_host(manager, step)
     except Exception as e:  # pylint: disable=broad-except  (damage of any kind, as orbax says)
+      manager.reload()
+      if step not in manager.all_steps():  # a live run's keep_checkpoints removed it meanwhile
+        raise ValueError(f'{directory}/{step} was removed while it was read (the run keeps its '
+                         'newest keep_checkpoints): pass one of its steps '
+                         f'({", ".join(map(str, manager.all_steps()))})') from None
       others = ', '.join(str(s) for s in steps if s != step)
       raise ValueError(f'{directory}/{step} cannot be read ({_one_line(e)}): it is damaged; '
                        + (f'pass another of its steps ({others})'
