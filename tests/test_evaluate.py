@@ -472,6 +472,20 @@ def test_cli_default_shots_skip_what_a_small_pool_cannot_draw(tiny, monkeypatch)
     evaluate_cli.run(types.SimpleNamespace(**{**args, 'shots': ['1', '10']}))
 
 
+def test_batch_defaults_to_the_runs_own_made_a_multiple_of_the_devices():
+  none_given = types.SimpleNamespace(batch_size=None)
+  run = {'eval_batch_size': 1000, 'fewshot_batch_size': None}
+  assert evaluate_cli._batch_sizes(none_given, run, 8) == (1000, 1000)  # pylint: disable=protected-access
+  assert evaluate_cli._batch_sizes(  # pylint: disable=protected-access
+      none_given, {
+          'eval_batch_size': 12,
+          'fewshot_batch_size': 3
+      }, 8) == (8, 8)
+  assert evaluate_cli._batch_sizes(none_given, None, 8) == (64, 64)  # pylint: disable=protected-access
+  assert evaluate_cli._batch_sizes(  # pylint: disable=protected-access
+      types.SimpleNamespace(batch_size=16), run, 8) == (16, 16)
+
+
 def test_mean_over_datasets_takes_the_shots_every_dataset_has():
   results = {'a': {1: {'mean': 0.5}, 5: {'mean': 0.7}}, 'b': {1: {'mean': 0.3}}}
   assert evaluate.mean_over_datasets(results) == {1: 0.4}

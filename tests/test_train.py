@@ -22,6 +22,8 @@ from vit_jax.configs import quickstart
 from vit_jax import checkpoint
 from vit_jax import chrono as chrono_lib
 from vit_jax import device_peaks
+from vit_jax import evaluate
+from vit_jax import evaluate_cli
 from vit_jax import flops
 from vit_jax import host_memory
 from vit_jax import models
@@ -151,6 +153,32 @@ def test_resume_continues_at_step_7_and_equals_uninterrupted(idx_dir, tmp_path, 
   assert resumed['step'] == 12
   assert resumed['loss'] == straight['loss']
   _assert_trees_close(straight['params'], resumed['params'], 0.0)
+
+
+def test_vit_evaluate_takes_the_runs_batch_and_repeats_its_top1(idx_dir, tmp_path, monkeypatch):
+  # bf16 sums round by batch shape: at another batch a run's 0.5011 had read 0.5006.
+  config = _config(idx_dir, dtype='bfloat16', total_steps=2, eval_batch_size=24,
+                   fewshot_batch_size=16)
+  accuracy = train.train_and_evaluate(config, str(tmp_path / 'run'))['accuracy']
+  out = console_script('vit-evaluate', tmp_path, '--workdir', 'run', '--mode', 'top1')
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert re.search(rf'^top1 +test +{accuracy:.4f}  \(40 images\)$', out.stdout,
+                   re.M), (accuracy, out.stdout)
+  batches = []
+  for name in ('top1_accuracy', 'extract_features'):
+    real = getattr(evaluate, name)
+    monkeypatch.setattr(evaluate, name, lambda *a, real=real, name=name: batches.append(
+        (name, a[4])) or real(*a))
+  flags_ = types.SimpleNamespace(workdir=str(tmp_path / 'run'), step=None, checkpoint=None,
+                                 dataset=None, data_dir=None, eval_crop=None, mode='all',
+                                 train_split=None, eval_split=None, fewshot_datasets=None,
+                                 shots=['1'], seeds=['0'], standardise=True, l2_reg=1.0,
+                                 batch_size=None)
+  evaluate_cli.run(flags_)
+  assert batches == [('top1_accuracy', 24), ('extract_features', 16), ('extract_features', 16)]
+  batches.clear()
+  evaluate_cli.run(types.SimpleNamespace(**{**vars(flags_), 'batch_size': 8}))  # given: it wins
+  assert {b for _, b in batches} == {8}
 
 
 def test_polyak_average_is_exported_and_resumes_bit_identically(idx_dir, tmp_path, monkeypatch):

@@ -27,6 +27,7 @@ from vit_jax.configs import common
 # refused for them, and --help, do not wait for it.
 
 _DEFAULTS = common.get_config()
+_DEFAULT_BATCH = 64  # --batch_size for a --checkpoint file (no run to take it from)
 
 
 def cli_config(**fields):
@@ -71,8 +72,24 @@ def _define_flags():
                     'Seeds of the k-shot draws.')
   flags.DEFINE_float('l2_reg', _DEFAULTS.fewshot_l2_reg,
                      'Ridge regulariser of the few-shot regression.')
-  flags.DEFINE_integer('batch_size', 64, 'Global evaluation batch size.', lower_bound=1)
+  flags.DEFINE_integer(
+      'batch_size', None, "Global evaluation batch size (default: the --workdir run's own, "
+      'eval_batch_size and fewshot_batch_size, so that a bfloat16 run\'s numbers round as the '
+      f'run\'s did; else {_DEFAULT_BATCH}). Lower it where this host has less memory than the '
+      "run's.", lower_bound=1)
   return flags.FLAGS
+
+
+def _batch_sizes(flags_, run_config, devices):
+  """(top-1 batch, few-shot feature batch): --batch_size where given, else the run's own
+  (the batch shape decides how bf16 sums round: another gave a run's 0.5011 as 0.5006), each
+  made a multiple of `devices` where the run had another count; else _DEFAULT_BATCH."""
+  given = getattr(flags_, 'batch_size', None)
+  if given is not None or run_config is None:
+    return (given or _DEFAULT_BATCH,) * 2
+  top1 = run_config.get('eval_batch_size') or _DEFAULT_BATCH
+  fewshot = run_config.get('fewshot_batch_size') or top1
+  return tuple(max(devices, b - b % devices) for b in (top1, fewshot))
 
 
 def format_table(rows):
@@ -97,6 +114,8 @@ def run(flags_):
     raise ValueError(f'--l2_reg={flags_.l2_reg} is not a positive number: use e.g. '
                      f'--l2_reg={_DEFAULTS.fewshot_l2_reg:g} (the default)')
   run_config, model, params, image_size = model_flags.load(flags_)
+  import jax  # pylint: disable=g-import-not-at-top  (loaded by model_flags.load)
+  top1_batch, fewshot_batch = _batch_sizes(flags_, run_config, jax.device_count())
   # pylint: disable=g-import-not-at-top,unused-import  (TensorFlow: see the imports above)
   from vit_jax import tensorflow_quietly  # noqa: F401  (first: before TensorFlow loads)
   from vit_jax import evaluate
@@ -159,15 +178,15 @@ def run(flags_):
       raise ValueError(f'{flags_.workdir} is a {rc["objective"]} run: its head predicts '
                        'no class, so there is no top-1: use --mode fewshot (its default)')
     head_index = _head_index(flags_, config, eval_split, model.num_classes)
-    acc, n, undecodable = evaluate.top1_accuracy(model, params, config, eval_split,
-                                                 flags_.batch_size, head_index)
+    acc, n, undecodable = evaluate.top1_accuracy(model, params, config, eval_split, top1_batch,
+                                                 head_index)
     of = '' if head_index is None else f' of {len(head_index)} of the {model.num_classes} classes'
     counted = f'{n} images with a ReaL label' if real else errors.count_of(n, 'image')
     counted += of + evaluate.not_counted(undecodable)
     rows.append(('top1', f'{eval_split} ReaL' if real else eval_split, f'{acc:.4f}  ({counted})'))
   if fewshot:
     rows += _fewshot_rows(flags_, model, params, config, datasets, train_split, eval_split, shots,
-                          seeds)
+                          seeds, fewshot_batch)
   if fewshot_skipped:
     rows.append(
         ('fewshot', config_checks.dataset_labels(datasets)[0], f'skipped: {fewshot_skipped}'))
@@ -208,7 +227,8 @@ def _head_index(flags_, config, eval_split, head_classes):
   return [recorded.index(n) for n in names]
 
 
-def _fewshot_rows(flags_, model, params, config, datasets, train_split, eval_split, shots, seeds):
+def _fewshot_rows(flags_, model, params, config, datasets, train_split, eval_split, shots, seeds,
+                  batch_size):
   """Table rows: each dataset's k-shot accuracy, then the mean over datasets if several."""
   # pylint: disable=g-import-not-at-top  (loaded by run)
   from vit_jax import evaluate
@@ -219,9 +239,9 @@ def _fewshot_rows(flags_, model, params, config, datasets, train_split, eval_spl
   for dataset, label in zip(datasets, config_checks.dataset_labels(datasets)):
     cfg = evaluate.data_config(config, dataset=dataset, split=eval_split)
     num_classes = input_pipeline.get_info(cfg).num_classes
-    train_x, train_y = evaluate.extract_features(model, params, cfg, train_split, flags_.batch_size)
+    train_x, train_y = evaluate.extract_features(model, params, cfg, train_split, batch_size)
     fit, skipped = _shots_that_fit(flags_, shots, train_y, cfg, train_split, label)
-    test_x, test_y = evaluate.extract_features(model, params, cfg, eval_split, flags_.batch_size)
+    test_x, test_y = evaluate.extract_features(model, params, cfg, eval_split, batch_size)
     results[label] = evaluate.fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes, fit,
                                                seeds, flags_.l2_reg, standardise=standardise)
     for k, r in results[label].items():
