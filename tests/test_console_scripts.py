@@ -45,7 +45,7 @@ def test_ctrl_c_while_the_command_imports_is_one_line(program):
   """It printed a KeyboardInterrupt traceback of ~40 lines."""
   out = _run_with_ctrl_c_in_import(program, COMMAND_MODULES[program],
                                    'os.kill(os.getpid(), signal.SIGINT)')
-  says = (main._EXIT_ON_SIGNAL[signal.SIGINT]
+  says = (main.exit_line(signal.SIGINT)
           if program == 'vit-train' else f'{program}: interrupted (Ctrl-C)')
   assert (out.returncode, out.stderr.splitlines(), out.stdout) == (130, [says],
                                                                    ''), out.stderr[-3000:]
@@ -58,7 +58,7 @@ def test_vit_train_takes_a_signal_while_it_imports_as_in_its_start_up(sig):
                                    f'os.kill(os.getpid(), signal.{sig})')
   signum = getattr(signal, sig)
   assert (out.returncode, out.stderr.splitlines()[-1:],
-          out.stdout) == (128 + signum, [main._EXIT_ON_SIGNAL[signum]], ''), out.stderr[-3000:]
+          out.stdout) == (128 + signum, [main.exit_line(signum)], ''), out.stderr[-3000:]
 
 
 @pytest.mark.parametrize('after_s', [0.01, 0.03])

@@ -727,24 +727,38 @@ def _patched_cli(tmp_path, code, *extra, **env):
                                                **env), capture_output=True, text=True, timeout=300)
 
 
-_OUTSIDE_THE_LOOP_SAYS = {
+_STOPPED_OUTSIDE_THE_LOOP = {
     'SIGTERM': (143, 'vit-train: preempted (SIGTERM) outside the training steps (set-up, compile '
-                'or wrap-up): the saved checkpoints are kept; run the same command to resume'),
+                'or wrap-up): {}'),
     'SIGHUP': (129, 'vit-train: the terminal closed (SIGHUP) outside the training steps (set-up, '
-               'compile or wrap-up): the saved checkpoints are kept; run the same command to '
-               'resume (under nohup, tmux or screen a run outlives its terminal)')
+               'compile or wrap-up): {} (under nohup, tmux or screen a run outlives its terminal)')
 }
+# What the line says is left: in a workdir with checkpoints, in a new one, in one not known yet.
+_KEPT = 'the saved checkpoints are kept; run the same command to resume'
+_NONE_SAVED = 'nothing was saved; run the same command to start again'
+_NOT_LOOKED_AT = 'nothing new was saved; run the same command again'
 
 
-@pytest.mark.parametrize('sig', list(_OUTSIDE_THE_LOOP_SAYS))
-@pytest.mark.parametrize('lands_in', ['set-up', 'a __del__'])
-def test_a_signal_before_the_loop_releases_the_lock_and_says_so(tmp_path, lands_in, sig):
+def _outside_the_loop_says(sig, left):
+  status, line = _STOPPED_OUTSIDE_THE_LOOP[sig]
+  return status, line.format(left)
+
+
+@pytest.mark.parametrize('sig,lands_in,resumed', [('SIGTERM', 'set-up', False),
+                                                  ('SIGTERM', 'a __del__', False),
+                                                  ('SIGHUP', 'set-up', False),
+                                                  ('SIGHUP', 'a __del__', False),
+                                                  ('SIGTERM', 'set-up', True)])
+def test_a_signal_before_the_loop_releases_the_lock_and_says_so(tmp_path, lands_in, sig, resumed):
   """A TPU VM preempted (SIGTERM) or a terminal closed (SIGHUP) while the run restores or
   compiles (minutes on a large model) got a plain signal death (143, 129), no message, and
   a lock left behind. Where the signal lands in a garbage-collection callback or a
   __del__, Python drops the handler's exception ("Exception ignored"): the run trained on
   to the end. Each exits with the shell's status for its signal, as in the loop (SIGTERM
-  had exited 0, which a resume loop or `&&` reads as a finished run)."""
+  had exited 0, which a resume loop or `&&` reads as a finished run). A new run's line had
+  said its saved checkpoints were kept."""
+  if resumed:  # a finished run: its rerun restores the state too
+    assert _cli(tmp_path, 'run')[0] == 0
   kill = f'os.kill(os.getpid(), signal.{sig})'
   code = ('import os, signal, sys\n'
           'from vit_jax import main, step\n'
@@ -758,7 +772,7 @@ def test_a_signal_before_the_loop_releases_the_lock_and_says_so(tmp_path, lands_
           'step.create_train_state = restored\n'
           'main.run()\n')
   proc = _patched_cli(tmp_path, code, VIT_JAX_HOST_ALLOCATOR='system')
-  status, says = _OUTSIDE_THE_LOOP_SAYS[sig]
+  status, says = _outside_the_loop_says(sig, _KEPT if resumed else _NONE_SAVED)
   assert proc.returncode == status, proc.stderr[-3000:]
   assert proc.stderr.strip().splitlines()[-1] == says
   # Where the user of a closed terminal, or of a preempted TPU VM, looks.
@@ -766,11 +780,11 @@ def test_a_signal_before_the_loop_releases_the_lock_and_says_so(tmp_path, lands_
   assert log.strip().splitlines()[-1].endswith(says), log[-2000:]
   assert not (tmp_path / 'run' / 'lock').exists()
   assert ('Exception ignored' in proc.stderr) == (lands_in == 'a __del__')
-  assert 'step 1/' not in proc.stderr and not (tmp_path / 'run' / 'final.npz').exists()
+  assert 'step 1/' not in proc.stderr
+  assert (tmp_path / 'run' / 'final.npz').exists() == resumed
 
 
-_INTERRUPTED_BEFORE_TRAINING = ('vit-train: interrupted (Ctrl-C) before training started: '
-                                'nothing new was saved; run the same command to start again')
+_INTERRUPTED_BEFORE_TRAINING = 'vit-train: interrupted (Ctrl-C) before training started: {}'
 
 
 @pytest.mark.parametrize('sig', ['SIGTERM', 'SIGHUP', 'SIGINT'])
@@ -792,7 +806,8 @@ def test_a_signal_during_start_up_is_its_one_line(tmp_path, sig, lands_in):
           'rundir.recorded_cpu_flags = read\n'
           'main.run()\n')
   proc = _patched_cli(tmp_path, code)  # jemalloc where installed: the re-exec's signal mask
-  status, says = dict(_OUTSIDE_THE_LOOP_SAYS, SIGINT=(130, _INTERRUPTED_BEFORE_TRAINING))[sig]
+  status, says = dict(_STOPPED_OUTSIDE_THE_LOOP, SIGINT=(130, _INTERRUPTED_BEFORE_TRAINING))[sig]
+  says = says.format(_NONE_SAVED)  # a workdir named, not there yet
   assert proc.returncode == status, proc.stderr[-3000:]
   assert proc.stderr.strip().splitlines() == [says]
   assert not (tmp_path / 'run').exists()
@@ -813,7 +828,7 @@ def test_sigterm_inside_jaxlibs_initialisation_waits_for_it(tmp_path, after_s):
           'from vit_jax import main\n'
           'main.run()\n')
   proc = _patched_cli(tmp_path, code, VIT_JAX_HOST_ALLOCATOR='system')
-  status, says = _OUTSIDE_THE_LOOP_SAYS['SIGTERM']
+  status, says = _outside_the_loop_says('SIGTERM', _NOT_LOOKED_AT)  # flags not read yet
   assert (proc.returncode, proc.stderr.strip().splitlines()) == (status, [says
                                                                          ]), proc.stderr[-3000:]
 
@@ -828,7 +843,8 @@ def test_a_signal_pending_across_the_allocator_re_exec_lands_after_it(tmp_path):
           'from vit_jax import main\n'
           'main.run()\n')
   proc = _patched_cli(tmp_path, code)
-  status, says = _OUTSIDE_THE_LOOP_SAYS['SIGTERM']
+  status, says = _outside_the_loop_says('SIGTERM',
+                                        _NOT_LOOKED_AT)  # lands before the flags are read
   assert proc.returncode == status, proc.stderr[-3000:]
   assert proc.stderr.strip().splitlines() == [says]
   assert not (tmp_path / 'run').exists()
@@ -850,7 +866,7 @@ def test_a_signal_as_the_checkpoints_open_is_the_last_line(tmp_path):
           'checkpoint.train_state_manager = made\n'
           'main.run()\n')
   proc = _patched_cli(tmp_path, code, VIT_JAX_HOST_ALLOCATOR='system')
-  status, says = _OUTSIDE_THE_LOOP_SAYS['SIGTERM']
+  status, says = _outside_the_loop_says('SIGTERM', _NONE_SAVED)  # an unfinished save only
   assert proc.returncode == status, proc.stderr[-3000:]
   assert proc.stderr.strip().splitlines()[-1] == says, proc.stderr[-3000:]
   assert not cut_short.exists() and not (tmp_path / 'run' / 'lock').exists()

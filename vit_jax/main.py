@@ -235,6 +235,7 @@ def _open_log(workdir, cpu_devices):
 
 
 def main(argv):
+  global _workdir  # pylint: disable=global-statement  (for a signal's last line)
   cli_help.refuse_arguments(_program(argv), argv,
                             'a folder is --workdir=DIR, a config --config=NAME')
   # The first import of jax: a signal handler's exception raised inside jaxlib's extension
@@ -244,6 +245,7 @@ def main(argv):
   try:
     # Before TensorFlow and the backend start: a mistyped value is one line in ~2 s, not ~9.
     workdir = paths.resolve_folder_flag(FLAGS.workdir)  # once: orbax refuses relative paths
+    _workdir = workdir
     config_checks.validate_before_devices(FLAGS.config)
   except ValueError as e:
     sys.exit(f'{errors.PROGRAM}: {e}')
@@ -286,24 +288,45 @@ def main(argv):
 
 
 # A signal outside the training steps (start-up, set-up, restore, compile, wrap-up): the one
-# line. The exit status is the shell's for the signal (128 + its number), as in the loop.
-_EXIT_ON_SIGNAL = {
-    signal.SIGTERM:
-        f'{errors.PROGRAM}: preempted (SIGTERM) outside the training steps (set-up, compile or '
-        'wrap-up): the saved checkpoints are kept; run the same command to resume',
-    signal.SIGHUP:
-        f'{errors.PROGRAM}: the terminal closed (SIGHUP) outside the training steps (set-up, '
-        'compile or wrap-up): the saved checkpoints are kept; run the same command to '
-        'resume (under nohup, tmux or screen a run outlives its terminal)',
-    signal.SIGINT:
-        f'{errors.PROGRAM}: interrupted (Ctrl-C) before training started: nothing new was '
-        'saved; run the same command to start again',
+# line, what happened and then what is left (by whether the workdir holds results). The exit
+# status is the shell's for the signal (128 + its number), as in the loop.
+_STOPPED_OUTSIDE_THE_LOOP = {
+    signal.SIGTERM: 'preempted (SIGTERM) outside the training steps (set-up, compile or wrap-up)',
+    signal.SIGHUP: ('the terminal closed (SIGHUP) outside the training steps (set-up, compile '
+                    'or wrap-up)'),
+    signal.SIGINT: 'interrupted (Ctrl-C) before training started',
 }
+_LEFT_IN_THE_WORKDIR = {
+    True: 'the saved checkpoints are kept; run the same command to resume',
+    False: 'nothing was saved; run the same command to start again',
+    None: 'nothing new was saved; run the same command again',  # the workdir not looked at yet
+}
+_workdir = None  # the run's, once main has resolved it
+
+
+def exit_line(signum, saved=None):
+  """The last line of a run that `signum` stopped outside the training steps; `saved`:
+  whether its workdir holds checkpoints or a final.npz (None: not known yet)."""
+  hint = ' (under nohup, tmux or screen a run outlives its terminal)'
+  return (f'{errors.PROGRAM}: {_STOPPED_OUTSIDE_THE_LOOP[signum]}: {_LEFT_IN_THE_WORKDIR[saved]}' +
+          (hint if signum == signal.SIGHUP else ''))
+
+
+def _saved():
+  """Whether the run's workdir holds results (None where it was not resolved yet, or
+  cannot be read; TensorFlow is not imported for it)."""
+  rundir = sys.modules.get('vit_jax.rundir')
+  if _workdir is None or rundir is None:
+    return None
+  try:
+    return bool(rundir.has_results(_workdir))
+  except Exception:  # pylint: disable=broad-except  (a gs:// error: say what is sure)
+    return None
 
 
 def _exit_outside_the_loop(signum, log_open):
-  """Ends the run with the line _EXIT_ON_SIGNAL gives `signum`, status 128 + `signum`."""
-  _exit_with(_EXIT_ON_SIGNAL[signum], log_open, 128 + signum)
+  """Ends the run with exit_line's line for `signum`, status 128 + `signum`."""
+  _exit_with(exit_line(signum, _saved()), log_open, 128 + signum)
 
 
 class _StoppedWhileStarting(BaseException):
@@ -333,7 +356,7 @@ def _stop_while_starting():
   checks) with their one line: SIGTERM and SIGHUP had killed it silently (status 143, 129)
   and Ctrl-C printed a traceback. A signal ignored from the start (nohup's SIGHUP, a
   background job's Ctrl-C) stays ignored."""
-  for sig in _EXIT_ON_SIGNAL:
+  for sig in _STOPPED_OUTSIDE_THE_LOOP:
     if signal.getsignal(sig) != signal.SIG_IGN:
       signal.signal(sig, _stopped_while_starting)
   shown = sys.unraisablehook
@@ -345,14 +368,14 @@ def _stop_while_starting():
   sys.unraisablehook = lost_ones_unshown
   # One that came while the console script imported this module (vit_jax/console_scripts.py)
   # or host_allocator re-executed the process waited, blocked: now it lands.
-  signal.pthread_sigmask(signal.SIG_UNBLOCK, list(_EXIT_ON_SIGNAL))
+  signal.pthread_sigmask(signal.SIG_UNBLOCK, list(_STOPPED_OUTSIDE_THE_LOOP))
 
 
 def _started():
   """Python's own handlers back, for train_and_evaluate's; also before a multi-host
   start-up's jax.distributed.initialize, which a Python handler could not interrupt."""
   defaults = {signal.SIGINT: signal.default_int_handler}
-  for sig in _EXIT_ON_SIGNAL:
+  for sig in _STOPPED_OUTSIDE_THE_LOOP:
     if signal.getsignal(sig) is _stopped_while_starting:
       signal.signal(sig, defaults.get(sig, signal.SIG_DFL))
   if _RECEIVED_WHILE_STARTING:  # received, but its exception was lost

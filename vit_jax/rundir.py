@@ -35,7 +35,7 @@ def recorded_cpu_flags(workdir):
   checkpoint or final.npz yet, or no record)."""
   path = os.path.join(workdir, CPU_FLAGS_FILE)
   try:
-    if not (tf.io.gfile.exists(path) and _has_results(workdir)):
+    if not (tf.io.gfile.exists(path) and has_results(workdir)):
       return None
     with tf.io.gfile.GFile(path) as f:
       return tuple(json.load(f)['flags'])
@@ -129,7 +129,7 @@ def _flatten(tree, prefix=''):
   return out
 
 
-def _has_results(workdir):
+def has_results(workdir):
   """Whether `workdir` holds something a run with another config would spoil."""
   ckpt = os.path.join(workdir, 'checkpoints')
   steps = tf.io.gfile.isdir(ckpt) and any(
@@ -157,7 +157,7 @@ def check_resume_config(config, workdir):
   """Refuses (ConfigError) a config whose result-changing fields differ from the one of
   the run in `workdir`, unless config.resume_changes names them ('*': any)."""
   path = os.path.join(workdir, 'config.json')
-  if not _has_results(workdir):
+  if not has_results(workdir):
     return
   # The loop writes config.json before its first save, so results without it mean the file
   # was lost: resuming would check nothing and then record this config as the run's.
