@@ -311,25 +311,37 @@ def test_a_finished_run_taken_further_sets_its_final_npz_aside(idx_dir, tmp_path
 
 def test_final_npz_set_aside_under_its_own_step_and_never_over_another(idx_dir, tmp_path, caplog):
   """A finished run whose newest checkpoints are gone resumes from an older one: its
-  final.npz had been renamed after the restored step (final.step2.npz holding step 4), and
-  an earlier final.step<N>.npz had been overwritten."""
+  final.npz had been renamed after the restored step (final.step2.npz holding step 4), an
+  earlier final.step<N>.npz had been overwritten, and where the steps trained again gave the
+  same parameters (resume is bit-identical) two copies of them were left."""
   run = str(tmp_path / 'run')
   config = _config(idx_dir, total_steps=4, checkpoint_every_steps=2)
   train.train_and_evaluate(config, run)
-  first = np.load(os.path.join(run, 'final.npz'))['head/bias']
+  final = os.path.join(run, 'final.npz')
+  first = checkpoint.load_npz(final)
   shutil.rmtree(os.path.join(run, 'checkpoints', '4'))
   with caplog.at_level(logging.WARNING):
     train.train_and_evaluate(config, run)
   kept = os.path.join(run, 'final.step4.npz')
   assert (f'Renamed the final.npz of step 4 to {kept}: this run resumed from step 2 and trains '
-          'its own') in caplog.text
-  np.testing.assert_array_equal(np.load(kept)['head/bias'], first)
-  np.testing.assert_array_equal(np.load(os.path.join(run, 'final.npz'))['head/bias'], first)
-  shutil.rmtree(os.path.join(run, 'checkpoints', '4'))  # again: step4.npz is not replaced
+          f'its own') in caplog.text
+  assert (f'Removed {kept}: the new {final} holds the same parameters, bit for bit'
+          in caplog.text), caplog.text
+  assert sorted(f for f in os.listdir(run) if f.startswith('final')) == ['final.npz']
+  _assert_trees_close(checkpoint.load_npz(final), first, 0.0)
+  # Other parameters in final.npz (a result this config does not give again) and a
+  # final.step4.npz already there: both kept, neither replaced.
+  other = jax.tree.map(lambda x: np.asarray(x) + 1, first)
+  checkpoint.save_npz(final, other)
+  shutil.copy(final, kept)
+  shutil.rmtree(os.path.join(run, 'checkpoints', '4'))
   train.train_and_evaluate(config, run)
   assert sorted(f for f in os.listdir(run) if f.startswith('final')) == [
       'final.npz', 'final.step4.2.npz', 'final.step4.npz'
   ]
+  for name in ('final.step4.2.npz', 'final.step4.npz'):
+    _assert_trees_close(checkpoint.load_npz(os.path.join(run, name)), other, 0.0)
+  _assert_trees_close(checkpoint.load_npz(final), first, 0.0)
 
 
 def test_a_final_npz_without_checkpoints_is_not_trained_over(idx_dir, tmp_path):

@@ -566,7 +566,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                           f'{step}; check what the workdir holds, then run the same command '
                           'to go on from it')
     check_save(block=True)
-    _set_aside_earlier_final(workdir, start, info.num_train_examples)
+    saves['set_aside'] = (_set_aside_earlier_final(workdir, start, info.num_train_examples)
+                          or saves.get('set_aside'))
     saves['pending'] = step
     write_config()
     try:
@@ -715,6 +716,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
           raise TrainingError(f'{final} could not be written: {errors.write_failure(e, final)}, '
                               'then run the same command to write it (the checkpoint of the '
                               f'last step, {total_steps}, is saved)') from None
+        _drop_an_identical_copy(saves.get('set_aside'), final)
       if preemption.requested:  # during the last evaluation, which went on
         logging.warning('%s came after the last step: the run finished all the same',
                         preemption.requested)
@@ -755,10 +757,11 @@ def _set_aside_earlier_final(workdir, start, num_train_examples):
   is saved, so that vit-evaluate and vit-predict do not take the earlier run's parameters
   for this one's (they had, with exit 0, while it was at step 300 of 1500); a sweep sees the
   point unfinished. Kept until then: an extension that diverges before its first save leaves
-  the workdir as it was. An earlier final.step<N>.npz is never replaced."""
+  the workdir as it was. An earlier final.step<N>.npz is never replaced. Returns the name
+  it was given (None: nothing renamed)."""
   final = os.path.join(workdir, 'final.npz')
   if not (start and jax.process_index() == 0 and tf.io.gfile.exists(final)):
-    return
+    return None
   recorded = rundir.recorded_config(workdir)
   try:  # the restored step where the record is unreadable (config.json is checked at start)
     step = optim.total_steps(recorded, num_train_examples) if recorded else start
@@ -776,6 +779,25 @@ def _set_aside_earlier_final(workdir, start, num_train_examples):
         'and trains its own', step, kept, start)
   else:
     logging.warning('Renamed the final.npz of step %d to %s: this run goes on past it', step, kept)
+  return kept
+
+
+def _drop_an_identical_copy(set_aside, final):
+  """Removes `set_aside` (the final.npz that _set_aside_earlier_final renamed) where it holds
+  the same bytes as the new `final`: a finished run whose newest checkpoint was deleted
+  trains its last steps again to the same result (resume is bit-identical), and had left
+  two copies of it."""
+  if not (set_aside and tf.io.gfile.exists(set_aside)):
+    return
+  with tf.io.gfile.GFile(set_aside, 'rb') as a, tf.io.gfile.GFile(final, 'rb') as b:
+    while True:
+      chunk = a.read(1 << 24)
+      if chunk != b.read(1 << 24):
+        return
+      if not chunk:
+        break
+  tf.io.gfile.remove(set_aside)
+  logging.warning('Removed %s: the new %s holds the same parameters, bit for bit', set_aside, final)
 
 
 def _save_after_a_failure(save, check_save, step):
