@@ -481,13 +481,20 @@ def test_when_every_checkpoint_is_damaged_the_run_says_it_starts_again(good, tmp
       np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
-def test_a_checkpoint_without_its_metadata_file_falls_back(good, tmp_path):
+@pytest.mark.parametrize('damage', ['removed', 'garbled'])
+def test_a_checkpoint_without_its_metadata_file_falls_back(good, tmp_path, damage):
   # The step's metadata file holds the checksums and where each array is in the packed
   # buffers (vit_jax/packed_state.py): without it, the step is damaged, not another model's.
+  # Garbled, orbax had logged three errors above the warning, each with the file's bytes.
   run = _copy(good, tmp_path)
-  os.remove(run / 'checkpoints/30/_CHECKPOINT_METADATA')
+  metadata = run / 'checkpoints/30/_CHECKPOINT_METADATA'
+  if damage == 'removed':
+    os.remove(metadata)
+  else:
+    metadata.write_bytes(b'\x00\x17garbled\xff' * 100)
   rc, err, last = _cli(tmp_path, 'run')
   assert rc == 0, err[-3000:]
+  assert 'garbled' not in err and 'Metadata file' not in err, err[-3000:]
   assert re.search(
       r'Checkpoint of step 30 .* cannot be restored \(its metadata is unreadable\): '
       r'moved to', err), err[-3000:]

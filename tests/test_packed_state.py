@@ -155,6 +155,18 @@ def test_a_layout_of_another_version_stops_without_moving_the_checkpoint(tmp_pat
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['7']
 
 
+def test_saved_arrays_of_a_step_whose_metadata_is_garbled_says_so(tmp_path, caplog):
+  # Its layout lost, the packed buffers had been read as the arrays of an old checkpoint and
+  # reported as not fitting the model.
+  _save(tmp_path, _state(_mesh()))
+  (tmp_path / 'checkpoints' / '7' / '_CHECKPOINT_METADATA').write_text('garbled')
+  with pytest.raises(ValueError) as e:
+    checkpoint.saved_arrays(str(tmp_path / 'checkpoints'), 7)
+  assert str(e.value).endswith('/7 cannot be read (its metadata is unreadable): it is damaged; '
+                               'no other step is there')
+  assert 'garbled' not in caplog.text  # orbax's error, with the file's content: dropped
+
+
 def test_saved_arrays_names_the_steps_there_are(tmp_path):
   _save(tmp_path, _state(_mesh()))
   with pytest.raises(ValueError) as e:

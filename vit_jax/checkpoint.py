@@ -590,6 +590,7 @@ def train_state_manager(directory, keep):
   mid-save resumes from the previous complete step.
   """
   _remove_unfinished_saves(directory)
+  _drop_unreadable_metadata_notices()
   options = ocp.CheckpointManagerOptions(max_to_keep=None if keep == -1 else keep, create=True)
   if jax.devices()[0].platform == 'cpu':
     _save_each_replicated_array_from_one_replica()
@@ -838,6 +839,24 @@ def _restore(manager, step, abstract_state, layout):
   return packed_state.unpack(restored, layout, abstract_state)
 
 
+class _UnreadableMetadataNotice(std_logging.Filter):
+  """Drops orbax's notices that a step's metadata file is missing or cannot be read or
+  parsed: three each, from its threads, a garbled file's whole content in them;
+  restore_train_state reports such a step itself, in one line ('its metadata is
+  unreadable'), and reading it through saved_arrays fails with the step named."""
+  _NOTICES = ('Metadata file does not exist', 'Failed to json parse Metadata file',
+              'Failed to read Metadata file')
+
+  def filter(self, record):
+    return not ('/orbax/' in record.pathname and record.getMessage().startswith(self._NOTICES))
+
+
+def _drop_unreadable_metadata_notices():
+  absl_logger = std_logging.getLogger('absl')
+  if not any(isinstance(f, _UnreadableMetadataNotice) for f in absl_logger.filters):
+    absl_logger.addFilter(_UnreadableMetadataNotice())
+
+
 class _ReadOnlyNotice(std_logging.Filter):
   """Drops orbax's warning that a read-only manager's directory is read only (asked for)."""
 
@@ -852,6 +871,7 @@ def saved_arrays(directory, step=None):
   The checksums are not checked (restore_train_state does)."""
   # Read-only as orbax would set it, so that it warns of nothing it changed.
   options = ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0, create=False)
+  _drop_unreadable_metadata_notices()
   notice = _ReadOnlyNotice()
   std_logging.getLogger('absl').addFilter(notice)
   try:
@@ -890,8 +910,10 @@ def _restore_on_host(manager, step):
   layout = _custom_metadata(manager, step).get(_LAYOUT)
   host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend='cpu')[0])
   if layout is None:  # written before packed_state: orbax's tree of the state
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=host),
-                          dict(manager.item_metadata(step)))
+    tree = dict(manager.item_metadata(step))
+    if {'packed', 'arrays'} & set(tree):  # packed_state's, its layout lost with the metadata
+      raise ValueError('its metadata is unreadable')
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=host), tree)
     return manager.restore(step, args=ocp.args.StandardRestore(target))
   abstract = packed_state.nest({
       e['path']: jax.ShapeDtypeStruct(tuple(e['shape']), np.dtype(e['dtype']), sharding=host)
