@@ -344,6 +344,25 @@ def test_final_npz_set_aside_under_its_own_step_and_never_over_another(idx_dir, 
   _assert_trees_close(checkpoint.load_npz(final), first, 0.0)
 
 
+def test_a_finished_run_started_again_evaluates_without_compiling_a_step(
+    idx_dir, tmp_path, monkeypatch):
+  """The README's command run again on a finished run prints its final line; it had
+  compiled the train step and timed the CPU's peak a second time first (4 of 11 s)."""
+  run = str(tmp_path / 'run')
+  config = _config(idx_dir, total_steps=2)
+  first = train.train_and_evaluate(config, run)
+  exported = checkpoint.load_npz(os.path.join(run, 'final.npz'))
+
+  def not_wanted(*args, **kwargs):
+    raise AssertionError('a finished run compiled its train step')
+
+  monkeypatch.setattr(train, '_fitting_train_step', not_wanted)
+  monkeypatch.setattr(device_peaks, 'better_cpu_peak', not_wanted)
+  again = train.train_and_evaluate(config, run)
+  assert (again['step'], again['accuracy']) == (2, first['accuracy'])
+  _assert_trees_close(checkpoint.load_npz(os.path.join(run, 'final.npz')), exported, 0.0)
+
+
 def test_a_final_npz_without_checkpoints_is_not_trained_over(idx_dir, tmp_path):
   """Checkpoints deleted to free space: the same command had trained again from step 0 in
   silence and replaced final.npz (and config.json) with the new run's."""

@@ -469,20 +469,24 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   if (step_lib.compiler_options(config) or {}).items() >= step_lib.NO_COMMAND_BUFFERS.items():
     logging.info('the step compiles without XLA:GPU\'s command buffers (CUDA graphs), which '
                  'slowed a ViT\'s step in the preallocated pool (vit_jax/step.py)')
-  t_build = time.perf_counter()
-  jitted_step, config = _fitting_train_step(
-      config, model, tx, schedule, mesh, (state_sh, batch_sharding, replicated),
-      (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                    state), abstract_batch, jax.ShapeDtypeStruct((2,), jnp.uint32)))
-  build_seconds = time.perf_counter() - t_build  # ahead-of-time compilation, if any
-  if peak_source == 'measured':
-    earlier, peak = peak, device_peaks.better_cpu_peak(config.dtype, peak)
-    logging.info(
-        'peak %s per device, timed again after compiling (%s before): MFU takes the '
-        'better', chrono_lib.rate_text(peak), chrono_lib.rate_text(earlier))
-  # Every local device's temporaries are in this process's heap (CPU devices share it).
-  heap_wait = host_memory.TemporariesWait(
-      _temp_bytes(jitted_step) * len(mesh.local_devices), platform=jax.devices()[0].platform)
+  # A finished run started again trains no step: it evaluates and writes final.npz, without
+  # the step's compilation and the peak's second timing (4 of the quickstart's 11 s).
+  jitted_step, build_seconds, temp_bytes = None, 0.0, 0
+  if start < total_steps:
+    t_build = time.perf_counter()
+    jitted_step, config = _fitting_train_step(
+        config, model, tx, schedule, mesh, (state_sh, batch_sharding, replicated),
+        (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                      state), abstract_batch, jax.ShapeDtypeStruct((2,), jnp.uint32)))
+    build_seconds = time.perf_counter() - t_build  # ahead-of-time compilation, if any
+    # Every local device's temporaries are in this process's heap (CPU devices share it).
+    temp_bytes = _temp_bytes(jitted_step) * len(mesh.local_devices)
+    if peak_source == 'measured':
+      earlier, peak = peak, device_peaks.better_cpu_peak(config.dtype, peak)
+      logging.info(
+          'peak %s per device, timed again after compiling (%s before): MFU takes the '
+          'better', chrono_lib.rate_text(peak), chrono_lib.rate_text(earlier))
+  heap_wait = host_memory.TemporariesWait(temp_bytes, platform=jax.devices()[0].platform)
   host_memory.drop_traces()
   # memory_analysis() in _temp_bytes leaves 50-130 MiB of freed pages that the step's
   # buffers do not reuse (benchmarks/README.md, twenty-first session).
