@@ -274,6 +274,14 @@ def test_a_damaged_npz_is_one_line_and_a_workdir_is_told_to_rerun(tmp_path):
   config = c.to_json_best_effort()
   (run / 'config.json').write_text(config)
   checkpoint.load_run(str(run))  # intact
+  newer = json.loads(config)  # a model field of a newer vit_jax: the file had not been named
+  newer['model']['legacy_nested'] = 1
+  (run / 'config.json').write_text(json.dumps(newer))
+  with pytest.raises(
+      ValueError, match=r'config.json names a model this version of vit_jax cannot build \('
+      r'Unknown field\(s\) legacy_nested .*\): read it with the version of vit_jax that wrote it'):
+    checkpoint.load_run(str(run))
+  (run / 'config.json').write_text(config)
   _damage(run / 'final.npz', os.path.getsize(run / 'final.npz') // 3)
   with pytest.raises(ValueError, match=r'final.npz is damaged \(.*CRC.*\): download or export'):
     checkpoint.load_npz(str(run / 'final.npz'))

@@ -214,8 +214,19 @@ def test_changed_config_is_refused(good, tmp_path):
   rc, err, last = _cli(tmp_path, 'run', '--config.seed=1', '--config.model.hidden_size=32')
   assert rc == 1, err[-3000:]
   assert last.startswith('vit-train: workdir') and 'another config' in last, last
-  assert 'model.hidden_size 64 -> 32' in last and 'seed 0 -> 1' in last
-  assert '--config.resume_changes=model.hidden_size,seed' in last
+  # A field that shapes the parameters: no resume_changes offered (it had been, and then
+  # the checkpoints did not fit); the run's own values are (a config's defaults change
+  # between versions of vit_jax).
+  assert last == (f'vit-train: workdir {run} holds a run with another config (model.hidden_size '
+                  '64 -> 32, seed 0 -> 1): to go on with that run, pass its values '
+                  '(--config.model.hidden_size=64 --config.seed=0); model.hidden_size shapes the '
+                  'parameters, which a resume cannot change; or use another --workdir'), last
+  # The resume_changes given stay in the one offered.
+  rc, err, last = _cli(tmp_path, 'run', '--config.seed=1', '--config.total_steps=40',
+                       '--config.resume_changes=total_steps')
+  assert last.endswith('seed 0 -> 1): to go on with that run, pass its value (--config.seed=0); '
+                       'to change it, pass --config.resume_changes=total_steps,seed; or use '
+                       'another --workdir'), last
   assert _read(run / 'config.json') == config  # written only after the check passes
   assert _steps(run) == ['10', '20', '30']
   # A mistyped name had let nothing through, and the refusal above named it again.
@@ -571,6 +582,24 @@ def test_a_checkpoint_whose_bytes_changed_is_not_trained_on_or_exported(good, tm
       np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+def test_a_config_json_lacking_fields_is_named_on_resume(good, tmp_path):
+  """A run written by an earlier vit_jax (or an edited config.json) lacks fields: the resume
+  had gone on under the new config's values for them without a word, then recorded those
+  as the run's."""
+  run = _copy(good, tmp_path)
+  recorded = json.loads(_read(run / 'config.json'))
+  del recorded['seed'], recorded['cpu_devices']
+  (run / 'config.json').write_text(json.dumps(recorded))
+  os.remove(run / 'final.npz')
+  shutil.rmtree(run / 'checkpoints' / '30')
+  rc, err, last = _cli(tmp_path, 'run', '--config.seed=5')
+  assert rc == 0, err[-3000:]
+  assert (f'{run}/config.json lacks 2 fields (written by another version of vit_jax, or '
+          "edited): the run goes on with this config's values for them (seed=5, cpu_devices=2), "
+          'which config.json records from its next save') in err, err[-3000:]
+  assert json.loads(_read(run / 'config.json'))['seed'] == 5
+
+
 def test_workdir_of_another_model_says_so(good, tmp_path):
   """The flag it suggests is quoted for a shell: a workdir with a space had broken it."""
   _copy(good, tmp_path, 'my run')
@@ -581,6 +610,12 @@ def test_workdir_of_another_model_says_so(good, tmp_path):
   assert 'checkpoint (64,) vs model (32,)' in last
   assert last.endswith(f"--config.pretrained_path='{tmp_path}/my run/final.npz'"), last
   assert 'Traceback' not in err
+  # Part-way (no final.npz): that file had been offered all the same.
+  os.remove(tmp_path / 'my run' / 'final.npz')
+  rc, err, last = _cli(tmp_path, 'my run', '--config.model.hidden_size=32',
+                       '--config.resume_changes=model')
+  assert last.endswith(f'use another --workdir, or go on with that run under the model of its '
+                       f'config ({tmp_path}/my run/config.json)'), last
 
 
 # 2. Save failures.

@@ -410,7 +410,8 @@ def test_a_finished_task_of_other_flags_is_refused(tmp_path, monkeypatch, capsys
       vtab_launch.main([*flags, f'--config.base_lr={config.base_lr * 10}'])
     assert str(e.value).startswith(
         f'vit-vtab: error: task dtd: workdir v/dtd holds a run with another config (base_lr '
-        f'{config.base_lr!r} -> {config.base_lr * 10!r}): use another --workdir'), e.value
+        f'{config.base_lr!r} -> {config.base_lr * 10!r}): to go on with that run, pass its '
+        f'value (--config.base_lr={config.base_lr!r})'), e.value
   # A summary with --dev would have called the test split's accuracy the val200 one's.
   with pytest.raises(SystemExit, match='task dtd: workdir v/dtd holds a run with another '):
     vtab_launch.main([*argv[:-1], '--summarize-only', '--dev'])

@@ -516,6 +516,10 @@ def load_run(workdir, step=None):
     raise ValueError(f'{config_path} has no field {e.name!r} (edited, or written by another '
                      'version): restore it, or run the run\'s vit-train command again with '
                      '--config.resume_changes=\'*\' to write it again') from None
+  except ValueError as e:  # a model field this version does not know (a newer one's run)
+    raise ValueError(f'{config_path} names a model this version of vit_jax cannot build ({e}): '
+                     'read it with the version of vit_jax that wrote it (a newer one?), or '
+                     'restore the file if it was edited') from None
   # A final.npz of another run or model copied in, or one edited: one line, not flax's
   # ScopeParamShapeError traceback at the first forward pass.
   for key, spec in _target_shapes(model, image_size).items():

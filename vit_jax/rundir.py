@@ -198,14 +198,49 @@ def check_resume_config(config, workdir):
     return (key in _FREE_FIELDS or key.startswith(_FREE_PREFIXES)
             or any(key == a or key.startswith(a + '.') for a in allowed))
 
+  lacking = sorted(set(new) - set(old), key=lambda k: (free(k), k))  # result-changing first
+  if lacking:  # written by an earlier vit_jax (or edited): what the run used is not known
+    shown = ', '.join(f'{k}={_flag_value(new[k])}' for k in lacking[:4])
+    more = f' and {len(lacking) - 4} more' if len(lacking) > 4 else ''
+    logging.warning(
+        '%s lacks %s (written by another version of vit_jax, or edited): the run goes on '
+        'with this config\'s values for them (%s%s), which config.json records from its next '
+        'save', path, errors.count_of(len(lacking), 'field'), shown, more)
+
   changed = [k for k in sorted(old) if k in new and old[k] != new[k] and not free(k)]
   if changed:
     shown = ', '.join(f'{k} {old[k]!r} -> {new[k]!r}' for k in changed[:4])
     more = f' and {len(changed) - 4} more' if len(changed) > 4 else ''
+    # The run's own values first: a config's defaults change between versions of vit_jax
+    # (the quickstart's patches went from 4 to 7), and a field that shapes the parameters
+    # cannot be changed by a resume at all.
+    back = ' '.join(f'--config.{k}={_flag_value(old[k])}' for k in changed)
+    shaping = [k for k in changed if _shapes_parameters(k)]
+    if shaping:
+      change = (f'{", ".join(shaping)} shape{"s" if len(shaping) == 1 else ""} the parameters, '
+                'which a resume cannot change')
+    else:
+      change = (f'to change {"it" if len(changed) == 1 else "them"}, pass '
+                f'--config.resume_changes={",".join([*allowed, *changed])}')
     raise errors.ConfigError(
-        f'workdir {workdir} holds a run with another config ({shown}{more}): use another '
-        f'--workdir, or pass --config.resume_changes={",".join(changed)} if the change is '
-        'intended')
+        f'workdir {workdir} holds a run with another config ({shown}{more}): to go on with '
+        f'that run, pass its value{"s" if len(changed) > 1 else ""} ({back}); {change}; or use '
+        'another --workdir')
+
+
+def _flag_value(value):
+  """A config.json value as a --config.x= flag's value in a shell."""
+  if isinstance(value, list):  # a tuple in the config
+    value = tuple(value)
+  return value if isinstance(value, (bool, int, float)) else shlex.quote(str(value))
+
+
+def _shapes_parameters(field):
+  """Whether a config field decides the shape of some parameter (the model's own fields
+  other than its dropout rates, the model, the head's classes)."""
+  if field.startswith('model.'):
+    return not field.endswith('dropout_rate')
+  return field in ('model_name', 'num_classes')
 
 
 def _check_polyak_kept(old, new, workdir):

@@ -395,10 +395,14 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   try:
     state, state_sh = step_lib.create_train_state(config, model, tx, mesh, num_classes, manager)
   except checkpoint.DifferentModelError as e:
-    final = f'--config.pretrained_path={shlex.quote(os.path.join(workdir, "final.npz"))}'
+    final_path = os.path.join(workdir, 'final.npz')
+    final = f'--config.pretrained_path={shlex.quote(final_path)}'
     # Masked patch pre-training starts from scratch: only a classification run fine-tunes.
     start = (f'fine-tune a classification config from that run with {final}'
              if masked_patches.is_masked(config) else f'fine-tune from that run with {final}')
+    if not tf.io.gfile.exists(final_path):  # part-way: nothing to fine-tune from yet
+      start = ('go on with that run under the model of its config '
+               f'({os.path.join(workdir, "config.json")})')
     raise ConfigError(f'workdir {workdir} holds checkpoints of another model ({e}): use another '
                       f'--workdir, or {start}') from None
   except checkpoint.UnreadableFileError as e:  # the pretrained file, damaged or unreachable
