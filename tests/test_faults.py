@@ -885,8 +885,8 @@ def test_a_signal_pending_across_the_allocator_re_exec_lands_after_it(tmp_path):
           'from vit_jax import main\n'
           'main.run()\n')
   proc = _patched_cli(tmp_path, code)
-  status, says = _outside_the_loop_says('SIGTERM',
-                                        _NOT_LOOKED_AT)  # lands before the flags are read
+  # It lands before the flags are read.
+  status, says = _outside_the_loop_says('SIGTERM', _NOT_LOOKED_AT)
   assert proc.returncode == status, proc.stderr[-3000:]
   assert proc.stderr.strip().splitlines() == [says]
   assert not (tmp_path / 'run').exists()
