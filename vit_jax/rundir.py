@@ -172,10 +172,16 @@ def check_resume_config(config, workdir):
   new = _flatten(json.loads(config.to_json_best_effort()))
   if not unreadable:
     _check_polyak_kept(old, new, workdir)
+
+  def free(key):
+    return (key in _FREE_FIELDS or key.startswith(_FREE_PREFIXES)
+            or any(key == a or key.startswith(a + '.') for a in allowed))
+
+  # Fields the record lacks (written by an earlier vit_jax, or edited), result-changing first.
+  lacking = [] if unreadable else sorted(set(new) - set(old), key=lambda k: (free(k), k))
   if '*' in allowed:
     # A finished run started again writes nothing: without this a lost or damaged file, or
-    # one that lacks fields (edited, or written by another version), stays so.
-    lacking = [] if unreadable else sorted(set(new) - set(old))
+    # one that lacks fields, stays so.
     if unreadable or lacking:
       why = unreadable or f'has no field {lacking[0]!r} (and {len(lacking) - 1} more)'
       logging.warning(
@@ -194,12 +200,7 @@ def check_resume_config(config, workdir):
                              'set --config.resume_changes to fields of the config (e.g. '
                              "base_lr,total_steps), or '*' for any")
 
-  def free(key):
-    return (key in _FREE_FIELDS or key.startswith(_FREE_PREFIXES)
-            or any(key == a or key.startswith(a + '.') for a in allowed))
-
-  lacking = sorted(set(new) - set(old), key=lambda k: (free(k), k))  # result-changing first
-  if lacking:  # written by an earlier vit_jax (or edited): what the run used is not known
+  if lacking:  # what the run used for them is not known
     shown = ', '.join(f'{k}={_flag_value(new[k])}' for k in lacking[:4])
     more = f' and {len(lacking) - 4} more' if len(lacking) > 4 else ''
     logging.warning(
