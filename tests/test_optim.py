@@ -196,6 +196,7 @@ def test_validate_accepts_good_config():
     (dict(warmup_steps=-1), 'warmup_steps'),
     (dict(warmup_steps=20000, total_steps=10000), 'warmup_steps'),
     (dict(total_steps=-1, num_epochs=-1.0), 'total_steps'),
+    (dict(total_steps=100, num_epochs=2.0), 'total_steps'),
     (dict(batch_size=0), 'batch_size'),
     (dict(accum_steps=3), 'accum_steps'),
     (dict(weight_decay=-0.1), 'weight_decay'),

@@ -17,6 +17,7 @@ import types
 import jax
 import numpy as np
 import pytest
+import tensorflow_datasets as tfds
 
 from vit_jax.configs import quickstart
 from vit_jax import checkpoint
@@ -853,6 +854,10 @@ def test_a_value_of_the_wrong_type_says_what_the_field_expects(tmp_path, overrid
         ('peak_flops_per_device=275',
          'peak_flops_per_device 275 is not a peak in FLOP/s per device: '
          'set --config.peak_flops_per_device to FLOP/s (e.g. 2.75e14 for 275 TFLOP/s)'),
+        # The quickstart's total_steps had won without a word: 2,000 steps, not 5 epochs.
+        ('num_epochs=5', 'total_steps 2000 and num_epochs 5.0 both give the run its length: '
+         'set --config.total_steps=-1 to train for num_epochs, or --config.num_epochs=-1 to '
+         'train for total_steps'),
     ])
 def test_cli_bad_override_is_one_line(idx_dir, tmp_path, override, message):
   proc = _main([
@@ -888,6 +893,33 @@ def test_a_folder_dataset_given_otherwise_names_the_folder_form(tmp_path, datase
   assert (proc.returncode,
           proc.stderr.strip().splitlines()[-1]) == (1,
                                                     line.format(tmp=tmp_path)), proc.stderr[-2000:]
+  assert not (tmp_path / 'w').exists()
+
+
+_TFDS_KINDS = "a TFDS name, 'folder:<dir>' or 'fashion_mnist_local'"
+
+
+@pytest.mark.parametrize('dataset,line', [
+    ('', f"dataset '' names no dataset (an unset shell variable?): set --config.dataset to "
+     f'{_TFDS_KINDS}'),
+    ('cifar-10', "dataset 'cifar-10' is not a TFDS name (TFDS reads name[/config][:version], "
+     f'e.g. cifar10 or oxford_iiit_pet:3.*.*): set --config.dataset to {_TFDS_KINDS}'),
+    ('cifar10 ', "dataset 'cifar10 ' is not a TFDS name (TFDS reads name[/config][:version], "
+     f'e.g. cifar10 or oxford_iiit_pet:3.*.*): set --config.dataset to {_TFDS_KINDS}'),
+    ('cifar10:9.9.9', "dataset 'cifar10:9.9.9' cannot be built by TFDS (Dataset cifar10 cannot "
+     'be loaded at version 9.9.9, only: {cifar10}): set --config.dataset to a config and version the '
+     'dataset has (tensorflow.org/datasets/catalog), or to its name alone'),
+    ('mnist/foo', "dataset 'mnist/foo' cannot be built by TFDS (BuilderConfig foo not found with "
+     'version {mnist}): set --config.dataset to a config and version the dataset has '
+     '(tensorflow.org/datasets/catalog), or to its name alone'),
+])
+def test_a_dataset_name_tfds_refuses_is_one_line(tmp_path, dataset, line):
+  """TFDS had printed its 18-line help on builder names for an empty or unparsable name,
+  and a traceback (AssertionError) for a version the dataset does not have."""
+  proc = _main(['--config=quickstart', '--workdir=w', f'--config.dataset={dataset}'], cwd=tmp_path)
+  versions = {name: str(tfds.builder_cls(name).VERSION) for name in ('cifar10', 'mnist')}
+  assert (proc.returncode, proc.stderr.strip().splitlines()[-1]) == (
+      1, f'vit-train: {line.format(**versions)}'), proc.stderr[-2000:]
   assert not (tmp_path / 'w').exists()
 
 

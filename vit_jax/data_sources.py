@@ -457,8 +457,9 @@ class _TfdsSource(Source):
       raise ValueError(f"dataset {name!r} is neither a TFDS dataset nor prepared in data_dir "
                        f"{data_dir or '~/tensorflow_datasets'}: put its prepared files there "
                        f"({name}/<version>/, as `tfds build` writes them) and set "
-                       "--config.data_dir, or set --config.dataset to a TFDS name, "
-                       "'folder:<dir>' or 'fashion_mnist_local'") from None
+                       f"--config.data_dir, or set --config.dataset to {_DATASET_KINDS}") from None
+    except (ValueError, AssertionError) as e:  # a name TFDS cannot parse, or cannot build
+      raise _not_built_by_tfds(name, e) from None
     # The data_dir root, as a user would pass it to `tfds build --data_dir`: the builder's
     # folder less <name>[/<config>]/<version>.
     self.data_dir = data_dir or self.builder.data_dir[:-len(self.builder.info.full_name)].rstrip(
@@ -561,6 +562,9 @@ def check_folder_named(dataset: str) -> None:
 
 @functools.lru_cache(maxsize=8)
 def _source(dataset: str, data_dir: str, label_key: str = 'label', vtab_task: str = ''):
+  if not dataset.strip():
+    raise ValueError(f'dataset {dataset!r} names no dataset (an unset shell variable?): set '
+                     f'--config.dataset to {_DATASET_KINDS}')
   if label_key != 'label' and (dataset == 'fashion_mnist_local' or dataset.startswith('folder:')):
     raise ValueError(f'label_key {label_key!r} applies to TFDS datasets only: set '
                      f'--config.label_key=label for {dataset}')
@@ -573,6 +577,24 @@ def _source(dataset: str, data_dir: str, label_key: str = 'label', vtab_task: st
     # TFDS would print its 18-line help on builder names ('Parsing builder name ...').
     raise _a_path(dataset)
   return _TfdsSource(dataset, data_dir, label_key, vtab_task)
+
+
+_DATASET_KINDS = "a TFDS name, 'folder:<dir>' or 'fashion_mnist_local'"
+
+
+def _not_built_by_tfds(name: str, error: Exception) -> ValueError:
+  """One line for a name TFDS refuses before looking for data: one it cannot parse (TFDS's
+  own message is an 18-line help), or a version or config the dataset does not have."""
+  text = str(error).strip()
+  if text.startswith('Parsing builder name string'):
+    return ValueError(f'dataset {name!r} is not a TFDS name (TFDS reads name[/config][:version], '
+                      f'e.g. cifar10 or oxford_iiit_pet:3.*.*): set --config.dataset to '
+                      f'{_DATASET_KINDS}')
+  # 'Failed to construct dataset "x", builder_kwargs "{...}": <why>. Here are ...'
+  why = text.splitlines()[0].split('": ', 1)[-1].split(' Here are ')[0].rstrip(' .:')
+  return ValueError(f'dataset {name!r} cannot be built by TFDS ({why}): set --config.dataset to '
+                    'a config and version the dataset has (tensorflow.org/datasets/catalog), or '
+                    'to its name alone')
 
 
 def _a_path(dataset: str) -> ValueError:

@@ -27,7 +27,7 @@ OPTIMIZERS = ('adam', 'sgd')
 LR_DECAYS = ('linear', 'cosine')
 LOSSES = ('softmax_xent', 'sigmoid_xent')
 
-# The run's length is total_steps if > 0, else num_epochs if > 0 (<= 0: unset).
+# The run's length is total_steps or num_epochs, the one > 0 (<= 0: unset; validate refuses both).
 _NO_LENGTH = ('total_steps {} and num_epochs {} give the run no length (each <= 0 is unset): '
               'set --config.total_steps or --config.num_epochs to a positive value')
 
@@ -167,6 +167,10 @@ def validate(config, num_train_examples: Optional[int] = None) -> None:
     fail(f'warmup_steps {config.warmup_steps} must be >= 0: set --config.warmup_steps')
   if config.total_steps <= 0 and config.num_epochs <= 0:
     fail(_NO_LENGTH.format(config.total_steps, config.num_epochs))
+  if config.total_steps > 0 and config.num_epochs > 0:  # one would be dropped without a word
+    fail(f'total_steps {config.total_steps} and num_epochs {config.num_epochs} both give the '
+         'run its length: set --config.total_steps=-1 to train for num_epochs, or '
+         '--config.num_epochs=-1 to train for total_steps')
   if config.batch_size <= 0:
     fail(f'batch_size {config.batch_size} must be > 0: set --config.batch_size')
   if config.accum_steps < 0 or config.batch_size % max(config.accum_steps, 1):
