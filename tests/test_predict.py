@@ -280,6 +280,22 @@ def test_a_checkpoint_of_other_sizes_names_model_overrides(home):
       "differ from the variant's, e.g. num_layers=4,hidden_size=64)"), out.stderr[-2000:]
 
 
+@pytest.mark.parametrize('overrides,fix', [
+    ('hidden_size=64', 'model.num_heads 3 does not divide model.hidden_size 64 (each head takes '
+     'hidden_size / num_heads channels): set --model_overrides num_heads=N or --model_overrides '
+     'hidden_size=N'),
+    ('num_layers=0', 'model.num_layers 0 must be a whole number >= 1: set --model_overrides '
+     'num_layers=N'),
+])
+def test_an_override_the_model_refuses_names_model_overrides(home, overrides, fix):
+  """The model's checks name vit-train's --config.model.X, a flag vit-predict does not have."""
+  out = shell([
+      'vit-predict', '--checkpoint', 'wd/final.npz', '--model', 'ViT-Ti_16', '--model_overrides',
+      overrides, 'img/pic.gif'
+  ], home)
+  assert (out.returncode, ours(out.stderr)[-1]) == (1, f'vit-predict: {fix}'), out.stderr[-2000:]
+
+
 def test_formats_decode_image_reads_and_tiff_named_on_the_command_line(home):
   # As in a user's shell (no TF_CPP_MIN_LOG_LEVEL): a file of another format is told apart
   # before TensorFlow's decode, which logged its failure above the warning.

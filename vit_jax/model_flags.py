@@ -6,6 +6,7 @@ or a published-format file, `--checkpoint F.npz --model NAME [--model_overrides 
 [--image_size N]`.
 """
 import ast
+import re
 import sys
 
 from absl import flags
@@ -89,6 +90,9 @@ def load(flags_):
     except checkpoint.IncompatibleCheckpointError as e:  # names vit-train's way to pick it
       raise ValueError(f'{e} (--model, and --model_overrides for sizes that differ from the '
                        'variant\'s, e.g. num_layers=4,hidden_size=64)') from None
+    except ValueError as e:  # an override the model refuses: its fix in this command's flag
+      raise ValueError(re.sub(r'--config\.model\.(\w+)', r'--model_overrides \1=N',
+                              str(e))) from None
   bad = [
       k for k, v in flax.traverse_util.flatten_dict(params, sep='/').items()
       if not np.all(np.isfinite(np.asarray(v)))
