@@ -16,6 +16,7 @@ from vit_jax import image_files
 from vit_jax import inspection as vit_inspect
 from vit_jax import models
 from vit_jax import preprocessing
+from tests.conftest import console_script
 from tests.test_predict import shell
 from tests.test_predict import write_run
 
@@ -227,6 +228,20 @@ def test_cli_end_to_end(tiny):
       'arrays.npz', 'attention_distance.png', 'embedding_filters.png', 'notes.png',
       'position_embedding_similarity.png', 'rollout_00_photo0.png'
   ]
+
+
+def test_a_users_first_run_prints_the_figures_alone(tiny, tmp_path):
+  """A home without matplotlib's font cache: building it had logged 'generated new
+  fontManager' (absl's INFO format) above the figures' paths."""
+  out = console_script('vit-inspect', tiny['tmp'], '--checkpoint', tiny['path'], '--model',
+                       'ViT-Ti_16', '--model_overrides',
+                       ','.join(f'{k}={v}' for k, v in TINY.items()), '--outdir',
+                       str(tmp_path / 'f'), HOME=str(tmp_path / 'home'), MPLCONFIGDIR='',
+                       XDG_CACHE_HOME='')
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert (tmp_path / 'home' / '.cache' / 'matplotlib').is_dir()  # built by this run
+  assert 'fontManager' not in out.stdout + out.stderr, out.stderr[-2000:]
+  assert out.stdout.splitlines()[0] == 'No --images: rollout and attention distance need images.'
 
 
 def test_outdir_that_cannot_be_a_folder(tiny):

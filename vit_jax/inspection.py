@@ -24,6 +24,7 @@ CLI (vit-inspect = python -m vit_jax.inspection), a finished run or a published 
 """
 import functools
 import io
+import logging
 import os
 import re
 import sys
@@ -447,6 +448,9 @@ def _check_outdir(outdir):
 def main(argv):
   flags_ = flags.FLAGS
   files = list(flags_.images) + list(argv[1:])
+  # A user's first matplotlib import builds its font cache and logs 'generated new
+  # fontManager' at INFO, which absl's handler would print above the figures' paths.
+  logging.getLogger('matplotlib').setLevel(logging.WARNING)
   try:
     _check_outdir(flags_.outdir)  # before the model loads
     run_config, model, params, image_size = model_flags.load(flags_)
