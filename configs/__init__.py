@@ -13,10 +13,12 @@ which works from any directory once the package is installed:
 An existing file wins over a packaged name.
 """
 import ast
+import contextlib
 import difflib
 import importlib.util
 import os
 import re
+import sys
 
 from absl import flags
 import ml_collections
@@ -58,9 +60,26 @@ def resolve(spec):
                             f'use {EXAMPLES}')
 
 
+@contextlib.contextmanager
+def no_bytecode_written():
+  """Within the block, Python writes no __pycache__: a user's config file is run (here, and
+  by ml_collections' --config flag), and a command refused for a bad value had left
+  __pycache__/<name>.cpython-*.pyc beside it."""
+  before, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+  try:
+    yield
+  finally:
+    sys.dont_write_bytecode = before
+
+
 def load(spec, overrides=()):
   """The ConfigDict of `--config=spec` and `--config.x=value` overrides, as vit-train
   builds it (ml_collections parses the values; unknown fields are one-line errors)."""
+  with no_bytecode_written():
+    return _load(spec, overrides)
+
+
+def _load(spec, overrides):
   path, _, arg = resolve(spec).partition(':')
   module_spec = importlib.util.spec_from_file_location('_vit_jax_config', path)
   module = importlib.util.module_from_spec(module_spec)

@@ -3,6 +3,11 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The commands the tests start run as from a user's shell, which sets neither: this
+# machine's environment had hidden status 120 for output piped into `head` (stdout is
+# buffered without PYTHONUNBUFFERED) and the __pycache__ a config file left beside it.
+for _unlike_a_users_shell in ("PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"):
+  os.environ.pop(_unlike_a_users_shell, None)
 
 # The suite runs with the XLA:CPU flags the training CLI adds (vit_jax/xla_cpu_flags.py).
 from vit_jax import xla_cpu_flags  # noqa: E402

@@ -25,8 +25,8 @@ def _command(module, function, takes_signals_over=False):
       with ctrl_c.held(*also):
         entry = getattr(importlib.import_module(module), function)
         if takes_signals_over:
-          return entry()
-      return entry()
+          return _flushed(entry)
+      return _flushed(entry)
     except KeyboardInterrupt:  # importing, or before the command's own handling
       ctrl_c.interrupted(os.path.basename(sys.argv[0]))
     except BrokenPipeError:
@@ -34,6 +34,17 @@ def _command(module, function, takes_signals_over=False):
 
   start.__doc__ = f'{module}.{function}(), imported with Ctrl-C as one line.'
   return start
+
+
+def _flushed(entry):
+  """entry(), then stdout flushed here, where a reader that stopped raises BrokenPipeError
+  for start to end quietly. Left to Python's flush at exit (stdout to a pipe is buffered
+  unless PYTHONUNBUFFERED is set), it printed 'Exception ignored ... BrokenPipeError' and
+  the command exited with status 120."""
+  try:
+    return entry()
+  finally:
+    sys.stdout.flush()
 
 
 # The shell's status for a command whose reader went away (killed by SIGPIPE: 128 + 13).

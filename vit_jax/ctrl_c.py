@@ -21,7 +21,9 @@ def stop_with(line, status=STATUS):
     sys.stderr.write(line + '\n')
     sys.stderr.flush()
   except OSError:  # a closed terminal (SIGHUP): the status still says what happened
-    pass
+    # The line stays in stderr's buffer, and Python's flush at exit would fail on it and
+    # turn the status into 120: the buffer goes to /dev/null instead.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
   sys.exit(status)
 
 

@@ -153,8 +153,9 @@ def parse_flags(argv):
         print(f'--config={value}: the fields and values it trains with (each overridable as '
               f'--config.FIELD=VALUE):\n\n' + '\n'.join(_field_lines(config)) + '\n')
         print('\n'.join(_variant_lines(config)) + '\n')
-    rest = FLAGS(argv)
-    _ = FLAGS.config  # raises if the config file failed to load
+    with configs.no_bytecode_written():
+      rest = FLAGS(argv)
+      _ = FLAGS.config  # raises if the config file failed to load
     configs.add_model_fields(FLAGS.config, model_fields)
     if config is not None:
       configs.check_model_name_takes_effect(config, FLAGS.config)
