@@ -1,7 +1,7 @@
 r"""Masked patch prediction in miniature, offline: Fashion-MNIST, the quickstart-sized ViT
 on 4x4 patches.
 
-  python experiments/masked_patches_fashion.py --workdir /tmp/mpp_fashion
+  python experiments/masked_patches_fashion.py --workdir workdirs/mpp_fashion
 
 1. Pre-trains the quickstart model with masked patch prediction (configs/masked_patches.py
    :quickstart, the paper's objective: 50% of the patches corrupted 80/10/10, 3-bit mean
@@ -44,7 +44,7 @@ from vit_jax import train
 from vit_jax.configs import masked_patches as mp_configs
 from vit_jax.configs import quickstart
 
-flags.DEFINE_string('workdir', '/tmp/masked_patches_fashion', 'Runs and results.json go here.')
+flags.DEFINE_string('workdir', 'workdirs/masked_patches_fashion', 'Runs and results.json go here.')
 flags.DEFINE_string('data_dir', '', 'Folder of the Fashion-MNIST IDX files ("" = default).')
 flags.DEFINE_integer('pretrain_steps', 800, 'Masked patch prediction steps (batch 128).',
                      lower_bound=1)

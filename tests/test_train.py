@@ -719,6 +719,20 @@ def _main(args, env_extra=None, cwd=ROOT):
                         capture_output=True, text=True, timeout=600)
 
 
+def test_the_log_of_a_remote_workdir_goes_to_the_users_home(tmp_path):
+  """--local_log_dir had defaulted to /tmp/vit_jax_logs: made by one user, the next user of
+  the VM could not write there and their gs:// run stopped at start-up."""
+  code = ('import sys; from vit_jax import main; '
+          "main.parse_flags(['vit-train', '--config=quickstart', '--workdir=gs://b/w']); "
+          "main._open_log('gs://b/w', 'why'); print(main.logging.get_absl_handler()"
+          '.python_handler.stream.name)')
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                       env=dict(os.environ, HOME=str(tmp_path)), cwd=ROOT, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip().startswith(f'{tmp_path}/vit_jax_logs/train.'), out.stdout
+  assert (tmp_path / 'vit_jax_logs' / 'train.INFO').exists()
+
+
 def test_cpu_devices_come_from_the_config_unless_the_environment_sets_them():
   qs = quickstart.get_config()
   assert sharding.cpu_devices(qs, {}) == (2, '--config.cpu_devices=2')

@@ -54,8 +54,9 @@ flags.DEFINE_enum(
     'distributed', 'auto', ['auto', 'on', 'off'],
     'jax.distributed.initialize(): auto = with --coordinator_address or on a '
     'Cloud TPU VM.')
-flags.DEFINE_string('local_log_dir', '/tmp/vit_jax_logs',
-                    'Where the readable log goes when --workdir is not a local path.')
+flags.DEFINE_string(
+    'local_log_dir', '~/vit_jax_logs', 'Where the readable log goes when --workdir is not a '
+    'local path (per user: a shared /tmp folder of another user\'s is not writable).')
 flags.mark_flags_as_required(['config', 'workdir'])
 FLAGS = flags.FLAGS
 
@@ -210,7 +211,7 @@ def _open_log(workdir, cpu_devices):
   lines that say what this process runs on (`cpu_devices`: why the CPU backend has the
   devices it has)."""
   import jax  # pylint: disable=g-import-not-at-top
-  log_dir = FLAGS.local_log_dir if paths.is_remote(workdir) else workdir
+  log_dir = paths.resolve(FLAGS.local_log_dir) if paths.is_remote(workdir) else workdir
   try:
     os.makedirs(log_dir, exist_ok=True)
   except OSError as e:
