@@ -246,15 +246,8 @@ def _decode_batches(ds: tf.data.Dataset, fn, local: int, fallback: dict,
         lambda kept, ex: dict(_place(kept % local, ex, local, fallback,
                                      tf.shape(q)[0]), failed=_failed_records(q, kept, records)))
 
-  return ds.interleave(_as_written(decode), cycle_length=2, num_parallel_calls=2,
+  return ds.interleave(data_sources.as_written(decode), cycle_length=2, num_parallel_calls=2,
                        deterministic=True)
-
-
-def _as_written(fn):
-  """fn for tf.data, traced as written: AutoGraph's rewrite of it, and of the functions it
-  maps in turn, is skipped. None of them branches on a tensor in Python (tf.cond is written
-  out), and the rewrite cost each run ~0.4 s of CPU at start-up."""
-  return tf.autograph.experimental.do_not_convert(fn)
 
 
 def _failed_records(q, kept, records) -> tf.Tensor:
@@ -344,11 +337,11 @@ def train_batches(config, *, global_batch: int, start_step: int = 0,
                                  seed=_shuffle_seed(config.seed, e, stream_host))
 
   ds = tf.data.Dataset.range(first_epoch, np.iinfo(np.int64).max)
-  ds = ds.flat_map(_as_written(epoch)).skip(offset)  # Skip before any read or decode.
+  ds = ds.flat_map(data_sources.as_written(epoch)).skip(offset)  # Skip before any read or decode.
   ds = ds.enumerate(start)
   if global_stream and hosts > 1:  # This host's rows of each global batch (indices only).
     # Not on one host, where it keeps every row and took half the quickstart pipeline's CPU.
-    ds = ds.filter(_as_written(lambda q, _: (q % global_batch) // local == host))
+    ds = ds.filter(data_sources.as_written(lambda q, _: (q % global_batch) // local == host))
 
   def example(q, record):
     if global_stream:
