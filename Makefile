@@ -4,6 +4,7 @@
 #                     (TEST_WORKERS=N pytest workers, default 3)
 #   make lint         ruff and the yapf format check (settings in pyproject.toml), as .ci/run does
 #   make format       yapf rewrites the tree in the house style (settings in pyproject.toml)
+# PYTHON=python3.X makes the venv with another interpreter (default python3; setup.py says which).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,9 +12,18 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
 .PHONY: quickstart test lint format fashion-mnist jemalloc
 
+# Before the venv is made: PYTHON must satisfy setup.py's python_requires (pip's own refusal
+# came after the venv was made, and every later make reused that venv of the old Python, even
+# with PYTHON=python3.11), and a venv of another Python is made again.
+PYTHON_VERSION := import sys; print(sys.version_info[:2])
+CHECK_PYTHON := import re, sys; need = re.search(r"python_requires=.>=(\d+)\.(\d+)", open("setup.py").read()).groups(); have = sys.version_info[:2]; sys.exit(0 if have >= tuple(map(int, need)) else "$(PYTHON) is Python %d.%d; vit_jax needs %s.%s or newer (setup.py): install one and run make $(strip $(MAKECMDGOALS) PYTHON=python%s.%s)" % (have + need + need))
 # setuptools warns, in a box, that folders named like the package in the working directory
 # may take precedence on import: here ./vit_jax IS the package, so its warning is silenced.
 $(VENV)/installed: setup.py constraints.txt
+	@$(PYTHON) -c '$(CHECK_PYTHON)'
+	@if [ -d $(VENV) ] && [ "$$($(PY) -c '$(PYTHON_VERSION)' 2>&1)" != "$$($(PYTHON) -c '$(PYTHON_VERSION)')" ]; then \
+	  echo "$(VENV) was made with another Python: made again with $(PYTHON)"; rm -rf $(VENV); \
+	fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install --quiet -c constraints.txt -e '.[test]'

@@ -6,6 +6,7 @@ its target exits 0 whatever happens."""
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -109,3 +110,57 @@ def test_both_set_up_commands_get_what_they_need():
   (a fresh machine without it failed 23 of them)."""
   assert {'fashion-mnist', 'jemalloc'} <= set(prerequisites('quickstart'))
   assert 'fashion-mnist' in prerequisites('test')
+
+
+def make_venv(tmp_path, python_requires, python, venv_python=None):
+  """(exit status, stdout + stderr) of `make .venv/installed` in a folder holding a setup.py
+  with `python_requires` and, where venv_python is given, a .venv whose python is that script."""
+  (tmp_path / 'setup.py').write_text(f'setup(python_requires="{python_requires}")\n')
+  (tmp_path / 'constraints.txt').write_text('')
+  if venv_python:
+    (tmp_path / '.venv' / 'bin').mkdir(parents=True)
+    (tmp_path / '.venv' / 'bin' / 'python').write_text(f'#!/bin/sh\n{venv_python}\n')
+    (tmp_path / '.venv' / 'bin' / 'python').chmod(0o755)
+  out = subprocess.run(['make', '-s', '-f', MAKEFILE, f'PYTHON={python}', '.venv/installed'],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+  return out.returncode, out.stdout + out.stderr
+
+
+def test_a_python_older_than_setup_py_requires_is_refused_before_a_venv_is_made(tmp_path):
+  """pip's refusal came after the venv was made; every later make reused that venv."""
+  rc, out = make_venv(tmp_path, '>=3.99', sys.executable)
+  have = '%d.%d' % sys.version_info[:2]
+  assert rc != 0
+  assert out.splitlines()[0] == (f'{sys.executable} is Python {have}; vit_jax needs 3.99 or newer '
+                                 '(setup.py): install one and run make .venv/installed '
+                                 'PYTHON=python3.99')
+  assert not (tmp_path / '.venv').exists()
+
+
+def python_stopping_at_venv(tmp_path):
+  """This Python, but `-m venv` prints its arguments and fails: the recipe stops there."""
+  python = tmp_path / 'python'
+  python.write_text(f'#!/bin/sh\n[ "$1" = -m ] && {{ echo "venv: $*"; exit 3; }}\n'
+                    f'exec {sys.executable} "$@"\n')
+  python.chmod(0o755)
+  return python
+
+
+def test_a_venv_of_another_python_is_made_again(tmp_path):
+  """A venv left by a try with an older python3, then make with PYTHON=python3.11: the venv
+  is removed and made with the new one."""
+  python = python_stopping_at_venv(tmp_path)
+  rc, out = make_venv(tmp_path, '>=3.0', python, venv_python='echo "(3, 10)"')
+  assert rc != 0
+  assert out.splitlines()[:2] == [
+      f'.venv was made with another Python: made again with {python}', 'venv: -m venv .venv'
+  ]
+  assert not (tmp_path / '.venv').exists()
+
+
+def test_a_venv_of_the_same_python_is_kept(tmp_path):
+  python = python_stopping_at_venv(tmp_path)
+  rc, out = make_venv(tmp_path, '>=3.0', python, venv_python=f'exec {sys.executable} "$@"')
+  assert rc != 0
+  assert out.splitlines()[0] == 'venv: -m venv .venv'
+  assert (tmp_path / '.venv' / 'bin' / 'python').exists()
