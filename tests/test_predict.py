@@ -659,3 +659,18 @@ def test_a_flag_value_of_the_wrong_type_is_in_plain_words(program, flag, tmp_pat
       'vit-evaluate': 'vit-evaluate: flag --batch_size=0: 0 is not a positive integer (see --help)',
       'vit-predict': 'vit-predict: --top_k=0: pass 1 or more (classes shown per image)'
   }[program], out.stderr[-2000:]
+
+
+def test_non_ascii_names_on_an_ascii_stdout_are_escaped(home, tmp_path):
+  """PYTHONIOENCODING=ascii (some ssh and cron set-ups): vit-predict had printed one line and
+  none of its predictions, vit-inspect a UnicodeEncodeError traceback once its figures were
+  written."""
+  shutil.copy(home / 'img/mixed/good.png', tmp_path / 'été.png')
+  out = shell(['vit-predict', '--workdir', f'{home}/wd', 'été.png'], tmp_path,
+              PYTHONIOENCODING='ascii')
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert predicted(out.stdout) == {'\\xe9t\\xe9.png': 5}, out.stdout
+  out = shell(['vit-inspect', '--workdir', f'{home}/wd', '--images', 'été.png', '--outdir', 'fig'],
+              tmp_path, PYTHONIOENCODING='ascii')
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert 'fig/rollout_00_\\xe9t\\xe9.png' in out.stdout.splitlines(), out.stdout

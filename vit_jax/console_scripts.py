@@ -21,6 +21,7 @@ def _command(module, function, takes_signals_over=False):
 
   def start():
     ctrl_c.deliver_lost_ones()
+    _unencodable_escaped()
     try:
       with ctrl_c.held(*also):
         entry = getattr(importlib.import_module(module), function)
@@ -45,6 +46,15 @@ def _flushed(entry):
     return entry()
   finally:
     sys.stdout.flush()
+
+
+def _unencodable_escaped():
+  """stdout writes what its encoding cannot hold as \\xe9 escapes, as stderr does: with an
+  ASCII stdout (PYTHONIOENCODING=ascii, some ssh or cron set-ups), a file name like 'été.png'
+  had ended vit-inspect in a UnicodeEncodeError traceback after its figures were written,
+  and vit-predict in one line without its predictions."""
+  if sys.stdout is not None and hasattr(sys.stdout, 'reconfigure'):
+    sys.stdout.reconfigure(errors='backslashreplace')
 
 
 # The shell's status for a command whose reader went away (killed by SIGPIPE: 128 + 13).
