@@ -1,6 +1,7 @@
 """vit_jax's XLA:CPU flags: added only when safe, accepted by this jaxlib, numerics unchanged."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -173,6 +174,33 @@ def test_auto_probes_once_per_host_and_caches_the_verdict(monkeypatch, outside_p
   xla_cpu_flags.choose({}, cache_path=outside_pytest)
   assert calls == [1, 1]
   assert xla_cpu_flags.choose({}, 'bfloat16', cache_path=outside_pytest)[0] == every
+
+
+@pytest.mark.parametrize('where', ['a file in the way', 'no home'])
+def test_a_verdict_that_cannot_be_cached_is_said_once(monkeypatch, outside_pytest, tmp_path, where):
+  """A cache folder the user cannot write had been warned about, and then the choice's line
+  said `probed now, cached in` it; with no home ('~' unexpanded: HOME unset, no passwd
+  entry), the cache went to a folder named '~' in the current one."""
+  ratios = [0.9, 0.8, 0.85]
+  monkeypatch.setattr(
+      xla_cpu_flags, 'probe', lambda **_: {
+          'date': 'd',
+          'off_over_on': ratios,
+          **xla_cpu_flags.verdict(ratios)
+      })
+  if where == 'no home':
+    monkeypatch.delenv('XDG_CACHE_HOME', raising=False)
+    monkeypatch.setattr(os.path, 'expanduser', lambda path: path)
+    monkeypatch.chdir(tmp_path)
+    cache_path, why = None, "'~' names no home"
+  else:
+    (tmp_path / 'file').write_text('')
+    cache_path, why = str(tmp_path / 'file' / 'vit_jax' / 'xla_cpu_flags.json'), 'Not a directory'
+  flags, said = xla_cpu_flags.choose({}, cache_path=cache_path)
+  assert flags == xla_cpu_flags.EVERY_DTYPE
+  assert re.search(r'\(probed now, not cached \(.*' + why + r'.*\): the next run probes again\)$',
+                   said), said
+  assert not os.path.exists(tmp_path / '~')
 
 
 def test_the_verdict_is_kept_per_host_allocator(monkeypatch):

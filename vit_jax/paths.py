@@ -14,11 +14,19 @@ def is_remote(path):
 
 
 def resolve(path):
-  """An absolute local path ('~' expanded), or a remote path unchanged."""
+  """An absolute local path ('~' expanded), or a remote path unchanged. A '~' that names no
+  home (HOME unset, as in some containers, and no passwd entry) is a ValueError: kept as it
+  is, it had made a folder named '~' in the current one, which `rm -rf ~` then removes
+  along with the real home."""
   path = str(path)
   if is_remote(path):
     return path
-  return os.path.abspath(os.path.expanduser(path))
+  expanded = os.path.expanduser(path)
+  if expanded.startswith('~'):
+    home = expanded.split(os.sep)[0]
+    raise ValueError(f'{path}: {home!r} names no home folder here (HOME is not set, and this '
+                     'user has no home in the passwd file): give the path from /, or set HOME')
+  return os.path.abspath(expanded)
 
 
 def resolve_folder_flag(path, flag='--workdir', example='workdirs/NAME'):

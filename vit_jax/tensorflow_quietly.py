@@ -28,13 +28,15 @@ it imports tf_keras instead, or nothing when tf_keras is not installed. So, unle
 set it or has tf_keras, the import runs with it set and it is removed after: `tf.keras` still
 loads Keras 3 on first use, as TensorFlow's lazy loader reads the variable then. Nothing
 vit-train imports later loads it either: its event files are written without tensorboard's
-hparams API, which would (`vit_jax/tensorboard_events.py`).
+hparams API, which would (`vit_jax/tensorboard_events.py`). Where no home folder is known,
+the Keras config TensorFlow writes as it loads goes to the temporary folder (see below).
 """
 import contextlib
 import importlib.util
 import os
 import re
 import sys
+import tempfile
 import threading
 
 NOTICES = re.compile(r'WARNING: All log messages before absl::InitializeLog\(\) is called'
@@ -77,10 +79,26 @@ def _cpp_log_kept_to_fatal_errors():
       os.environ['TF_CPP_MIN_LOG_LEVEL'] = level
 
 
+@contextlib.contextmanager
+def _keras_config_kept_out_of_the_current_folder():
+  """TensorFlow's bundled Keras writes ~/.keras/keras.json as it loads: where '~' names no
+  home (HOME unset, as in some containers, and no passwd entry), that was ./~/.keras in the
+  folder the command ran in. There it goes to the temporary folder's .keras instead."""
+  if 'KERAS_HOME' in os.environ or os.path.expanduser('~') != '~':
+    yield
+    return
+  os.environ['KERAS_HOME'] = os.path.join(tempfile.gettempdir(), '.keras')
+  try:
+    yield
+  finally:
+    del os.environ['KERAS_HOME']
+
+
 def _import_tensorflow():
   if 'tensorflow' in sys.modules:
     return
-  with _keras_left_out(), _cpp_log_kept_to_fatal_errors():
+  with (_keras_left_out(), _cpp_log_kept_to_fatal_errors(),
+        _keras_config_kept_out_of_the_current_folder()):
     _import_tensorflow_quietly()
 
 

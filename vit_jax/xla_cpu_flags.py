@@ -144,7 +144,7 @@ def choose(environ=None, dtype='float32', cache_path=None):
     return fixed, f'the fixed table for {dtype} (an accelerator plugin is installed)'
   key = host_key()
   cache_path = cache_path or default_cache_path()
-  cached = _read_cache(cache_path).get(key)
+  cached = _read_cache(cache_path).get(key) if cache_path else None
   if cached is None:
     load, n_cores = os.getloadavg()[0], cores()
     if load > BUSY_LOAD * n_cores:
@@ -153,8 +153,9 @@ def choose(environ=None, dtype='float32', cache_path=None):
     logging.info('XLA:CPU: timing YNNPACK fusions on and off for float32 (once per host, '
                  '~10 s)')
     cached = probe()
-    _write_cache(cache_path, key, cached)
-    where = f'probed now, cached in {cache_path}'
+    unwritten = _write_cache(cache_path, key, cached) if cache_path else "'~' names no home"
+    where = (f'probed now, not cached ({unwritten}): the next run probes again'
+             if unwritten else f'probed now, cached in {cache_path}')
   else:
     where = f'probe of {cached.get("date", "?")} cached in {cache_path}; delete it to re-probe'
   ratios = ', '.join(f'{r:.2f}' for r in cached.get('off_over_on', ()))
@@ -235,8 +236,10 @@ def cores():
 
 
 def default_cache_path():
-  root = os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache')
-  return os.path.join(root, 'vit_jax', 'xla_cpu_flags.json')
+  """~/.cache/vit_jax/xla_cpu_flags.json ($XDG_CACHE_HOME's), None where '~' names no home."""
+  home = os.path.expanduser('~')
+  root = os.environ.get('XDG_CACHE_HOME') or (None if home == '~' else os.path.join(home, '.cache'))
+  return os.path.join(root, 'vit_jax', 'xla_cpu_flags.json') if root else None
 
 
 def _read_cache(path):
@@ -249,6 +252,7 @@ def _read_cache(path):
 
 
 def _write_cache(path, key, entry):
+  """Adds `entry` under `key` to the cache file `path`; None, or why it could not."""
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     cache = {**_read_cache(path), key: entry}
@@ -257,7 +261,8 @@ def _write_cache(path, key, entry):
       json.dump(cache, f, indent=1)
     os.replace(tmp, path)  # atomic: two runs probing at once leave one whole file
   except OSError as e:
-    logging.warning('XLA:CPU probe verdict not cached (%s): the next run probes again', e)
+    return str(e)
+  return None
 
 
 # One pre-norm encoder block at ViT-B/16 width (tokens of 2 images at 224), fwd + bwd, as
