@@ -598,8 +598,22 @@ def train_state_manager(directory, keep):
   options = ocp.CheckpointManagerOptions(max_to_keep=None if keep == -1 else keep, create=True)
   if jax.devices()[0].platform == 'cpu':
     _save_each_replicated_array_from_one_replica()
-  return ocp.CheckpointManager(directory, options=options,
-                               item_handlers=ocp.StandardCheckpointHandler())
+  manager = ocp.CheckpointManager(directory, options=options,
+                                  item_handlers=ocp.StandardCheckpointHandler())
+  _check_writable(directory)
+  return manager
+
+
+def _check_writable(directory):
+  """Raises OSError where this user cannot make a file in local `directory`. A checkpoints
+  folder the run could not write (another user's, or mounted read-only) had failed only at
+  the first save, after training up to it; orbax's save threads then waited on the save
+  that never started, for minutes, and the process did not exit."""
+  if paths.is_remote(directory):
+    return  # a bucket's permissions are the workdir's, which the run's lock has tried
+  fd, probe = tempfile.mkstemp(dir=directory, prefix='.vit_jax_write_check.')
+  os.close(fd)
+  os.unlink(probe)
 
 
 # orbax restores whatever bytes are on disk: a flipped bit comes back as a wrong weight, and

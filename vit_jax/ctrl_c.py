@@ -11,12 +11,15 @@ import os
 import signal
 import sys
 import threading
+import time
 
 STATUS = 130  # the shell's status for a command stopped by Ctrl-C
 
 
-def stop_with(line, status=STATUS):
-  """Exits with `status` (130: Ctrl-C's) and `line` as stderr's last line."""
+def stop_with(line, status=STATUS, abandoned=None, grace_s=10.0):
+  """Exits with `status` (130: Ctrl-C's) and `line` as stderr's last line. Threads for which
+  `abandoned(thread)` is true get `grace_s` to end, and the process exits without those
+  that do not (see _exit)."""
   try:
     sys.stderr.write(line + '\n')
     sys.stderr.flush()
@@ -24,6 +27,22 @@ def stop_with(line, status=STATUS):
     # The line stays in stderr's buffer, and Python's flush at exit would fail on it and
     # turn the status into 120: the buffer goes to /dev/null instead.
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+  if abandoned is not None:
+    _exit(status, [t for t in threading.enumerate() if t.is_alive() and abandoned(t)], grace_s)
+  sys.exit(status)
+
+
+def _exit(status, threads, grace_s):
+  """sys.exit(status) once `threads` end; where one is still running `grace_s` later,
+  os._exit(status). Python's exit waits for every non-daemon thread: a checkpoint save that
+  failed before it began had left orbax's threads waiting on it, for minutes, after
+  vit-train's last line."""
+  deadline = time.monotonic() + grace_s
+  for thread in threads:  # Thread's own join: orbax's raises TimeoutError at its timeout
+    threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
+  if any(thread.is_alive() for thread in threads):
+    sys.stdout.flush()
+    os._exit(status)  # pylint: disable=protected-access
   sys.exit(status)
 
 

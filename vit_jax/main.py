@@ -391,7 +391,14 @@ def _exit_with(message, log_open, status=1):
     FLAGS.alsologtostderr = False  # stderr gets it once, below
     logging.error('%s', message)
     logging.flush()
-  ctrl_c.stop_with(message, status)
+  ctrl_c.stop_with(message, status, abandoned=_a_save_thread)
+
+
+def _a_save_thread(thread):
+  """Whether `thread` is one of orbax's threads of a save (those of a save that failed
+  before it began wait for it for minutes: the exit does not wait for them). Orbax's other
+  threads, stopped at Python's exit, are plain threading.Threads."""
+  return type(thread).__module__.startswith('orbax.')
 
 
 def _exit_if_a_peer_failed(error):

@@ -390,7 +390,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   try:
     manager = checkpoint.train_state_manager(ckpt_dir, config.keep_checkpoints)
   except (OSError, tf.errors.OpError) as e:
-    raise ConfigError(f'cannot create {ckpt_dir}: {errors.write_failure(e, ckpt_dir)}, or use '
+    raise ConfigError(f'cannot write to {ckpt_dir}: {errors.write_failure(e, ckpt_dir)}, or use '
                       'another --workdir') from None
   try:
     state, state_sh = step_lib.create_train_state(config, model, tx, mesh, num_classes, manager)
