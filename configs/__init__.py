@@ -19,6 +19,7 @@ import importlib.util
 import os
 import re
 import sys
+import warnings
 
 from absl import flags
 import ml_collections
@@ -61,13 +62,18 @@ def resolve(spec):
 
 
 @contextlib.contextmanager
-def no_bytecode_written():
-  """Within the block, Python writes no __pycache__: a user's config file is run (here, and
-  by ml_collections' --config flag), and a command refused for a bad value had left
-  __pycache__/<name>.cpython-*.pyc beside it."""
+def loading_a_config():
+  """Around running a config file (here, and by ml_collections' --config flag): Python writes
+  no __pycache__ (a command refused for a bad value had left __pycache__/<name>.cpython-*.pyc
+  beside a user's config), and ml_collections' use of the deprecated load_module() warns
+  nothing (with PYTHONWARNINGS=error, that warning had stopped every command that loads a
+  config)."""
   before, sys.dont_write_bytecode = sys.dont_write_bytecode, True
   try:
-    yield
+    with warnings.catch_warnings():
+      warnings.filterwarnings('ignore', r'the load_module\(\) method is deprecated',
+                              DeprecationWarning)
+      yield
   finally:
     sys.dont_write_bytecode = before
 
@@ -75,7 +81,7 @@ def no_bytecode_written():
 def load(spec, overrides=()):
   """The ConfigDict of `--config=spec` and `--config.x=value` overrides, as vit-train
   builds it (ml_collections parses the values; unknown fields are one-line errors)."""
-  with no_bytecode_written():
+  with loading_a_config():
     return _load(spec, overrides)
 
 

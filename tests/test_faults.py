@@ -33,6 +33,7 @@ from vit_jax import train
 from vit_jax.configs import finetune
 from vit_jax.configs import quickstart
 from tests.conftest import built_once
+from tests.conftest import console_script
 from tests.conftest import CTRL_C_AS_IN_A_TERMINAL
 from tests.conftest import own_compilation_cache
 from tests.conftest import with_flags
@@ -53,10 +54,11 @@ def _env(devices=8):
   return dict(os.environ, XLA_FLAGS=flags, TF_CPP_MIN_LOG_LEVEL='2')
 
 
-def _cli(cwd, workdir, *extra, devices=8, file_size_limit=None, memory_limit=None):
+def _cli(cwd, workdir, *extra, devices=8, file_size_limit=None, memory_limit=None, env_extra=None):
   """vit-train's (rc, stderr, last line). file_size_limit: "disk full" for files past it
   (Python ignores SIGXFSZ); memory_limit: bytes of address space, past which allocations
-  fail (a test of the memory check cannot then take the host's memory if the check breaks)."""
+  fail (a test of the memory check cannot then take the host's memory if the check breaks);
+  env_extra: variables of the user's environment."""
   command = [
       sys.executable, '-m', 'vit_jax.main', *with_flags([*ARGS, f'--workdir={workdir}'], extra)
   ]
@@ -70,6 +72,7 @@ def _cli(cwd, workdir, *extra, devices=8, file_size_limit=None, memory_limit=Non
         + 'sys.argv[0] = "vit_jax.main"; runpy.run_module("vit_jax.main", run_name="__main__")'
     ]
   env = own_compilation_cache(_env(devices)) if file_size_limit else _env(devices)
+  env.update(env_extra or {})
   proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
   lines = proc.stderr.strip().splitlines()
   return proc.returncode, proc.stderr, lines[-1] if lines else ''
@@ -100,6 +103,56 @@ def good(tmp_path_factory):
   """A finished 30-step run (checkpoints 10, 20, 30 and final.npz), made once for all
   workers: the tests copy it before they change it."""
   return built_once(tmp_path_factory, 'good', _good_run) / 'run'
+
+
+# Settings of a user's shell that had each ended a run in a traceback.
+_USERS_SETTINGS = {
+    'JAX_ENABLE_X64': '1',  # at step 1: float64 losses against the compiled float32 step
+    'JAX_DISABLE_JIT': '1',  # at compile: the step is compiled ahead of time
+    'JAX_DEBUG_NANS': '1',  # a diverged run: ('jit', 'nan') where the guard says which and why
+    'PYTHONWARNINGS': 'error',  # at start-up: ml_collections' deprecated load_module()
+}
+
+
+def test_a_users_jax_and_python_settings_change_nothing(tmp_path, good):
+  """With the settings above in the environment, the run trains the good run's parameters,
+  bit for bit, and its log says which JAX settings it turned off."""
+  rc, err, last = _cli(tmp_path, 'run', env_extra=_USERS_SETTINGS)
+  assert rc == 0, err[-3000:]
+  for variable in ('JAX_ENABLE_X64', 'JAX_DISABLE_JIT', 'JAX_DEBUG_NANS'):
+    assert f'{variable}=1: off for this run' in err
+  ours, theirs = np.load(tmp_path / 'run' / 'final.npz'), np.load(good / 'final.npz')
+  assert sorted(ours) == sorted(theirs)
+  for name in ours:
+    np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+    assert ours[name].dtype == theirs[name].dtype
+
+
+def test_a_diverging_run_under_jax_debug_nans_stops_with_the_guards_line(tmp_path):
+  rc, err, last = _cli(tmp_path, 'run', '--config.base_lr=1e6', env_extra={'JAX_DEBUG_NANS': '1'})
+  assert rc == 1, err[-3000:]
+  assert re.fullmatch(r'vit-train: loss nan, .* at step \d+: training diverged, .*', last), last
+
+
+@pytest.mark.parametrize('platform, why', [
+    ('cuda', "(its runtime is not installed): install its runtime (pip install -c constraints.txt "
+     "'.[cuda12]') or unset JAX_PLATFORMS to run on what this machine has"),
+    ('tpu', "(Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so: "),
+])
+def test_a_jax_platform_this_machine_lacks_is_one_line(tmp_path, good, platform, why):
+  """JAX_PLATFORMS naming a runtime that is not installed had ended every command in 50-110
+  lines of chained tracebacks (for cuda, the last a bare AssertionError)."""
+  env = dict(_env(devices=None), JAX_PLATFORMS=platform)
+  train_run = subprocess.run(
+      [sys.executable, '-m', 'vit_jax.main', '--config=quickstart', '--workdir=w'], cwd=tmp_path,
+      env=env, capture_output=True, text=True, timeout=300)
+  evaluate = console_script('vit-evaluate', tmp_path, f'--workdir={good}', **env)
+  for program, out in (('vit-train', train_run), ('vit-evaluate', evaluate)):
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith(f'{program}: JAX cannot start the backend JAX_PLATFORMS='
+                               f'{platform} names {why}'), lines[0]
+  assert not (tmp_path / 'w').exists()  # no lock, no log
 
 
 def _copy(good, tmp_path, name='run'):
@@ -314,6 +367,90 @@ def test_a_finished_run_started_again_with_a_change_keeps_its_config(good, tmp_p
   assert _read(run / 'config.json') == config and _read(run / 'final.npz') == final
   rc, err, _ = _cli(tmp_path, 'run')
   assert rc == 0, err[-3000:]
+
+
+def _unwritable(folder):
+  """Makes `folder` refuse new files, for root too (chattr +i; skips where it cannot); the
+  undo."""
+  if os.geteuid() != 0:
+    folder.chmod(0o555)
+    return lambda: folder.chmod(0o755)
+  if subprocess.run(['chattr', '+i', str(folder)], capture_output=True).returncode:
+    pytest.skip('chattr +i does not work here')
+  return lambda: subprocess.run(['chattr', '-i', str(folder)], check=True)
+
+
+def test_checkpoints_the_run_cannot_write_are_refused_before_training(good, tmp_path):
+  """A checkpoints folder of another user's (a workdir shared by two, umask 022) had failed
+  only at the first save, after training up to it, and the process then waited for ever on
+  orbax's threads of the save that never began."""
+  run = _copy(good, tmp_path)
+  undo = _unwritable(run / 'checkpoints')
+  try:
+    start = time.monotonic()
+    rc, err, last = _cli(tmp_path, 'run', '--config.total_steps=40',
+                         '--config.resume_changes=total_steps')
+  finally:
+    undo()
+  assert rc == 1, err[-3000:]
+  assert re.fullmatch(
+      rf'vit-train: cannot write to {run}/checkpoints: \w.* \({run}/checkpoints/'
+      r'\.vit_jax_write_check\.\w+\): .*, or use another --workdir', last), last
+  assert 'Compiled the train step' not in err and time.monotonic() - start < 120
+  assert _steps(run) == ['10', '20', '30']
+
+
+@pytest.mark.parametrize('text', ['{"app": "mine"}', '', '[1, 2]'])
+def test_a_config_json_of_another_program_is_not_overwritten(tmp_path, text):
+  """`--workdir=.` in a folder of the user's own files: their config.json had been replaced
+  by the run's without a word."""
+  (tmp_path / 'config.json').write_text(text)
+  rc, err, last = _cli(tmp_path, '.')
+  assert rc == 1, err[-3000:]
+  assert last == (f'vit-train: {tmp_path}/config.json is not the config of a vit_jax run, and a '
+                  'run records its own there: use another --workdir, or move that file out of it')
+  assert sorted(os.listdir(tmp_path)) == ['config.json']
+  assert (tmp_path / 'config.json').read_text() == text
+
+
+def test_the_config_json_of_a_run_that_saved_nothing_is_its_own(good, tmp_path):
+  """A run stopped before its first save left its config.json alone: the next run there
+  starts and records its own."""
+  run = _copy(good, tmp_path)
+  shutil.rmtree(run / 'checkpoints')
+  os.remove(run / 'final.npz')
+  rundir.check_resume_config(quickstart.get_config(), str(run))
+
+
+# vit-train as a user without a home folder runs it: HOME unset and no passwd entry (an
+# arbitrary uid in a container), so that '~' expands to itself. jemalloc's re-exec would
+# lose the patch: the C library's malloc is kept.
+_WITHOUT_A_HOME = ('import pwd, runpy, sys\n'
+                   'def no_entry(uid): raise KeyError(uid)\n'
+                   'pwd.getpwuid = no_entry\n'
+                   'sys.argv[0] = "vit_jax.main"\n'
+                   'runpy.run_module("vit_jax.main", run_name="__main__")\n')
+
+
+def test_a_user_without_a_home_gets_no_folder_named_tilde(tmp_path):
+  """'~' had stayed '~': `--workdir=~/runs/x` trained into ./~/runs/x, and TensorFlow's
+  import wrote ./~/.keras/keras.json wherever a command ran (`rm -rf ~` then removes the
+  real home)."""
+  env = {k: v for k, v in _env().items() if k not in ('HOME', 'XDG_CACHE_HOME', 'KERAS_HOME')}
+  env['VIT_JAX_HOST_ALLOCATOR'] = 'system'
+
+  def train(workdir):
+    out = subprocess.run([sys.executable, '-c', _WITHOUT_A_HOME, *ARGS, f'--workdir={workdir}'],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    return out.returncode, out.stderr
+
+  rc, err = train('~/runs/x')
+  assert (rc, err.strip().splitlines()[-1]) == (
+      1, "vit-train: ~/runs/x: '~' names no home folder here (HOME is not set, and this user "
+      'has no home in the passwd file): give the path from /, or set HOME'), err[-3000:]
+  rc, err = train('run')
+  assert rc == 0 and 'top-1 accuracy' in err.strip().splitlines()[-1], err[-3000:]
+  assert os.listdir(tmp_path) == ['run']
 
 
 def test_total_steps_below_the_saved_step_is_refused(good, tmp_path):
@@ -1008,6 +1145,10 @@ def test_bad_value_is_one_line_from_the_cli(tmp_path):
   assert rc == 1 and 'Traceback' not in err
   assert last == ('vit-train: batch_size 33 must be a multiple of the 2 devices: set '
                   '--config.batch_size or --config.cpu_devices=1'), last
+  rc, err, last = _cli(tmp_path, 'run', '--config.batch_size=33')  # XLA_FLAGS: 8 devices
+  assert last == ('vit-train: batch_size 33 must be a multiple of the 8 devices: set '
+                  '--config.batch_size or another device count (XLA_FLAGS '
+                  '--xla_force_host_platform_device_count decides, not cpu_devices)'), last
   rc, err, last = _cli(tmp_path, 'run', '--config.cpu_devices=0', devices=None)
   assert rc == 1 and 'Traceback' not in err
   assert last == ('vit-train: cpu_devices 0 must be a whole number >= 1: set --config.cpu_devices '

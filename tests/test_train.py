@@ -683,7 +683,8 @@ def test_fewshot_evaluation_runs_inside_training(idx_dir, tmp_path, caplog):
              'the hybrid, resnet_layers (3, 4), which divides by 8)')),
         (dict(batch_size=12), '^batch_size 12 must be a multiple of the 8 devices'),
         (dict(batch_size=24, accum_steps=2), '^batch_size 24 / accum_steps 2 must be a multiple of '
-         'the 8 devices: set --config.batch_size or a smaller --config.accum_steps$'),
+         'the 8 devices: set --config.batch_size, a smaller --config.accum_steps or another device '
+         r'count \(XLA_FLAGS --xla_force_host_platform_device_count decides, not cpu_devices\)$'),
         (dict(accum_steps=3), '^accum_steps 3 must be >= 1 and divide batch_size 16'),
         (dict(prefetch=-1), '^prefetch -1 is negative: set --config.prefetch'),
         (dict(dtype='float16'), "dtype 'float16' is unknown"),

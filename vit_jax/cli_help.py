@@ -28,6 +28,7 @@ from absl import logging as absl_logging
 
 from vit_jax import ctrl_c
 from vit_jax import errors
+from vit_jax import jax_backend
 
 HELP_FLAGS = frozenset({
     '--help', '-help', '--helpshort', '-helpshort', '--helpfull', '-helpfull', '--helpxml',
@@ -151,14 +152,24 @@ def quiet_the_missing_tpu_notice():
 
 def run(main, module_name, *flag_modules, program=None, flags_parser=None):
   """as_the_program, then absl's app.run(main), with --help exiting 0; flag mistakes are
-  one line naming `program` (default: the console script's name); JAX's notice of a
-  missing TPU runtime and the libraries' INFO chatter are dropped (quiet_the_libraries)."""
+  one line naming `program` (default: the console script's name), and so is a JAX backend
+  that cannot start (vit_jax/jax_backend.py); JAX's notice of a missing TPU runtime and the
+  libraries' INFO chatter are dropped (quiet_the_libraries)."""
   as_the_program(module_name, *flag_modules)
   quiet_the_libraries()
   program = program or os.path.basename(sys.argv[0])
   ctrl_c.deliver_lost_ones()
+
+  def main_or_its_backend_in_one_line(argv):
+    try:
+      return main(argv)
+    except (RuntimeError, AssertionError):
+      jax_backend.exit_if_it_cannot_start(program)  # else the error is not the backend's
+      raise
+
+  parse = flags_parser or one_line_flag_errors(program)
   try:
-    app.run(main, flags_parser=flags_parser or one_line_flag_errors(program))
+    app.run(main_or_its_backend_in_one_line, flags_parser=parse)
   except SystemExit as e:
     # absl exits 1 once it has printed the help, before main runs.
     if e.code == 1 and HELP_FLAGS & set(sys.argv[1:]):

@@ -105,7 +105,7 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
   # An accum_steps that does not divide batch_size is optim.validate's to name.
   accum = max(config.accum_steps, 1)
   # Devices this process split its CPU into may be the reason.
-  or_split = sharding.or_one_cpu_device(config) if devices is None else ''
+  or_split = sharding.or_other_cpu_devices(config) if devices is None else ''
   if config.batch_size % accum == 0 and config.batch_size // accum % n_dev:
     per_micro = '' if accum == 1 else f' / accum_steps {accum}'
     fixes = ['--config.batch_size'] + ['a smaller --config.accum_steps'] * (accum > 1)

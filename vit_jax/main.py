@@ -27,6 +27,7 @@ from vit_jax import cpu_features
 from vit_jax import ctrl_c
 from vit_jax import errors
 from vit_jax import host_allocator
+from vit_jax import jax_backend
 from vit_jax import paths
 from vit_jax import xla_cpu_flags
 
@@ -84,6 +85,32 @@ def initialize_distributed():
     # Addresses and ids come from the TPU metadata (or the cluster's environment).
     _started()
     _initialize(program, heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_seconds)
+
+
+# JAX settings a user's environment may turn on (JAX_ENABLE_X64=1, ...) that vit-train turns
+# off, and why: each had ended a run in a traceback (x64: at step 1, float64 losses against the
+# compiled float32 step; disable_jit: the step is compiled ahead of time; debug_nans: an
+# uninformative ('jit', 'nan') where the run's guard names the step and the fix).
+_TURNED_OFF = {
+    'jax_enable_x64': 'the run computes in 32 bits as without it (its random draws and its '
+                      'types), and resumes the same',
+    'jax_disable_jit': 'the train step is compiled ahead of time, which takes jit',
+    'jax_debug_nans': "the run's own guard stops at the first non-finite loss, gradient or "
+                      'update, and says which (--config.on_nonfinite)',
+    'jax_debug_infs': "the run's own guard stops at the first non-finite loss, gradient or "
+                      'update, and says which (--config.on_nonfinite)',
+}
+_TURNED_OFF_HERE = []  # (environment variable, its value, why) for the log (_open_log)
+
+
+def _jax_as_the_run_needs():
+  """Turns _TURNED_OFF's settings off where the user's environment turned them on."""
+  import jax  # pylint: disable=g-import-not-at-top
+  for name, why in _TURNED_OFF.items():
+    if getattr(jax.config, name):
+      jax.config.update(name, False)
+      variable = name.upper()
+      _TURNED_OFF_HERE.append((variable, os.environ.get(variable, 'on'), why))
 
 
 def _check_process_flags(program):
@@ -154,7 +181,7 @@ def parse_flags(argv):
         print(f'--config={value}: the fields and values it trains with (each overridable as '
               f'--config.FIELD=VALUE):\n\n' + '\n'.join(_field_lines(config)) + '\n')
         print('\n'.join(_variant_lines(config)) + '\n')
-    with configs.no_bytecode_written():
+    with configs.loading_a_config():
       rest = FLAGS(argv)
       _ = FLAGS.config  # raises if the config file failed to load
     configs.add_model_fields(FLAGS.config, model_fields)
@@ -228,6 +255,8 @@ def _open_log(workdir, cpu_devices):
   logging.info('process %d/%d, %d local / %d global devices (%s)', jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count(),
                jax.devices()[0].platform)
+  for variable, value, why in _TURNED_OFF_HERE:
+    logging.info('%s=%s: off for this run: %s', variable, value, why)
   if jax.devices()[0].platform == 'cpu':
     logging.info('CPU devices: %d (%s)', jax.local_device_count(), cpu_devices)
     logging.info('%s', xla_cpu_flags.last_choice)
@@ -263,7 +292,9 @@ def main(argv):
     cpu_devices = sharding.split_host_cpu(FLAGS.config)
   except ValueError as e:  # a bad VIT_JAX_XLA_CPU_FLAGS or cpu_devices value
     sys.exit(f'{errors.PROGRAM}: {e}')
+  _jax_as_the_run_needs()
   initialize_distributed()
+  jax_backend.exit_if_it_cannot_start(errors.PROGRAM)  # before a lock or log is written
   from vit_jax import train  # pylint: disable=g-import-not-at-top  (after distributed init)
   _started()
   log_open = []

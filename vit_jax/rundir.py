@@ -158,6 +158,7 @@ def check_resume_config(config, workdir):
   the run in `workdir`, unless config.resume_changes names them ('*': any)."""
   path = os.path.join(workdir, 'config.json')
   if not has_results(workdir):
+    _refuse_a_config_json_of_another_program(path)
     return
   # The loop writes config.json before its first save, so results without it mean the file
   # was lost: resuming would check nothing and then record this config as the run's.
@@ -227,6 +228,26 @@ def check_resume_config(config, workdir):
         f'workdir {workdir} holds a run with another config ({shown}{more}): to go on with '
         f'that run, pass its value{"s" if len(changed) > 1 else ""} ({back}); {change}; or use '
         'another --workdir')
+
+
+# Fields every config.json a vit_jax run wrote holds, in every version.
+_FIELDS_OF_OURS = ('model_name', 'dataset', 'batch_size')
+
+
+def _refuse_a_config_json_of_another_program(path):
+  """A new run saves its config as `path`: a config.json that is not a vit_jax run's (a
+  user's own file, in a workdir such as `.`) had been overwritten without a word."""
+  if not tf.io.gfile.exists(path):
+    return
+  try:
+    with tf.io.gfile.GFile(path) as f:
+      record = json.loads(f.read())
+    ours = isinstance(record, dict) and all(k in record for k in _FIELDS_OF_OURS)
+  except (ValueError, OSError, tf.errors.OpError):
+    ours = False  # unreadable: not a file a run wrote whole (they are written atomically)
+  if not ours:
+    raise errors.ConfigError(f'{path} is not the config of a vit_jax run, and a run records its '
+                             'own there: use another --workdir, or move that file out of it')
 
 
 def _flag_value(value):

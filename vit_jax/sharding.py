@@ -68,11 +68,17 @@ def split_host_cpu(config, environ=os.environ):
   return why
 
 
-def or_one_cpu_device(config):
-  """' or --config.cpu_devices=1' where config.cpu_devices split this process's CPU into
-  its devices (the end of an error that the device count is a cause of), else ''."""
-  n, _ = cpu_devices(config)
-  if n and n > 1 and jax.default_backend() == 'cpu' and jax.local_device_count() == n:
+def or_other_cpu_devices(config):
+  """The end of an error that the CPU device count is a cause of: ' or
+  --config.cpu_devices=1' where config.cpu_devices split this process's CPU into its
+  devices, ' or another device count (<the variable> decides ...)' where the environment
+  did, else ''."""
+  if jax.default_backend() != 'cpu':
+    return ''
+  n, why = cpu_devices(config)
+  if n is None and jax.local_device_count() > 1:
+    return f' or another device count ({why})'
+  if n and n > 1 and jax.local_device_count() == n:
     return ' or --config.cpu_devices=1'
   return ''
 

@@ -37,7 +37,7 @@ def per_example_loss(logits, labels, kind, label_smoothing=0.0):
     if kind != 'sigmoid_xent':
       targets = targets / jnp.maximum(jnp.sum(targets, axis=-1, keepdims=True), 1.0)
   else:
-    targets = jax.nn.one_hot(labels, logits.shape[-1])
+    targets = jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.float32)  # float64 under x64
   if label_smoothing:
     targets = optax.smooth_labels(targets, label_smoothing)
   if kind == 'sigmoid_xent':
@@ -161,10 +161,10 @@ def make_train_step(model, tx, schedule, config, mesh):
       loss, g = jax.tree.map(lambda x: x / accum, (loss, g))
     updates, opt_state = tx.update(g, state['opt_state'], params)
     new_params = optax.apply_updates(params, updates)
-    grad_norm = optax.global_norm(g)
+    grad_norm = optax.tree.norm(g)
     # The update too: a finite gradient times a huge learning rate overflows to inf
     # parameters, which the next step's loss would show only after they were saved.
-    update_norm = optax.global_norm(updates)
+    update_norm = optax.tree.norm(updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
     if config.get('on_nonfinite', 'stop') == 'skip':  # the step counts, its update does not
       keep = lambda new, old: jnp.where(finite, new, old)
