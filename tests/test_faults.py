@@ -446,8 +446,15 @@ def test_a_user_without_a_home_gets_no_folder_named_tilde(tmp_path):
 
   rc, err = train('~/runs/x')
   assert (rc, err.strip().splitlines()[-1]) == (
-      1, "vit-train: ~/runs/x: '~' names no home folder here (HOME is not set, and this user "
-      'has no home in the passwd file): give the path from /, or set HOME'), err[-3000:]
+      1, "vit-train: --workdir=~/runs/x: '~' names no home folder here (HOME is not set, and "
+      'this user has no home in the passwd file): give the path from /, or set HOME'), err[-3000:]
+  # A gs:// run's readable log defaults to ~/vit_jax_logs: it had been a traceback once the
+  # run had started, from opening the log.
+  rc, err = train('gs://bucket/run')
+  assert (rc, err.strip().splitlines()[-1]) == (
+      1, "vit-train: --local_log_dir=~/vit_jax_logs: '~' names no home folder here (HOME is not "
+      'set, and this user has no home in the passwd file): give the path from /, or set HOME'), (
+          err[-3000:])
   rc, err = train('run')
   assert rc == 0 and 'top-1 accuracy' in err.strip().splitlines()[-1], err[-3000:]
   assert os.listdir(tmp_path) == ['run']

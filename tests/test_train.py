@@ -725,8 +725,8 @@ def test_the_log_of_a_remote_workdir_goes_to_the_users_home(tmp_path):
   the VM could not write there and their gs:// run stopped at start-up."""
   code = ('import sys; from vit_jax import main; '
           "main.parse_flags(['vit-train', '--config=quickstart', '--workdir=gs://b/w']); "
-          "main._open_log('gs://b/w', 'why'); print(main.logging.get_absl_handler()"
-          '.python_handler.stream.name)')
+          "main._open_log('gs://b/w', main._log_dir('gs://b/w'), 'why'); "
+          'print(main.logging.get_absl_handler().python_handler.stream.name)')
   out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                        env=dict(os.environ, HOME=str(tmp_path)), cwd=ROOT, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]

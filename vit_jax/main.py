@@ -91,14 +91,14 @@ def initialize_distributed():
 # off, and why: each had ended a run in a traceback (x64: at step 1, float64 losses against the
 # compiled float32 step; disable_jit: the step is compiled ahead of time; debug_nans: an
 # uninformative ('jit', 'nan') where the run's guard names the step and the fix).
+_THE_GUARD_STOPS = ("the run's own guard stops at the first non-finite loss, gradient or update, "
+                    'and says which (--config.on_nonfinite)')
 _TURNED_OFF = {
     'jax_enable_x64': 'the run computes in 32 bits as without it (its random draws and its '
                       'types), and resumes the same',
     'jax_disable_jit': 'the train step is compiled ahead of time, which takes jit',
-    'jax_debug_nans': "the run's own guard stops at the first non-finite loss, gradient or "
-                      'update, and says which (--config.on_nonfinite)',
-    'jax_debug_infs': "the run's own guard stops at the first non-finite loss, gradient or "
-                      'update, and says which (--config.on_nonfinite)',
+    'jax_debug_nans': _THE_GUARD_STOPS,
+    'jax_debug_infs': _THE_GUARD_STOPS,
 }
 _TURNED_OFF_HERE = []  # (environment variable, its value, why) for the log (_open_log)
 
@@ -233,12 +233,20 @@ def _one_line(error):
   return lines[0] if len(lines) == 1 else ' '.join(lines[:2])
 
 
-def _open_log(workdir, cpu_devices):
-  """The readable log: train.INFO (process 0), train.process<i>.INFO (the others), and the
-  lines that say what this process runs on (`cpu_devices`: why the CPU backend has the
-  devices it has)."""
+def _log_dir(workdir):
+  """Where the readable log goes: the workdir, or for a gs:// one --local_log_dir (on this
+  disk). Resolved at start-up: a '~' that names no home is one line there, not a traceback
+  once the run has started."""
+  if not paths.is_remote(workdir):
+    return workdir
+  return paths.resolve_folder_flag(FLAGS.local_log_dir, '--local_log_dir', 'vit_jax_logs')
+
+
+def _open_log(workdir, log_dir, cpu_devices):
+  """The readable log in log_dir: train.INFO (process 0), train.process<i>.INFO (the others),
+  and the lines that say what this process runs on (`cpu_devices`: why the CPU backend has
+  the devices it has)."""
   import jax  # pylint: disable=g-import-not-at-top
-  log_dir = paths.resolve(FLAGS.local_log_dir) if paths.is_remote(workdir) else workdir
   try:
     os.makedirs(log_dir, exist_ok=True)
   except OSError as e:
@@ -277,6 +285,7 @@ def main(argv):
     # Before TensorFlow and the backend start: a mistyped value is one line in ~2 s, not ~9.
     workdir = paths.resolve_folder_flag(FLAGS.workdir)  # once: orbax refuses relative paths
     _workdir = workdir
+    log_dir = _log_dir(workdir)
     config_checks.validate_before_devices(FLAGS.config)
   except ValueError as e:
     sys.exit(f'{errors.PROGRAM}: {e}')
@@ -300,7 +309,7 @@ def main(argv):
   log_open = []
 
   def open_log():
-    _open_log(workdir, cpu_devices)
+    _open_log(workdir, log_dir, cpu_devices)
     log_open.append(True)
 
   try:

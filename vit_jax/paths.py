@@ -35,7 +35,10 @@ def resolve_folder_flag(path, flag='--workdir', example='workdirs/NAME'):
   if not str(path).strip():
     raise ValueError(f'{flag} is empty (an unset shell variable?): pass a folder, e.g. '
                      f'{flag}={example}')
-  return resolve(path)
+  try:
+    return resolve(path)
+  except ValueError as e:
+    raise ValueError(f'{flag}={e}') from None
 
 
 def open_file(path, mode):
