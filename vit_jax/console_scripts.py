@@ -63,9 +63,8 @@ _READER_GONE_STATUS = 141
 
 def _reader_gone():
   """Output piped into a reader that stopped (`| head`): exit quietly, as a command killed by
-  SIGPIPE does, where a traceback of ~20 lines had ended with BrokenPipeError. Python's own
-  flush of stdout at exit would fail again, so stdout is sent to /dev/null first."""
-  os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+  SIGPIPE does, where a traceback of ~20 lines had ended with BrokenPipeError."""
+  ctrl_c.discard_unwritten(sys.stdout)
   sys.exit(_READER_GONE_STATUS)
 
 

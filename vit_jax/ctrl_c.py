@@ -24,12 +24,17 @@ def stop_with(line, status=STATUS, abandoned=None, grace_s=10.0):
     sys.stderr.write(line + '\n')
     sys.stderr.flush()
   except OSError:  # a closed terminal (SIGHUP): the status still says what happened
-    # The line stays in stderr's buffer, and Python's flush at exit would fail on it and
-    # turn the status into 120: the buffer goes to /dev/null instead.
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+    discard_unwritten(sys.stderr)
   if abandoned is not None:
     _exit(status, [t for t in threading.enumerate() if t.is_alive() and abandoned(t)], grace_s)
   sys.exit(status)
+
+
+def discard_unwritten(stream):
+  """Points `stream` at /dev/null, for a reader that is gone (a closed terminal, a stopped
+  pipe): the text left in its buffer would fail again at Python's exit flush, which turns
+  the exit status into 120."""
+  os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
 
 def _exit(status, threads, grace_s):
