@@ -244,6 +244,22 @@ def test_a_users_first_run_prints_the_figures_alone(tiny, tmp_path):
   assert out.stdout.splitlines()[0] == 'No --images: rollout and attention distance need images.'
 
 
+def test_a_home_matplotlib_cannot_write_in_changes_nothing_printed(tiny, tmp_path):
+  """A read-only home (here a HOME that is a file): matplotlib's import had warned twice,
+  recommending MPLCONFIGDIR, above the figures' paths; it draws them from a temporary folder."""
+  home = tmp_path / 'home'
+  home.write_text('')
+  out = console_script('vit-inspect', tiny['tmp'], '--checkpoint', tiny['path'], '--model',
+                       'ViT-Ti_16', '--model_overrides',
+                       ','.join(f'{k}={v}' for k, v in TINY.items()), '--outdir',
+                       str(tmp_path / 'f'), HOME=str(home), MPLCONFIGDIR='', XDG_CACHE_HOME='',
+                       XDG_CONFIG_HOME='')
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert 'MPLCONFIGDIR' not in out.stderr and 'mkdir -p failed' not in out.stderr, out.stderr
+  assert out.stdout.splitlines()[0] == 'No --images: rollout and attention distance need images.'
+  assert (tmp_path / 'f' / 'embedding_filters.png').is_file()
+
+
 def test_outdir_that_cannot_be_a_folder(tiny):
   home = tiny['tmp'] / 'outdir_user'
   home.mkdir()

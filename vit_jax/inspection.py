@@ -216,11 +216,20 @@ def mean_attention_distance(attention, pixels_per_token, class_token=True):
 
 # ---------------------------------------------------------------- figures
 def _pyplot():
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  if ('matplotlib.pyplot' not in sys.modules and 'ipykernel' not in sys.modules
-      and not os.environ.get('MPLBACKEND')):
-    matplotlib.use('Agg')  # files only; notebooks keep their inline backend
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  # Where the home's .config is not writable (a read-only or missing home), matplotlib's
+  # import warns twice, recommending MPLCONFIGDIR, and goes on in a temporary folder that
+  # draws the same figures: those warnings are left out.
+  matplotlib_logger = logging.getLogger('matplotlib')
+  level = matplotlib_logger.level
+  matplotlib_logger.setLevel(logging.ERROR)
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    if ('matplotlib.pyplot' not in sys.modules and 'ipykernel' not in sys.modules
+        and not os.environ.get('MPLBACKEND')):
+      matplotlib.use('Agg')  # files only; notebooks keep their inline backend
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  finally:
+    matplotlib_logger.setLevel(level)
   return plt
 
 
