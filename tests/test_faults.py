@@ -592,6 +592,26 @@ def test_a_stale_lock_is_taken_over_by_one_of_two_runs(tmp_path):
     assert not (workdir / 'lock.takeover').exists()
 
 
+def test_a_lock_that_cannot_be_written_is_not_left_behind(tmp_path, monkeypatch):
+  """A full disk: the lock was created but its text not written, and the same command, run
+  again at once as the message says, was refused by that empty 'unreadable lock'."""
+  real_fdopen = os.fdopen
+
+  def full_disk(fd, mode):
+    os.close(fd)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  monkeypatch.setattr(os, 'fdopen', full_disk)
+  with pytest.raises(train.ConfigError, match='^cannot write to workdir .*: No space left on dev'):
+    rundir.WorkdirLock(str(tmp_path)).acquire()
+  monkeypatch.setattr(os, 'fdopen', real_fdopen)
+  assert not (tmp_path / 'lock').exists()
+  lock = rundir.WorkdirLock(str(tmp_path))
+  lock.acquire()  # the same command again, at once
+  assert json.loads((tmp_path / 'lock').read_text())['pid'] == os.getpid()
+  lock.release()
+
+
 def test_release_leaves_a_lock_another_run_took(tmp_path):
   lock = rundir.WorkdirLock(str(tmp_path))
   lock.acquire()

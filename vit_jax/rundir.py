@@ -1,6 +1,7 @@
 """What a run keeps in its workdir besides checkpoints: config.json, the check that a
 resumed run has the config of the run it resumes, and the lock that keeps one run per
 workdir."""
+import contextlib
 import json
 import os
 import shlex
@@ -391,9 +392,16 @@ class WorkdirLock:
                 'if that run is gone)') from None
           self._remove_stale()
           continue
+        try:
+          with os.fdopen(fd, 'w') as f:
+            f.write(data)
+        except OSError:
+          # Left empty (a full disk), it would keep the same command out for 10 s as an
+          # unreadable lock that is being written.
+          with contextlib.suppress(OSError):
+            os.remove(self.path)
+          raise
         self.held = True
-        with os.fdopen(fd, 'w') as f:
-          f.write(data)
         return
       raise errors.ConfigError(f'cannot take the lock {self.path}: another run keeps taking it')
     except (OSError, tf.errors.OpError) as e:
