@@ -791,8 +791,8 @@ def test_failed_save_stops_at_once(tmp_path):
   failed = re.search(r'^vit-train: the checkpoint of step (\d+) could not be written', last)
   assert failed, err[-3000:]
   assert 'File too large' in last and re.search(
-      r'raise it \(ulimit -f unlimited\), then run the same command to resume( from step \d+)?$',
-      last), last
+      r'raise it \(ulimit -f unlimited\), then run the same command to (resume from step \d+|'
+      r'start again \(this run saved no checkpoint\))$', last), last
   # orbax's failed write tasks are reported once, by our line, not as tracebacks.
   assert 'Traceback' not in err and 'never retrieved' not in err, err[-3000:]
   assert f'step {int(failed.group(1)) + 20}/200' not in err
@@ -1665,6 +1665,21 @@ def test_a_failed_write_is_named_by_its_errno_and_given_its_fix(tmp_path, monkey
       RuntimeError(flush),
       tmp_path / 'not yet') == (f'{flush} (3 KiB free on its disk): free space there')
   assert errors.write_failure(RuntimeError(flush), 'gs://b/run').endswith('fix permissions there')
+
+
+def test_a_first_checkpoint_that_cannot_be_written_says_the_run_starts_again(tmp_path, monkeypatch):
+  """With no checkpoint saved, the line had said 'run the same command to resume'."""
+
+  def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  monkeypatch.setattr(checkpoint, 'save_train_state', full)
+  workdir = str(tmp_path / 'run')
+  with pytest.raises(train.TrainingError) as e:
+    train.train_and_evaluate(_config(), workdir)
+  assert str(e.value) == (f'the checkpoint of step 3 could not be written to {workdir}/checkpoints:'
+                          ' No space left on device: free space there, then run the same command '
+                          'to start again (this run saved no checkpoint)')
 
 
 def test_a_final_npz_that_cannot_be_written_is_named_and_written_by_the_same_command(

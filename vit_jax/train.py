@@ -308,6 +308,13 @@ def _guard_message(guard, config, last_saved):
   return f'{what}, so it stopped ({kept}); try {", ".join(fixes)}'
 
 
+def _then(last_saved):
+  """How a failed save's line ends: what the same command does next."""
+  if last_saved:
+    return f', then run the same command to resume from step {last_saved}'
+  return ', then run the same command to start again (this run saved no checkpoint)'
+
+
 class _ShortLibraryErrors(std_logging.Filter):
   """orbax logs a failed background write with its whole traceback, several times over;
   the loop reports the failure itself in one line, so orbax's records keep their message
@@ -560,10 +567,8 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       manager.check_for_errors()
     except Exception as e:  # pylint: disable=broad-except  (any failure of the write)
       time.sleep(1.0)  # let the failed write's other callbacks finish (and print) first
-      raise TrainingError(
-          f'the checkpoint of step {step} could not be written to {ckpt_dir}: '
-          f'{errors.write_failure(e, ckpt_dir)}, then run the same command to resume'
-          + (f' from step {saves["last"]}' if saves['last'] else '')) from None
+      raise TrainingError(f'the checkpoint of step {step} could not be written to {ckpt_dir}: '
+                          f'{errors.write_failure(e, ckpt_dir)}{_then(saves["last"])}') from None
     saves['pending'], saves['last'] = None, step
 
   def save(step):
@@ -584,9 +589,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
     except Exception as e:  # pylint: disable=broad-except
       saves['pending'] = None
       raise TrainingError(f'the checkpoint of step {step} could not be written to {ckpt_dir}: '
-                          f'{errors.write_failure(e, ckpt_dir)}, then run the same command to '
-                          'resume'
-                          + (f' from step {saves["last"]}' if saves['last'] else '')) from None
+                          f'{errors.write_failure(e, ckpt_dir)}{_then(saves["last"])}') from None
 
   preemption = _Preemption(workdir)
   if _RECEIVED_OUTSIDE_THE_LOOP:  # received, but its exception was lost
