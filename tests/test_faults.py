@@ -1277,62 +1277,79 @@ def _make_folder(root, empty_class):
   return f'folder:{root}'
 
 
-@pytest.mark.parametrize('overrides,message', [
-    (dict(mesh_data=3), r'mesh_data 3 does not fit the 8 devices: set --config.mesh_data'),
-    (dict(keep_checkpoints=0), r'keep_checkpoints 0 would keep no checkpoint .*-1 keeps all'),
-    (dict(log_every_steps=-1), r'log_every_steps -1 is negative: set --config.log_every_steps'),
-    (dict(on_nonfinite='ignore'), r"on_nonfinite 'ignore' is unknown"),
-    (dict(dtype='float16'), r"dtype 'float16' is unknown: set --config.dtype to one of "
-     r"\('float32', 'bfloat16'\)"),
-    (dict(num_classes=5), r'num_classes 5 is smaller than the dataset\'s 10 classes .* '
-     r'--config.num_classes=10'),
-    (dict(num_classes=12), r'^num_classes 12 is more than the dataset\'s 10 classes '
-     r'\(fashion_mnist_local\): set --config.num_classes=10 or -1 \(from the dataset\)$'),
-    (dict(num_classes=0), r'^num_classes 0 is no head size: set --config.num_classes to the '
-     r'number of classes, or -1 \(from the dataset\)$'),
-    (dict(num_classes=-10), r'^num_classes -10 is no head size'),
-    (dict(shuffle_buffer=0), r'^shuffle_buffer 0 must be >= 1: set --config.shuffle_buffer to '),
-    (dict(train_split='train[90%:80%]'), r"^train_split 'train\[90%:80%\]': its slice ends "
-     r'before it starts \(start=54000, end=48000\): set --config.train_split$'),
-    (dict(eval_real=True), r'^dataset imagenet2012_real is not prepared in data_dir '),
-    (dict(fewshot_every_steps=2, fewshot_cache_mb=-5), r'^fewshot_cache_mb -5 is negative: set '),
-    (dict(fewshot_every_steps=2, fewshot_datasets=(('fashion_mnist_local', 'train', 'tst'),)),
-     r"^fewshot_datasets fashion_mnist_local held-out split 'tst': Unknown split 'tst'. Should be "
-     r"one of \['train', 'test'\]: set --config.fewshot_datasets$"),
-    (dict(dataset='mnist', data_dir='DATA'),
-     r'dataset mnist is not prepared in data_dir .*DATA: run `tfds build mnist '
-     r'--data_dir=.*DATA` or set --config.data_dir'),
-    (dict(dataset='FOLDER'), r'class folder .*/train/c holds no images'),
-    (dict(pp=dict(eval_crop='center')),
-     r"pp.eval_crop 'center' is unknown: set --config.pp.eval_crop to one of"),
-    (dict(pp=dict(inception_min_area=2.0)), r'pp.inception_min_area 2.0 is a fraction .* \(0, 1\]'),
-    (dict(eval_batch_size=0), r'eval_batch_size 0 must be > 0: set --config.eval_batch_size$'),
-    (dict(eval_batch_size=4), r'eval_batch_size 4 is not a multiple of the 8 devices'),
-    (dict(label_smoothing=1.0), r'label_smoothing 1.0 is a fraction .* in \[0, 1\)'),
-    (dict(model=dict(dropout_rate=2.0)), r'model.dropout_rate 2.0 is a probability: set '
-     r'--config.model.dropout_rate to a value in \[0, 1\)'),
-    (dict(model=dict(num_heads=3)), r'model.num_heads 3 does not divide model.hidden_size 64 '
-     r'.*: set --config.model.num_heads or --config.model.hidden_size'),
-    (dict(model=dict(patch_size=0)), r'model.patch_size 0 must be a whole number >= 1: set '
-     r'--config.model.patch_size'),
-    (dict(image_size=0), r'image_size 0 must be >= 1 \(pixels per side\): set --config.image_size'),
-    (dict(image_size=-4), r'image_size -4 must be >= 1'),
-    (dict(cpu_devices=-1), r'cpu_devices -1 must be a whole number >= 1: set --config.cpu_devices'),
-    (dict(grad_clip_norm=float('nan')),
-     r'^grad_clip_norm nan is not a finite number: set --config.grad_clip_norm to a number$'),
-    (dict(pp=dict(central_crop_fraction=float('inf'))), r'^pp.central_crop_fraction inf is not a '
-     r'finite number: set --config.pp.central_crop_fraction to a number$'),
-    (dict(lr_grid=(0.01, float('nan'))), r'^lr_grid \(0.01, nan\) is not a finite number: set '
-     r'--config.lr_grid to numbers$'),
-    (dict(device_memory_mb=-1.0), r'^device_memory_mb -1.0 is negative: set '
-     r'--config.device_memory_mb to the memory per device in MiB, or 0 to ask the device$'),
-])
+@pytest.mark.parametrize(
+    'overrides,message',
+    [
+        (dict(mesh_data=3), r'mesh_data 3 does not fit the 8 devices: set --config.mesh_data'),
+        (dict(keep_checkpoints=0), r'keep_checkpoints 0 would keep no checkpoint .*-1 keeps all'),
+        (dict(log_every_steps=-1), r'log_every_steps -1 is negative: set --config.log_every_steps'),
+        (dict(on_nonfinite='ignore'), r"on_nonfinite 'ignore' is unknown"),
+        (dict(dtype='float16'), r"dtype 'float16' is unknown: set --config.dtype to one of "
+         r"\('float32', 'bfloat16'\)"),
+        (dict(num_classes=5), r'num_classes 5 is smaller than the dataset\'s 10 classes .* '
+         r'--config.num_classes=10'),
+        (dict(num_classes=12), r'^num_classes 12 is more than the dataset\'s 10 classes '
+         r'\(fashion_mnist_local\): set --config.num_classes=10 or -1 \(from the dataset\)$'),
+        (dict(num_classes=0), r'^num_classes 0 is no head size: set --config.num_classes to the '
+         r'number of classes, or -1 \(from the dataset\)$'),
+        (dict(num_classes=-10), r'^num_classes -10 is no head size'),
+        (dict(shuffle_buffer=0),
+         r'^shuffle_buffer 0 must be >= 1: set --config.shuffle_buffer to '),
+        (dict(train_split='train[90%:80%]'), r"^train_split 'train\[90%:80%\]': its slice ends "
+         r'before it starts \(start=54000, end=48000\): set --config.train_split$'),
+        # The evaluations' datasets: the fix is not the run's own data_dir.
+        (dict(eval_real=True), r'^eval_real: dataset imagenet2012_real is not prepared in data_dir '
+         r'.*: run `tfds build imagenet2012_real --data_dir=.*` \(its files downloaded by hand .*\) '
+         r'or set --config.eval_real=False\.$'),
+        (dict(fewshot_every_steps=2, fewshot_datasets=(('mnist', 'train', 'test'),),
+              fewshot_data_dir='DATA'),
+         r'^fewshot_datasets mnist: dataset mnist is not prepared in data_dir .*DATA: run `tfds build '
+         r'mnist --data_dir=.*DATA` or set --config.fewshot_data_dir to where it is prepared \(or '
+         r'leave it out of --config.fewshot_datasets\)\.$'),
+        (dict(fewshot_every_steps=2,
+              fewshot_cache_mb=-5), r'^fewshot_cache_mb -5 is negative: set '),
+        (dict(fewshot_every_steps=2, fewshot_datasets=(('fashion_mnist_local', 'train', 'tst'),)),
+         r"^fewshot_datasets fashion_mnist_local held-out split 'tst': Unknown split 'tst'. Should be "
+         r"one of \['train', 'test'\]: set --config.fewshot_datasets$"),
+        (dict(dataset='mnist', data_dir='DATA'),
+         r'dataset mnist is not prepared in data_dir .*DATA: run `tfds build mnist '
+         r'--data_dir=.*DATA` or set --config.data_dir'),
+        (dict(dataset='FOLDER'), r'class folder .*/train/c holds no images'),
+        (dict(pp=dict(eval_crop='center')),
+         r"pp.eval_crop 'center' is unknown: set --config.pp.eval_crop to one of"),
+        (dict(pp=dict(inception_min_area=2.0)),
+         r'pp.inception_min_area 2.0 is a fraction .* \(0, 1\]'),
+        (dict(eval_batch_size=0), r'eval_batch_size 0 must be > 0: set --config.eval_batch_size$'),
+        (dict(eval_batch_size=4), r'eval_batch_size 4 is not a multiple of the 8 devices'),
+        (dict(label_smoothing=1.0), r'label_smoothing 1.0 is a fraction .* in \[0, 1\)'),
+        (dict(model=dict(dropout_rate=2.0)), r'model.dropout_rate 2.0 is a probability: set '
+         r'--config.model.dropout_rate to a value in \[0, 1\)'),
+        (dict(model=dict(num_heads=3)), r'model.num_heads 3 does not divide model.hidden_size 64 '
+         r'.*: set --config.model.num_heads or --config.model.hidden_size'),
+        (dict(model=dict(patch_size=0)), r'model.patch_size 0 must be a whole number >= 1: set '
+         r'--config.model.patch_size'),
+        (dict(image_size=0),
+         r'image_size 0 must be >= 1 \(pixels per side\): set --config.image_size'),
+        (dict(image_size=-4), r'image_size -4 must be >= 1'),
+        (dict(cpu_devices=-1),
+         r'cpu_devices -1 must be a whole number >= 1: set --config.cpu_devices'),
+        (dict(grad_clip_norm=float('nan')),
+         r'^grad_clip_norm nan is not a finite number: set --config.grad_clip_norm to a number$'),
+        (dict(pp=dict(central_crop_fraction=float('inf'))),
+         r'^pp.central_crop_fraction inf is not a '
+         r'finite number: set --config.pp.central_crop_fraction to a number$'),
+        (dict(lr_grid=(0.01, float('nan'))), r'^lr_grid \(0.01, nan\) is not a finite number: set '
+         r'--config.lr_grid to numbers$'),
+        (dict(device_memory_mb=-1.0), r'^device_memory_mb -1.0 is negative: set '
+         r'--config.device_memory_mb to the memory per device in MiB, or 0 to ask the device$'),
+    ])
 def test_bad_values_fail_at_start_up(tmp_path, overrides, message):
   # (The nan and inf cases: a comparison with nan is false, so range checks let it through.
   # eval_real and fewshot_datasets: their data is checked before the workdir is made; it
   # had been a traceback once the run had begun.)
-  if overrides.get('data_dir') == 'DATA':
-    overrides['data_dir'] = str(tmp_path / 'DATA')
+  for field in ('data_dir', 'fewshot_data_dir'):
+    if overrides.get(field) == 'DATA':
+      overrides[field] = str(tmp_path / 'DATA')
   if overrides.get('dataset') == 'FOLDER':
     overrides['dataset'] = _make_folder(tmp_path / 'images', 'c')
   with pytest.raises(train.ConfigError, match=message):

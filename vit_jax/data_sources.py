@@ -206,10 +206,17 @@ class DamagedFile(FixInTheData):
 class NotPrepared(FileNotFoundError):
   """A TFDS dataset with no prepared files in its data_dir (`tfds build` makes them)."""
 
-  def __init__(self, name: str, data_dir: str, manual: bool):
+  def __init__(self, name: str, data_dir: str, manual: bool, field: str = '',
+               fix: str = 'set --config.data_dir to where it is prepared'):
     self.name, self.data_dir, self.manual = name, data_dir, manual
-    super().__init__(f'dataset {name} is not prepared in data_dir {data_dir}: '
-                     f'{build_advice([self])} or set --config.data_dir to where it is prepared.')
+    said = f'{field}: ' if field else ''
+    super().__init__(f'{said}dataset {name} is not prepared in data_dir {data_dir}: '
+                     f'{build_advice([self])} or {fix}.')
+
+  def said_of(self, field: str, fix: str) -> 'NotPrepared':
+    """The same error for a dataset that the config `field` names (not the run's own
+    dataset): its line starts with the field and ends with `fix`."""
+    return NotPrepared(self.name, self.data_dir, self.manual, field, fix)
 
 
 def build_advice(missing: list[NotPrepared]) -> str:

@@ -43,6 +43,7 @@ import ml_collections
 import numpy as np
 
 from vit_jax import config_checks
+from vit_jax import data_sources
 from vit_jax import errors
 from vit_jax import input_pipeline
 from vit_jax import sharding
@@ -393,7 +394,13 @@ def check_fewshot_data(config):
     cfgs = _task_configs(config, dataset, train_split, eval_split)
     for cfg, field, what in zip(cfgs, ('train_split', 'eval_split'),
                                 ('k-shot pool split', 'held-out split')):
-      input_pipeline.count_split(cfg, field, f'fewshot_datasets {label} {what}', 'fewshot_datasets')
+      try:
+        input_pipeline.count_split(cfg, field, f'fewshot_datasets {label} {what}',
+                                   'fewshot_datasets')
+      except data_sources.NotPrepared as e:  # its fix is not the run's own data_dir
+        raise e.said_of(
+            f'fewshot_datasets {label}', 'set --config.fewshot_data_dir to where it is prepared '
+            '(or leave it out of --config.fewshot_datasets)') from None
 
 
 class _FewShotTask:

@@ -28,6 +28,7 @@ from vit_jax import checkpoint
 from vit_jax import chrono as chrono_lib
 from vit_jax import config_checks
 from vit_jax import ctrl_c
+from vit_jax import data_sources
 from vit_jax import device_peaks
 from vit_jax import errors
 from vit_jax import evaluate as evaluate_lib
@@ -69,7 +70,10 @@ def _real_config(config, num_classes):
   if not config.get('eval_real', False):
     return None
   real = evaluate_lib.real_config(config)
-  classes = input_pipeline.get_info(real).num_classes
+  try:
+    classes = input_pipeline.get_info(real).num_classes
+  except data_sources.NotPrepared as e:  # in the run's data_dir, which its own data may need
+    raise e.said_of('eval_real', 'set --config.eval_real=False') from None
   if num_classes != classes:
     raise ConfigError(f'eval_real scores a head of the {classes} ImageNet classes, but this one '
                       f'has {num_classes}: set --config.eval_real=False')
