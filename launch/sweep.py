@@ -42,6 +42,7 @@ from vit_jax import cli_help
 from vit_jax import configs
 from vit_jax import ctrl_c
 from vit_jax import errors
+from vit_jax import jax_backend
 from vit_jax import paths
 from vit_jax.launch import tpu_vm
 
@@ -396,7 +397,25 @@ def _run_point(config, workdir, sets, points, i, runner, out):
   with paths.open_file(join(point_dir, 'sweep_status'), 'w') as f:
     f.write(status + '\n')
   print(f'== {name}: {status}', file=out, flush=True)
+  if rc != 0:
+    stop_if_every_point_would_fail(join(point_dir, 'sweep.log'), 'point', name)
   return status
+
+
+def stop_if_every_point_would_fail(log_path, what, name):
+  """SweepError where the failed point's log ends with a failure that every later point
+  would meet too: JAX's backend cannot start (JAX_PLATFORMS naming a runtime that is not
+  installed, a TPU another process holds). Each point had failed in turn with the same line.
+  `what` names a point in the message (vit-vtab's are tasks), `name` this one."""
+  try:
+    with paths.open_file(log_path, 'r') as f:
+      lines = f.read().strip().splitlines()
+  except Exception:  # pylint: disable=broad-except  (unreadable: the summary tells the rest)
+    return
+  said = lines[-1].removeprefix('vit-train: ') if lines else ''
+  if said.startswith(jax_backend.CANNOT_START):
+    raise SweepError(f'{what} {name}: {said} (stopped here: the later {what}s would fail the same '
+                     'way)')
 
 
 def _written_order(path):

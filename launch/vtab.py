@@ -157,6 +157,8 @@ def _run_task(args, tasks, i, overrides, runner, out):
         'the tasks: finished ones are skipped, this one resumes from its last checkpoint') from None
   status = 'ok' if rc == 0 else f'failed (exit {rc})'
   print(f'== {task}: {status}', file=out, flush=True)
+  if rc != 0:
+    sweep.stop_if_every_point_would_fail(sweep.join(task_dir, 'vtab.log'), 'task', task)
   return status
 
 
@@ -325,7 +327,7 @@ def main(argv=None, runner=sweep.run_local, out=None):
     if failed:
       sys.exit(f'vit-vtab: {len(failed)} of {len(tasks)} tasks failed (the table lists them): see '
                f'{sweep.join(sweep.join(args.workdir, failed[0]), "vtab.log")}')
-  except VtabError as e:
+  except (VtabError, sweep.SweepError) as e:
     sys.exit(f'vit-vtab: error: {e}')
   except sweep.SweepInterrupted as e:
     ctrl_c.stop_with(f'vit-vtab: {e}', e.status)

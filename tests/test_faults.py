@@ -155,6 +155,22 @@ def test_a_jax_platform_this_machine_lacks_is_one_line(tmp_path, good, platform,
   assert not (tmp_path / 'w').exists()  # no lock, no log
 
 
+def test_a_sweep_stops_at_its_first_point_where_jax_cannot_start(tmp_path):
+  """Each point had failed in turn with the same line, and vit-sweep's own said only how
+  many failed."""
+  env = dict(_env(devices=None), JAX_PLATFORMS='cuda')
+  out = console_script('vit-sweep', tmp_path, '--config=quickstart', '--workdir=sw', '--set',
+                       'config.total_steps=20', '--set', 'config.warmup_steps=2', '--sweep',
+                       'config.base_lr=[0.001,0.01]', **env)
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert out.stderr.strip().splitlines()[-1] == (
+      'vit-sweep: error: point base_lr=0.001: JAX cannot start the backend JAX_PLATFORMS=cuda '
+      "names (its runtime is not installed): install its runtime (pip install -c constraints.txt "
+      "'.[cuda12]') or unset JAX_PLATFORMS to run on what this machine has (stopped here: the "
+      'later points would fail the same way)')
+  assert sorted(os.listdir(tmp_path / 'sw')) == ['base_lr=0.001', 'sweep.json']
+
+
 def _copy(good, tmp_path, name='run'):
   shutil.copytree(good, tmp_path / name)
   os.remove(tmp_path / name / 'train.INFO')  # a link into the copied directory's logs

@@ -372,6 +372,28 @@ def test_a_stop_signal_stops_the_tasks_with_one_line(tmp_path, capsys, monkeypat
   ]
 
 
+def test_the_tasks_stop_at_the_first_whose_jax_backend_cannot_start(tmp_path, monkeypatch):
+  """A TPU another process holds (or JAX_PLATFORMS naming a runtime not installed): every
+  task had failed in turn with the same line."""
+  monkeypatch.setattr(vtab_launch.sweep, 'check_data', lambda *args, **kwargs: None)  # no data
+  held = ('vit-train: JAX cannot start the TPU (The TPU is already in use by process with pid '
+          '42): wait for that process to end, or stop it (another vit-train on this VM?)')
+  ran = []
+
+  def runner(argv, log_path):
+    ran.append(argv)
+    with open(log_path, 'a') as log:
+      log.write(f'== {argv}\n{held}\n')
+    return 1
+
+  with pytest.raises(SystemExit) as e:
+    vtab_launch.main(['--model=ViT-B_16', f'--workdir={tmp_path}/v', '--tasks=dtd,svhn,eurosat'],
+                     runner=runner)
+  assert len(ran) == 1
+  assert str(e.value) == ('vit-vtab: error: task dtd: ' + held.removeprefix('vit-train: ')
+                          + ' (stopped here: the later tasks would fail the same way)')
+
+
 @pytest.mark.parametrize('mode', [[], ['--dry-run'], ['--summarize-only']])
 def test_a_task_run_of_another_model_is_refused(tmp_path, monkeypatch, mode):
   """A workdir reused for a second model: its finished tasks were skipped and the first

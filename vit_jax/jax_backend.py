@@ -7,6 +7,8 @@ import sys
 
 from vit_jax import errors
 
+# How each of why_not's lines starts (vit-sweep and vit-vtab know a point's failure by it).
+CANNOT_START = 'JAX cannot start'
 # What each platform's runtime comes with (setup.py's extras).
 _INSTALLS = {'tpu': ".[tpu]", 'cuda': ".[cuda12]", 'gpu': ".[cuda12]"}
 
@@ -22,16 +24,16 @@ def why_not():
   said = errors.one_line(error) if str(error).strip() else 'its runtime is not installed'
   said = said.replace(" (set JAX_PLATFORMS='' to automatically choose an available backend)", '')
   if 'already in use' in said:  # libtpu: "The TPU is already in use by process with pid N"
-    return (f'JAX cannot start the TPU ({said}): wait for that process to end, or stop it '
+    return (f'{CANNOT_START} the TPU ({said}): wait for that process to end, or stop it '
             '(another vit-train on this VM?)')
   platforms = os.environ.get('JAX_PLATFORMS', '')
   if platforms:
     installs = sorted({_INSTALLS[p] for p in platforms.split(',') if p in _INSTALLS})
     install = (f"install its runtime (pip install -c constraints.txt '{installs[0]}') or "
                if len(installs) == 1 else '')
-    return (f'JAX cannot start the backend JAX_PLATFORMS={platforms} names ({said}): {install}'
+    return (f'{CANNOT_START} the backend JAX_PLATFORMS={platforms} names ({said}): {install}'
             'unset JAX_PLATFORMS to run on what this machine has')
-  return f'JAX cannot start its backend ({said})'
+  return f'{CANNOT_START} its backend ({said})'
 
 
 def exit_if_it_cannot_start(program):
