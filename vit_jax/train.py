@@ -6,6 +6,7 @@ jax.Arrays. The state is {'step', 'params', 'opt_state'}; everything random in s
 (data order, augmentation, dropout) is a function of (seed, s), so a run resumed from
 its orbax checkpoint continues exactly where it stopped.
 """
+import collections
 import contextlib
 import logging as std_logging
 import math
@@ -543,11 +544,15 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
   masked = masked_patches.is_masked(config)
   metric = 'masked-patch accuracy' if masked else 'top-1 accuracy'
   stop_on_nonfinite = config.get('on_nonfinite', 'stop') == 'stop'
-  # Cheap checks: the guard of the previous step is read only once it is ready (no
-  # stall); a forced read (a sync) comes before every log line, evaluation and save.
-  peek = stop_on_nonfinite and jax.process_count() == 1
+  # Cheap checks: each step's guard is read once the step has run (no stall), the oldest
+  # first: the loop dispatches steps ahead of those running, so the previous step's guard
+  # was seldom ready, and a diverged run went on to the next forced read (a sync), which
+  # comes before every log line, evaluation and save. The guard's values are cumulative: of
+  # the guards ready, the newest says all. One process only: hosts that read it at
+  # different steps would stop at different steps.
+  peek = jax.process_count() == 1
   saves = {'pending': None, 'last': start or None}
-  prev_guard = None
+  unread_guards = collections.deque()
   reported_skips = 0
 
   skipped_limit = _skipped_in_a_row_limit(total_steps)
@@ -630,14 +635,19 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       heap_wait.after_step(metrics)
       if profile.after(step, metrics):
         chrono.untimed_through(step)
-      if peek and prev_guard is not None and prev_guard['first_bad'].is_ready():
-        check_guard(_local(prev_guard))
-      prev_guard = metrics['guard']
+      if peek:
+        unread_guards.append(metrics['guard'])
+        ready = None
+        while unread_guards and unread_guards[0]['first_bad'].is_ready():
+          ready = unread_guards.popleft()
+        if ready is not None:
+          check_guard(_local(ready))
       check_save(block=False)
       if _due(step, config.log_every_steps) or step == last:
         metrics = _local(metrics)
         guard = metrics.pop('guard')
         check_guard(guard)
+        unread_guards.clear()  # this step's guard says what theirs would
         if int(guard['skipped']) > reported_skips:
           reported_skips = int(guard['skipped'])
           logging.warning(
