@@ -1364,6 +1364,8 @@ def _make_folder(root, empty_class):
         (dict(pp=dict(central_crop_fraction=float('inf'))),
          r'^pp.central_crop_fraction inf is not a '
          r'finite number: set --config.pp.central_crop_fraction to a number$'),
+        (dict(base_lr=1e40), r'^base_lr 1e\+40 is beyond float32, in which the schedule '
+         r'computes \(largest 3.4e\+38\): set --config.base_lr to a learning rate, e.g. 0.001$'),
         (dict(lr_grid=(0.01, float('nan'))), r'^lr_grid \(0.01, nan\) is not a finite number: set '
          r'--config.lr_grid to numbers$'),
         (dict(device_memory_mb=-1.0), r'^device_memory_mb -1.0 is negative: set '

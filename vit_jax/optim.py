@@ -137,6 +137,9 @@ def _check_choice(field, value, choices):
     raise ValueError(f'{field} {value!r} is unknown: set --config.{field} to {options}')
 
 
+_FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
+
+
 def validate(config, num_train_examples: Optional[int] = None) -> None:
   """Start-up checks of the optimisation fields; raises a one-line ValueError.
 
@@ -153,6 +156,9 @@ def validate(config, num_train_examples: Optional[int] = None) -> None:
 
   if not config.base_lr > 0:
     fail(f'base_lr {config.base_lr} must be > 0: set --config.base_lr')
+  if config.base_lr > _FLOAT32_MAX:  # it had overflowed to inf, with a NumPy warning
+    fail(f'base_lr {config.base_lr:g} is beyond float32, in which the schedule computes '
+         f'(largest {_FLOAT32_MAX:.3g}): set --config.base_lr to a learning rate, e.g. 0.001')
   if config.end_lr < 0 or config.end_lr > config.base_lr:
     fail(f'end_lr {config.end_lr} must be in [0, base_lr {config.base_lr}]: '
          'set --config.end_lr')
