@@ -73,7 +73,7 @@ def _real_config(config, num_classes):
   real = evaluate_lib.real_config(config)
   try:
     classes = input_pipeline.get_info(real).num_classes
-  except data_sources.NotPrepared as e:  # in the run's data_dir, which its own data may need
+  except data_sources.NotPrepared as e:  # not --config.data_dir: the run's own data is there
     raise e.said_of('eval_real', 'set --config.eval_real=False') from None
   if num_classes != classes:
     raise ConfigError(f'eval_real scores a head of the {classes} ImageNet classes, but this one '
@@ -313,7 +313,7 @@ def _guard_message(guard, config, last_saved):
   return f'{what}, so it stopped ({kept}); try {", ".join(fixes)}'
 
 
-def _then(last_saved):
+def _then_run_again(last_saved):
   """How a failed save's line ends: what the same command does next."""
   if last_saved:
     return f', then run the same command to resume from step {last_saved}'
@@ -576,8 +576,9 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
       manager.check_for_errors()
     except Exception as e:  # pylint: disable=broad-except  (any failure of the write)
       time.sleep(1.0)  # let the failed write's other callbacks finish (and print) first
-      raise TrainingError(f'the checkpoint of step {step} could not be written to {ckpt_dir}: '
-                          f'{errors.write_failure(e, ckpt_dir)}{_then(saves["last"])}') from None
+      raise TrainingError(
+          f'the checkpoint of step {step} could not be written to {ckpt_dir}: '
+          f'{errors.write_failure(e, ckpt_dir)}{_then_run_again(saves["last"])}') from None
     saves['pending'], saves['last'] = None, step
 
   def save(step):
@@ -597,8 +598,9 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
                                   core_hours=chrono.core_hours())
     except Exception as e:  # pylint: disable=broad-except
       saves['pending'] = None
-      raise TrainingError(f'the checkpoint of step {step} could not be written to {ckpt_dir}: '
-                          f'{errors.write_failure(e, ckpt_dir)}{_then(saves["last"])}') from None
+      raise TrainingError(
+          f'the checkpoint of step {step} could not be written to {ckpt_dir}: '
+          f'{errors.write_failure(e, ckpt_dir)}{_then_run_again(saves["last"])}') from None
 
   preemption = _Preemption(workdir)
   if _RECEIVED_OUTSIDE_THE_LOOP:  # received, but its exception was lost
