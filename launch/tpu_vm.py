@@ -249,8 +249,11 @@ def default_python():
 
 def tarball_path(name):
   """In the user's own cache, not the shared /tmp, where a fixed name could be planted."""
-  cache = os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache')
-  return os.path.join(cache, 'vit_jax', f'{name}.tar.gz')
+  cache = paths.vit_jax_cache()
+  if cache is None:  # it had been ./~/.cache in the current folder
+    raise LaunchError('no folder to pack the code in: this user has no home (HOME is not set, '
+                      'and no passwd entry): set HOME or XDG_CACHE_HOME')
+  return os.path.join(cache, f'{name}.tar.gz')
 
 
 def _project(args):

@@ -154,6 +154,16 @@ def test_setup_removes_its_tarball_when_the_copy_fails(tmp_path):
   assert not made.exists()  # nothing ran
 
 
+def test_a_user_without_a_home_is_told_where_the_code_cannot_be_packed(monkeypatch):
+  """The tarball had gone to ./~/.cache/vit_jax in the current folder."""
+  monkeypatch.delenv('XDG_CACHE_HOME', raising=False)
+  monkeypatch.setattr(os.path, 'expanduser', lambda path: path)
+  with pytest.raises(
+      tpu_vm.LaunchError, match='^no folder to pack the code in: this user has no '
+      r'home \(HOME is not set, and no passwd entry\): set HOME or XDG_CACHE_HOME$'):
+    tpu_vm.tarball_path(NAME)
+
+
 def test_setup_copies_the_working_tree():
   mkdir, tar, scp, rm, ssh = build('setup')
   tarball = tpu_vm.tarball_path(NAME)

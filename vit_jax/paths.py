@@ -29,6 +29,20 @@ def resolve(path):
   return os.path.abspath(expanded)
 
 
+def home():
+  """This user's home folder, or None where '~' names none (HOME unset, as in some
+  containers, and no passwd entry)."""
+  folder = os.path.expanduser('~')
+  return None if folder == '~' else folder
+
+
+def vit_jax_cache():
+  """This user's cache folder for vit_jax ($XDG_CACHE_HOME/vit_jax, else ~/.cache/vit_jax),
+  or None where neither names a folder."""
+  root = os.environ.get('XDG_CACHE_HOME') or (home() and os.path.join(home(), '.cache'))
+  return os.path.join(root, 'vit_jax') if root else None
+
+
 def resolve_folder_flag(path, flag='--workdir', example='workdirs/NAME'):
   """resolve() for a folder given on the command line. An empty one (`--workdir=$DIR` with
   DIR unset) is refused: taken as the current directory, it would fill that with the run."""

@@ -39,6 +39,8 @@ import sys
 import tempfile
 import threading
 
+from vit_jax import paths
+
 NOTICES = re.compile(r'WARNING: All log messages before absl::InitializeLog\(\) is called'
                      r'|\] oneDNN custom operations are on'
                      r'|cpu_feature_guard\.cc:\d+\] This TensorFlow binary is optimized'
@@ -84,7 +86,7 @@ def _keras_config_kept_out_of_the_current_folder():
   """TensorFlow's bundled Keras writes ~/.keras/keras.json as it loads: where '~' names no
   home (HOME unset, as in some containers, and no passwd entry), that was ./~/.keras in the
   folder the command ran in. There it goes to the temporary folder's .keras instead."""
-  if 'KERAS_HOME' in os.environ or os.path.expanduser('~') != '~':
+  if 'KERAS_HOME' in os.environ or paths.home():
     yield
     return
   os.environ['KERAS_HOME'] = os.path.join(tempfile.gettempdir(), '.keras')

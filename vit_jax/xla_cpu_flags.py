@@ -40,6 +40,7 @@ import time
 from absl import logging
 
 from vit_jax import cpu_features
+from vit_jax import paths
 
 YNNPACK_OFF = '--xla_cpu_experimental_ynn_fusion_type='
 # Not probed, every dtype: the train step's planned temporaries are smaller under it than
@@ -236,10 +237,9 @@ def cores():
 
 
 def default_cache_path():
-  """~/.cache/vit_jax/xla_cpu_flags.json ($XDG_CACHE_HOME's), None where '~' names no home."""
-  home = os.path.expanduser('~')
-  root = os.environ.get('XDG_CACHE_HOME') or (None if home == '~' else os.path.join(home, '.cache'))
-  return os.path.join(root, 'vit_jax', 'xla_cpu_flags.json') if root else None
+  """xla_cpu_flags.json in paths.vit_jax_cache(), None where there is no such folder."""
+  cache = paths.vit_jax_cache()
+  return os.path.join(cache, 'xla_cpu_flags.json') if cache else None
 
 
 def _read_cache(path):
