@@ -54,21 +54,31 @@ def _env(devices=8):
   return dict(os.environ, XLA_FLAGS=flags, TF_CPP_MIN_LOG_LEVEL='2')
 
 
-def _cli(cwd, workdir, *extra, devices=8, file_size_limit=None, memory_limit=None, env_extra=None):
+# A filesystem without symbolic links (Google Drive in Colab, SMB, FAT): os.symlink fails as
+# there, with EOPNOTSUPP.
+_NO_SYMLINKS = ('import errno, os; '
+                'os.symlink = lambda *a, **k: (_ for _ in ()).throw('
+                'OSError(errno.EOPNOTSUPP, "Operation not supported")); ')
+
+
+def _cli(cwd, workdir, *extra, devices=8, file_size_limit=None, memory_limit=None, env_extra=None,
+         no_symlinks=False):
   """vit-train's (rc, stderr, last line). file_size_limit: "disk full" for files past it
   (Python ignores SIGXFSZ); memory_limit: bytes of address space, past which allocations
   fail (a test of the memory check cannot then take the host's memory if the check breaks);
-  env_extra: variables of the user's environment."""
+  env_extra: variables of the user's environment; no_symlinks: os.symlink fails, as on a
+  filesystem without them."""
   command = [
       sys.executable, '-m', 'vit_jax.main', *with_flags([*ARGS, f'--workdir={workdir}'], extra)
   ]
   limits = [
       (name, n) for name, n in (('RLIMIT_FSIZE', file_size_limit), ('RLIMIT_AS', memory_limit)) if n
   ]
-  if limits:
+  if limits or no_symlinks:
     command[1:3] = [
         '-c', 'import resource, runpy, sys; '
-        + ''.join(f'resource.setrlimit(resource.{name}, ({n}, {n})); ' for name, n in limits)
+        + ''.join(f'resource.setrlimit(resource.{name}, ({n}, {n})); ' for name, n in limits) +
+        (_NO_SYMLINKS if no_symlinks else '')
         + 'sys.argv[0] = "vit_jax.main"; runpy.run_module("vit_jax.main", run_name="__main__")'
     ]
   env = own_compilation_cache(_env(devices)) if file_size_limit else _env(devices)
@@ -171,6 +181,23 @@ def test_a_sweep_stops_at_its_first_point_where_jax_cannot_start(tmp_path):
   assert sorted(os.listdir(tmp_path / 'sw')) == ['base_lr=0.001', 'sweep.json']
 
 
+def test_a_workdir_without_symbolic_links_logs_to_train_info_itself(tmp_path):
+  """On Google Drive in Colab (and SMB, FAT) absl's train.INFO link fails quietly: such a
+  workdir had no train.INFO, so `tail -f W/train.INFO` and the README's stops that end there
+  found nothing. Each run's log is appended to train.INFO itself now."""
+  for _ in range(2):  # the second run resumes the finished first
+    rc, err, last = _cli(tmp_path, 'run', no_symlinks=True)
+    assert rc == 0, err[-3000:]
+  run = tmp_path / 'run'
+  assert not os.path.islink(run / 'train.INFO')
+  assert [f for f in os.listdir(run) if 'INFO' in f] == ['train.INFO']  # absl's files removed
+  log = (run / 'train.INFO').read_text().splitlines()
+  assert sum('takes no symbolic links, so each run\'s log is appended to this file' in line
+             for line in log) == 2, log[:3]
+  assert sum(' top-1 accuracy: ' in line for line in log) == 2
+  assert log[-1].endswith(last), (log[-1], last)
+
+
 def _copy(good, tmp_path, name='run'):
   shutil.copytree(good, tmp_path / name)
   os.remove(tmp_path / name / 'train.INFO')  # a link into the copied directory's logs
@@ -180,6 +207,7 @@ def _copy(good, tmp_path, name='run'):
 def test_good_run_leaves_a_complete_workdir(good):
   assert _steps(good) == ['10', '20', '30']
   assert not os.path.exists(good / 'lock')  # released at the end
+  assert os.path.islink(good / 'train.INFO')  # where the filesystem takes links
   assert os.stat(good / 'final.npz').st_mode & 0o777 == 0o644  # follows the umask
 
 

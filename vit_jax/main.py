@@ -10,6 +10,8 @@ it is harmless); elsewhere pass --coordinator_address, --num_processes and --pro
 (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID). --workdir may be
 gs://...; the readable log then stays on the local disk (--local_log_dir).
 """
+import contextlib
+import errno
 import glob
 import os
 import re
@@ -259,7 +261,10 @@ def _open_log(workdir, log_dir, cpu_devices):
     sys.exit(f'{errors.PROGRAM}: cannot write the log in {log_dir} ({errors.one_line(e)}): fix its '
              'permissions or choose another --workdir'
              + (' or --local_log_dir' if log_dir != workdir else ''))
+  without_link = _log_to_the_link_itself(log_dir, name)
   FLAGS.alsologtostderr = True
+  if without_link:
+    logging.info('%s', without_link)
   logging.info('process %d/%d, %d local / %d global devices (%s)', jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count(),
                jax.devices()[0].platform)
@@ -271,6 +276,32 @@ def _open_log(workdir, log_dir, cpu_devices):
     logging.info('%s', host_allocator.describe())
     if note := cpu_features.bf16_note(FLAGS.config.dtype):
       logging.warning('%s', note)
+
+
+def _log_to_the_link_itself(log_dir, name):
+  """Where `name`.INFO cannot be a symbolic link to the log absl just opened (Google Drive in
+  Colab, SMB and FAT folders refuse links; absl then goes on without one), the log is written
+  to `name`.INFO itself, after the runs before it, so that `tail -f W/train.INFO` and the
+  README's stops follow this run on every filesystem. Returns the line that says so, or None
+  where the link is there."""
+  handler = logging.get_absl_handler().python_handler
+  own = handler.stream.name
+  link = os.path.join(log_dir, f'{name}.INFO')
+  if os.path.realpath(link) == os.path.realpath(own):
+    return None
+  try:
+    if os.path.islink(link):  # one absl could not replace (another user's): not written through
+      raise PermissionError(errno.EPERM, 'a link this user cannot replace', link)
+    stream = open(link, 'a', encoding='utf-8')  # pylint: disable=consider-using-with
+  except OSError as e:
+    return (f'{name}.INFO could not be linked to this log, nor written ({errors.one_line(e)}): '
+            f'this run logs to {os.path.basename(own)}')
+  handler.stream.close()
+  with contextlib.suppress(OSError):
+    os.remove(own)  # opened by absl, still empty
+  handler.stream = stream
+  return (f'{name}.INFO: {log_dir} takes no symbolic links, so each run\'s log is appended to '
+          'this file')
 
 
 def main(argv):
