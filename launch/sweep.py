@@ -431,9 +431,12 @@ def read_accuracy(directory, tag='accuracy'):
   from vit_jax import tensorflow_quietly  # noqa: F401  (TF without its start-up notices)
   import tensorflow as tf
   # pylint: enable=g-import-not-at-top,unused-import
+  try:  # listed, not globbed: a '*', '?' or '[' in the directory would be a pattern
+    names = [n for n in tf.io.gfile.listdir(directory) if n.startswith('events.out.tfevents.')]
+  except tf.errors.NotFoundError:
+    names = []
   values = {}
-  for path in sorted(tf.io.gfile.glob(join(directory, 'events.out.tfevents.*')),
-                     key=_written_order):
+  for path in sorted((join(directory, n) for n in names), key=_written_order):
     try:
       for record in tf.data.TFRecordDataset(path):
         event = tf.compat.v1.Event.FromString(record.numpy())

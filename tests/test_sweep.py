@@ -485,6 +485,15 @@ def test_a_later_event_file_wins_whatever_its_counter(tmp_path):
   assert sweep.read_accuracy(str(tmp_path)) == [(200, pytest.approx(0.5))]
 
 
+@pytest.mark.parametrize('sweep_dir', ['sw?', 'sw*'])
+def test_the_accuracy_of_a_sweep_folder_named_like_a_pattern_is_its_own(tmp_path, sweep_dir):
+  """The event files had been globbed: a '?' or '*' in the folder's name also matched the
+  folders beside it, whose accuracies were then read as this one's."""
+  write_accuracy(tmp_path / sweep_dir / 'p', [(200, 0.5)])
+  write_accuracy(tmp_path / 'sw1' / 'p', [(200, 0.9)])  # written later: it had won
+  assert sweep.read_accuracy(str(tmp_path / sweep_dir / 'p')) == [(200, pytest.approx(0.5))]
+
+
 # A point's vit-train as far as Ctrl-C goes: it saves, says so, exits 1.
 _POINT_THAT_SAVES_ON_CTRL_C = '\n'.join([
     'import signal, sys, time',
