@@ -788,7 +788,7 @@ def main(argv=None, runner=run_local, out=None):
     if args.zone:
       args.zone = tpu_vm.zone_flag(args.zone)
     try:
-      paths.resolve_folder_flag(args.workdir, example='workdirs/sweep')
+      paths.resolve_run_folder(args.workdir, example='workdirs/sweep')
     except ValueError as e:
       raise SweepError(str(e)) from None
     if args.summarize_only:

@@ -282,7 +282,7 @@ def main(argv=None, runner=sweep.run_local, out=None):
                         'out; vit-train --config=finetune:MODEL,vtab/TASK '
                         f'--config.{field}=... runs one task on other data')
     try:
-      paths.resolve_folder_flag(args.workdir, example='workdirs/vtab')
+      paths.resolve_run_folder(args.workdir, example='workdirs/vtab')
     except ValueError as e:
       raise VtabError(str(e)) from None
     check_model(args.model)

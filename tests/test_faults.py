@@ -1307,6 +1307,24 @@ def test_an_empty_workdir_is_refused_not_taken_as_the_current_folder(tmp_path, w
   assert not os.listdir(tmp_path)
 
 
+@pytest.mark.parametrize('workdir, held', [('runs/w[1]', "'['"), ('a\\b', 'a backslash')])
+def test_a_workdir_whose_path_orbax_cannot_save_under_is_refused(tmp_path, workdir, held):
+  """orbax finds the parts of a save by an unescaped glob of its path. Under runs/w[1] the
+  run trained, but its checkpoints were left unmerged: the rerun set them all aside as
+  damaged and refused to train again over final.npz. Under a\\b tensorstore wrote them to
+  a/b, outside the workdir."""
+  message = (f'--workdir={workdir}: orbax cannot save checkpoints under a path holding {held} '
+             f"({tmp_path / workdir}): use a --workdir whose path has no '[' or backslash")
+  rc, err, last = _cli(tmp_path, workdir)
+  assert (rc, last) == (1, f'vit-train: {message}') and 'Traceback' not in err, err[-2000:]
+  absolute = str(tmp_path / workdir)
+  with pytest.raises(
+      train.ConfigError, match=re.escape(f'--workdir={absolute}: orbax cannot save '
+                                         f'checkpoints under a path holding {held}:')):
+    train.train_and_evaluate(_config(), absolute)
+  assert not os.listdir(tmp_path)
+
+
 def _config(**overrides):
   c = quickstart.get_config()
   c.model.num_layers = 1

@@ -232,6 +232,8 @@ def test_tpu_sweep_chains_the_points(capsys):
         ([f'--config={FINETUNE}', '--workdir=', '--sweep', 'config.base_lr=[0.1,0.2]'
          ], '--workdir is empty (an unset shell variable?): pass a folder, e.g. '
          '--workdir=workdirs/sweep'),
+        ([f'--config={FINETUNE}', '--workdir=sweeps/[b16]', '--sweep', 'config.base_lr=[0.1,0.2]'
+         ], "--workdir=sweeps/[b16]: orbax cannot save checkpoints under a path holding '['"),
         (['--config=configs/finetune.py:ViT-B_16', '--workdir=w'], 'Bad finetune argument'),
         # One number written twice: the message had named neither the point nor the value.
         ([f'--config={FINETUNE}', '--workdir=w', '--sweep', 'config.base_lr=[0.001,1e-3]'

@@ -508,15 +508,22 @@ def test_vtab_bad_arguments_from_the_command_line(tmp_path, argv, message):
 
 
 @pytest.mark.parametrize('dry_run', [True, False])
-def test_an_empty_workdir_is_refused(tmp_path, dry_run):
-  """`--workdir=$DIR` with DIR unset: the dry run put the tasks in the current directory,
-  the run failed as 'cannot create workdir : No such file or directory'."""
-  p = console_script('vit-vtab', tmp_path, '--model=ViT-B_16', '--workdir=', '--tasks=dtd',
-                     *['--dry-run'] * dry_run)
+@pytest.mark.parametrize(
+    'workdir, message',
+    [
+        # `--workdir=$DIR` with DIR unset: the dry run put the tasks in the current directory,
+        # the run failed as 'cannot create workdir : No such file or directory'.
+        ('', '--workdir is empty (an unset shell variable?): pass a folder, e.g. '
+         '--workdir=workdirs/vtab'),
+        # Each task's checkpoints would have been left unreadable (tests/test_faults.py).
+        ('vtab[b16]', "--workdir=vtab[b16]: orbax cannot save checkpoints under a path holding '['"
+         " (TMP/vtab[b16]): use a --workdir whose path has no '[' or backslash"),
+    ])
+def test_a_workdir_no_task_could_run_in_is_refused(tmp_path, dry_run, workdir, message):
+  p = console_script('vit-vtab', tmp_path, '--model=ViT-B_16', f'--workdir={workdir}',
+                     '--tasks=dtd', *['--dry-run'] * dry_run)
   assert p.returncode == 1 and p.stdout == '', p.stdout + p.stderr
-  assert p.stderr.splitlines()[-1] == (
-      'vit-vtab: error: --workdir is empty (an unset shell variable?): pass a folder, e.g. '
-      '--workdir=workdirs/vtab')
+  assert p.stderr.splitlines()[-1] == 'vit-vtab: error: ' + message.replace('TMP', str(tmp_path))
   assert os.listdir(tmp_path) == []
 
 

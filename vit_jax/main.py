@@ -314,7 +314,7 @@ def main(argv):
     from vit_jax import config_checks  # pylint: disable=g-import-not-at-top
   try:
     # Before TensorFlow and the backend start: a mistyped value is one line in ~2 s, not ~9.
-    workdir = paths.resolve_folder_flag(FLAGS.workdir)  # once: orbax refuses relative paths
+    workdir = paths.resolve_run_folder(FLAGS.workdir)  # once: orbax refuses relative paths
     _workdir = workdir
     log_dir = _log_dir(workdir)
     config_checks.validate_before_devices(FLAGS.config)

@@ -55,6 +55,24 @@ def resolve_folder_flag(path, flag='--workdir', example='workdirs/NAME'):
     raise ValueError(f'{flag}={e}') from None
 
 
+# Not in the path of a folder that holds orbax checkpoints: orbax finds the parts of a save
+# by a glob of that path, which escapes nothing, so a '[' there matches no folder, the parts
+# are left unmerged and the checkpoint cannot be restored; tensorstore takes a backslash for a
+# separator and writes outside the folder.
+_NOT_IN_A_CHECKPOINT_PATH = {'[': "'['", '\\': 'a backslash'}
+
+
+def resolve_run_folder(path, flag='--workdir', example='workdirs/NAME'):
+  """resolve_folder_flag() for a folder in which runs save checkpoints."""
+  resolved = resolve_folder_flag(path, flag, example)
+  if found := [name for c, name in _NOT_IN_A_CHECKPOINT_PATH.items() if c in resolved]:
+    where = '' if resolved == str(path) else f' ({resolved})'
+    raise ValueError(f'{flag}={path}: orbax cannot save checkpoints under a path holding '
+                     f"{' and '.join(found)}{where}: use a {flag} whose path has no '[' or "
+                     'backslash')
+  return resolved
+
+
 def open_file(path, mode):
   """open() for local files, tf.io.gfile.GFile for remote ones."""
   if is_remote(path):

@@ -197,7 +197,7 @@ def _signals_outside_the_loop():
 
 def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
   try:
-    workdir = paths.resolve_folder_flag(workdir)  # orbax refuses relative checkpoint paths
+    workdir = paths.resolve_run_folder(workdir)  # orbax refuses relative checkpoint paths
     config = rundir.with_absolute_paths(config)
     # What needs no dataset first: a mistyped model is not reported as data that is missing.
     config_checks.validate_config(config)
