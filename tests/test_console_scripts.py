@@ -131,3 +131,21 @@ def test_output_into_a_reader_that_stopped_ends_quietly(tmp_path, argv):
                        stderr=subprocess.PIPE, text=True, timeout=300)
   os.close(write_end)
   assert (out.returncode, out.stderr) == (141, ''), out.stderr[-3000:]
+
+
+@pytest.mark.parametrize('closed', ['>&-', '>&- 2>&- <&-'])
+def test_a_run_whose_standard_streams_are_closed_trains(tmp_path, closed):
+  """`vit-train ... >&-` (some daemonizers close them): Python had set sys.stdout to None and
+  the command ended in a traceback before it trained. With fd 2 closed, the next file opened
+  would have taken it, and TensorFlow's and XLA's C++ log lines would have gone into it."""
+  vit_train = os.path.join(os.path.dirname(sys.executable), 'vit-train')
+  run = [
+      vit_train, '--config=quickstart', '--workdir=w', '--config.total_steps=10',
+      '--config.warmup_steps=2', '--config.eval_every_steps=0', '--config.model.num_layers=1',
+      "'--config.train_split=train[:1024]'", "'--config.eval_split=test[:256]'"
+  ]
+  out = subprocess.run(['bash', '-c', f'exec {" ".join(run)} {closed}'], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  log = (tmp_path / 'w' / 'train.INFO').read_text().splitlines()
+  assert 'Final test[:256] top-1 accuracy: ' in log[-1], log[-3:]

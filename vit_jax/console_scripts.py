@@ -20,6 +20,7 @@ def _command(module, function, takes_signals_over=False):
   also = (signal.SIGTERM, signal.SIGHUP) if takes_signals_over else ()
 
   def start():
+    reopen_closed_streams()
     ctrl_c.deliver_lost_ones()
     _unencodable_escaped()
     try:
@@ -35,6 +36,27 @@ def _command(module, function, takes_signals_over=False):
 
   start.__doc__ = f'{module}.{function}(), imported with Ctrl-C as one line.'
   return start
+
+
+def reopen_closed_streams():
+  """Opens /dev/null on standard file descriptors that were closed (`vit-train >&-`, some
+  daemonizers). Python had set sys.stdout to None, whose first flush ended the command in a
+  traceback; and the next file the command opened took the free descriptor, so that
+  TensorFlow's and XLA's C++ log lines to fd 2 would have gone into it (the log, a checkpoint)."""
+  for fd, name in ((0, 'stdin'), (1, 'stdout'), (2, 'stderr')):
+    try:
+      os.fstat(fd)
+      continue
+    except OSError:
+      pass
+    null = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)  # the lowest free: fd
+    if null != fd:
+      os.dup2(null, fd)
+      os.close(null)
+    if getattr(sys, name) is None:  # as Python makes them: stderr line-buffered
+      stream = open(fd, 'r' if fd == 0 else 'w', buffering=1 if fd == 2 else -1,
+                    errors='backslashreplace', closefd=False)
+      setattr(sys, name, stream)
 
 
 def _flushed(entry):

@@ -25,6 +25,7 @@ from ml_collections import config_flags
 
 from vit_jax import cli_help
 from vit_jax import configs
+from vit_jax import console_scripts
 from vit_jax import cpu_features
 from vit_jax import ctrl_c
 from vit_jax import errors
@@ -493,6 +494,7 @@ def _exit_if_a_peer_failed(error):
 
 def run():
   """The `vit-train` console script."""
+  console_scripts.reopen_closed_streams()  # again for `python -m vit_jax.main`
   try:
     _stop_while_starting()
     try:
