@@ -301,8 +301,8 @@ def _log_to_the_link_itself(log_dir, name):
   with contextlib.suppress(OSError):
     os.remove(own)  # opened by absl, still empty
   handler.stream = stream
-  return (f'{name}.INFO: {log_dir} takes no symbolic links, so each run\'s log is appended to '
-          'this file')
+  return (f'{name}.INFO cannot be a link to this run\'s log ({log_dir} takes no symbolic links, '
+          'or it was made as a plain file), so each run\'s log is appended to it')
 
 
 def main(argv):
