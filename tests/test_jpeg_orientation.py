@@ -72,3 +72,26 @@ def test_damaged_exif_is_taken_as_stored(damage):
       'no_ifd': block[:10] + struct.pack('<I', 10_000) + block[14:],
   }[damage]
   assert jpeg_orientation.orientation(_with_app1(plain, block)) == 1
+
+
+@pytest.mark.parametrize(
+    'save',
+    [
+        dict(),
+        dict(progressive=True),  # its frame is an SOF2 segment
+        dict(exif=b'Exif\0\0MM\0*\0\0\0\x08\0\0\0\0\0\0'),  # a segment before the frame
+    ])
+def test_the_frame_size_is_read_from_the_header(save):
+  buf = io.BytesIO()
+  Image.fromarray(_stored()).save(buf, 'JPEG', **save)
+  assert jpeg_orientation.frame_size(buf.getvalue()) == (12, 20)
+  gray = io.BytesIO()
+  Image.fromarray(_stored()[..., 0]).save(gray, 'JPEG', **save)
+  assert jpeg_orientation.frame_size(gray.getvalue()) == (12, 20)
+
+
+def test_a_header_without_a_frame_has_no_size():
+  data = _jpeg(_stored())
+  frame = data.index(b'\xff\xc0')
+  assert jpeg_orientation.frame_size(data[:frame + 6]) is None  # cut inside the frame
+  assert jpeg_orientation.frame_size(data[:frame]) is None

@@ -2,6 +2,7 @@
 run from the user's directory with relative paths."""
 import os
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -201,21 +202,29 @@ def test_a_damaged_file_is_named_as_damaged_without_tensorflow_s_log(tmp_path):
   """A JPEG and a PNG cut short had been told to be converted to JPEG, PNG, ..., each after
   two lines of TensorFlow's C++ log (as in a user's shell: no TF_CPP_MIN_LOG_LEVEL)."""
   write_run(str(tmp_path / 'wd'))
-  for name in ('cut.jpg', 'cut.png', 'whole.png'):
+  for name in ('cut.jpg', 'cut.png', 'whole.png', 'huge.jpg'):
     save_random(str(tmp_path / name), size=(280, 280))
   for name in ('cut.jpg', 'cut.png'):
     data = (tmp_path / name).read_bytes()
     (tmp_path / name).write_bytes(data[:len(data) // 2])
-  out = shell(['vit-predict', '--workdir', 'wd', 'cut.jpg', 'cut.png', 'whole.png'], tmp_path,
-              TF_CPP_MIN_LOG_LEVEL=None)
+  # An intact photo of 14000x14000 pixels (here its header only) had been called damaged:
+  # TensorFlow's decoder refuses 512 MiB of pixels as "Invalid JPEG data".
+  data = (tmp_path / 'huge.jpg').read_bytes()
+  frame = data.index(b'\xff\xc0') + 5  # the start of frame's height and width
+  (tmp_path / 'huge.jpg').write_bytes(data[:frame] + struct.pack('>HH', 14000, 14000)
+                                      + data[frame + 4:])
+  out = shell(['vit-predict', '--workdir', 'wd', 'cut.jpg', 'cut.png', 'whole.png', 'huge.jpg'],
+              tmp_path, TF_CPP_MIN_LOG_LEVEL=None)
   assert out.returncode == 1, out.stderr[-2000:]
   assert predicted(out.stdout) == {'whole.png': 5}
   lines = out.stderr.splitlines()
-  assert len(lines) == 3 and lines[0].startswith(
+  assert len(lines) == 4 and lines[0].startswith(
       'warning: skipped cut.jpg: damaged or cut short (') and lines[1].startswith(
           'warning: skipped cut.png: damaged or cut short ('), lines
   assert all(l.endswith('): replace it with an intact copy') for l in lines[:2]), lines
-  assert lines[2] == ('vit-predict: 2 of 3 files could not be read: fix them as the warnings '
+  assert lines[2] == ("warning: skipped huge.jpg: 14000x14000 pixels, too large for "
+                      "TensorFlow's JPEG decoder (it stops at 512 MiB of pixels): downscale it")
+  assert lines[3] == ('vit-predict: 3 of 4 files could not be read: fix them as the warnings '
                       'above say, or leave them out')
 
 

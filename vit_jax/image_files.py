@@ -22,6 +22,9 @@ FORMATS = 'JPEG, PNG, GIF, BMP or WebP'  # the same, as messages name them (not 
 # Images of formats it does not read: in a folder they are named in a warning (the folder's
 # other files, .txt or .json, are passed over without a word).
 OTHER_IMAGE_EXTENSIONS = ('.tif', '.tiff', '.heic', '.heif', '.avif', '.jxl', '.jp2', '.ppm')
+# TensorFlow's JPEG decoder refuses an image whose pixels take this many bytes or more
+# (height x width x the 3 channels decoded), saying only "Invalid JPEG data".
+_JPEG_DECODE_LIMIT = 1 << 29
 # How files of those formats begin (WebP: b'RIFF', 4 bytes of size, b'WEBP').
 _SIGNATURES = (b'\xff\xd8\xff', b'\x89PNG\r\n\x1a\n', b'GIF87a', b'GIF89a', b'BM')
 
@@ -124,6 +127,11 @@ def read_image(path, config):
       return preprocessing.preprocess_eval(jpeg_orientation.upright(stored, turn), config).numpy()
     return preprocessing.preprocess_eval(palette_bmp.as_png(data), config).numpy()
   except tf.errors.OpError as e:
+    size = jpeg_orientation.frame_size(raw) if head.startswith(b'\xff\xd8') else None
+    if size and size[0] * size[1] * 3 >= _JPEG_DECODE_LIMIT:  # decoded as RGB
+      raise UnreadableImage(
+          path, f'{size[1]}x{size[0]} pixels, too large for TensorFlow\'s JPEG decoder (it stops '
+          f'at {_JPEG_DECODE_LIMIT >> 20} MiB of pixels)', 'downscale it') from None
     raise UnreadableImage(path, f'damaged or cut short ({_short_reason(e)})',
                           'replace it with an intact copy') from None
 

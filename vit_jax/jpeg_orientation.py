@@ -1,4 +1,6 @@
-"""The EXIF orientation of a JPEG file, and its pixels turned as an image viewer shows them.
+"""The EXIF orientation of a JPEG file, and its pixels turned as an image viewer shows them;
+its frame's size, read from the header (a file too large for TensorFlow's decoder is named
+as that, not as damaged).
 
 Cameras and phones store the sensor's rows as they came and record in an EXIF tag
 (Orientation, 0x0112) how to turn them for display. TensorFlow's decoders ignore the tag,
@@ -25,7 +27,8 @@ def orientation(data: bytes) -> int:
     return 1
 
 
-def _orientation(data):
+def _segments(data):
+  """(marker, payload) of each header segment of JPEG bytes, up to the start of scan."""
   pos = 2  # after the start-of-image marker FF D8
   while pos + 4 <= len(data) and data[pos] == 0xFF:
     marker = data[pos + 1]
@@ -33,13 +36,33 @@ def _orientation(data):
       pos += 1
       continue
     if marker == _SOS:
-      break
+      return
     length, = struct.unpack('>H', data[pos + 2:pos + 4])
-    segment = data[pos + 4:pos + 2 + length]
+    yield marker, data[pos + 4:pos + 2 + length]
+    pos += 2 + length
+
+
+def _orientation(data):
+  for marker, segment in _segments(data):
     if marker == _APP1 and segment.startswith(b'Exif\0\0'):
       return _tiff_orientation(segment[6:])
-    pos += 2 + length
   return 1
+
+
+# Start-of-frame markers (C0-CF but for C4, C8 and CC, which are other segments).
+_FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def frame_size(data: bytes):
+  """(height, width) of JPEG bytes' frame, from the header; None where none is found or it
+  is damaged."""
+  try:
+    for marker, segment in _segments(data):
+      if marker in _FRAMES:
+        return struct.unpack('>HH', segment[1:5])  # after the sample precision
+  except struct.error:
+    pass
+  return None
 
 
 def _tiff_orientation(tiff):
