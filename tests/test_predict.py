@@ -5,6 +5,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -213,18 +214,26 @@ def test_a_damaged_file_is_named_as_damaged_without_tensorflow_s_log(tmp_path):
   frame = data.index(b'\xff\xc0') + 5  # the start of frame's height and width
   (tmp_path / 'huge.jpg').write_bytes(data[:frame] + struct.pack('>HH', 14000, 14000)
                                       + data[frame + 4:])
-  out = shell(['vit-predict', '--workdir', 'wd', 'cut.jpg', 'cut.png', 'whole.png', 'huge.jpg'],
-              tmp_path, TF_CPP_MIN_LOG_LEVEL=None)
+  # A PNG's header of 40000x40000 pixels (its checksum made again), as TensorFlow refuses it.
+  data = (tmp_path / 'whole.png').read_bytes()
+  header = b'IHDR' + struct.pack('>II', 40000, 40000) + data[24:29]
+  (tmp_path / 'vast.png').write_bytes(data[:12] + header + struct.pack('>I', zlib.crc32(header))
+                                      + data[33:])
+  out = shell(
+      ['vit-predict', '--workdir', 'wd', 'cut.jpg', 'cut.png', 'whole.png', 'huge.jpg', 'vast.png'],
+      tmp_path, TF_CPP_MIN_LOG_LEVEL=None)
   assert out.returncode == 1, out.stderr[-2000:]
   assert predicted(out.stdout) == {'whole.png': 5}
   lines = out.stderr.splitlines()
-  assert len(lines) == 4 and lines[0].startswith(
+  assert len(lines) == 5 and lines[0].startswith(
       'warning: skipped cut.jpg: damaged or cut short (') and lines[1].startswith(
           'warning: skipped cut.png: damaged or cut short ('), lines
   assert all(l.endswith('): replace it with an intact copy') for l in lines[:2]), lines
   assert lines[2] == ("warning: skipped huge.jpg: 14000x14000 pixels, too large for "
                       "TensorFlow's JPEG decoder (it stops at 512 MiB of pixels): downscale it")
-  assert lines[3] == ('vit-predict: 3 of 4 files could not be read: fix them as the warnings '
+  assert lines[3] == ("warning: skipped vast.png: too large for TensorFlow's decoder (PNG size "
+                      'too large for int: 40000 by 40000): downscale it')
+  assert lines[4] == ('vit-predict: 4 of 5 files could not be read: fix them as the warnings '
                       'above say, or leave them out')
 
 

@@ -127,12 +127,16 @@ def read_image(path, config):
       return preprocessing.preprocess_eval(jpeg_orientation.upright(stored, turn), config).numpy()
     return preprocessing.preprocess_eval(palette_bmp.as_png(data), config).numpy()
   except tf.errors.OpError as e:
+    reason = _short_reason(e)
     size = jpeg_orientation.frame_size(raw) if head.startswith(b'\xff\xd8') else None
     if size and size[0] * size[1] * 3 >= _JPEG_DECODE_LIMIT:  # decoded as RGB
       raise UnreadableImage(
           path, f'{size[1]}x{size[0]} pixels, too large for TensorFlow\'s JPEG decoder (it stops '
           f'at {_JPEG_DECODE_LIMIT >> 20} MiB of pixels)', 'downscale it') from None
-    raise UnreadableImage(path, f'damaged or cut short ({_short_reason(e)})',
+    if 'too large' in reason:  # a PNG: 'PNG size too large for int: 40000 by 40000'
+      raise UnreadableImage(path, f'too large for TensorFlow\'s decoder ({reason})',
+                            'downscale it') from None
+    raise UnreadableImage(path, f'damaged or cut short ({reason})',
                           'replace it with an intact copy') from None
 
 
