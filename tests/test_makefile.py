@@ -164,3 +164,37 @@ def test_a_venv_of_the_same_python_is_kept(tmp_path):
   assert rc != 0
   assert out.splitlines()[0] == 'venv: -m venv .venv'
   assert (tmp_path / '.venv' / 'bin' / 'python').exists()
+
+
+def test_a_folder_without_symbolic_links_is_refused_before_a_venv_is_made(tmp_path):
+  """In a clone on Google Drive (Colab), SMB or FAT, python -m venv had stopped with
+  "Error: [Errno 1] Operation not permitted: 'lib' -> '.../.venv/lib64'", a partial .venv
+  left behind."""
+  (tmp_path / 'setup.py').write_text('setup(python_requires=">=3.0")\n')
+  (tmp_path / 'constraints.txt').write_text('')
+  bin_dir = tmp_path / 'bin'
+  bin_dir.mkdir()
+  (bin_dir / 'ln').write_text('#!/bin/sh\necho "ln: Operation not permitted" >&2\nexit 1\n')
+  (bin_dir / 'ln').chmod(0o755)
+  out = subprocess.run(['make', '-s', '-f', MAKEFILE, f'PYTHON={sys.executable}', 'quickstart'],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PATH=f'{bin_dir}:{os.environ["PATH"]}'))
+  assert out.returncode != 0
+  assert out.stdout.splitlines() == [
+      f'{tmp_path} takes no symbolic links, which a venv needs (Google Drive, SMB and FAT '
+      'folders refuse them): run make quickstart VENV=DIR with DIR on a local disk (the '
+      'workdirs may stay here)'
+  ], out.stdout + out.stderr
+  assert sorted(os.listdir(tmp_path)) == ['bin', 'constraints.txt', 'setup.py']
+
+
+def test_venv_names_where_the_venv_is_made(tmp_path):
+  python = python_stopping_at_venv(tmp_path)
+  (tmp_path / 'setup.py').write_text('setup(python_requires=">=3.0")\n')
+  (tmp_path / 'constraints.txt').write_text('')
+  venv = tmp_path / 'local' / 'venv'
+  out = subprocess.run(
+      ['make', '-s', '-f', MAKEFILE, f'PYTHON={python}', f'VENV={venv}', 'quickstart'],
+      cwd=tmp_path, capture_output=True, text=True, timeout=60)
+  assert out.returncode != 0
+  assert out.stdout.splitlines()[0] == f'venv: -m venv {venv}', out.stdout + out.stderr
