@@ -2,6 +2,7 @@
 module (up to a second: TensorFlow, JAX) is one line and status 130; for vit-train SIGTERM
 and SIGHUP too, with its start-up's lines."""
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -142,9 +143,9 @@ def test_a_run_whose_standard_streams_are_closed_trains(tmp_path, closed):
   run = [
       vit_train, '--config=quickstart', '--workdir=w', '--config.total_steps=10',
       '--config.warmup_steps=2', '--config.eval_every_steps=0', '--config.model.num_layers=1',
-      "'--config.train_split=train[:1024]'", "'--config.eval_split=test[:256]'"
+      '--config.train_split=train[:1024]', '--config.eval_split=test[:256]'
   ]
-  out = subprocess.run(['bash', '-c', f'exec {" ".join(run)} {closed}'], cwd=tmp_path,
+  out = subprocess.run(['bash', '-c', f'exec {shlex.join(run)} {closed}'], cwd=tmp_path,
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   log = (tmp_path / 'w' / 'train.INFO').read_text().splitlines()
