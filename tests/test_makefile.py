@@ -5,6 +5,7 @@ quickstart reads it and tests/test_faults.py runs the CLI on it); jemalloc is op
 its target exits 0 whatever happens."""
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -126,12 +127,22 @@ def make_venv(tmp_path, python_requires, python, venv_python=None):
   return out.returncode, out.stdout + out.stderr
 
 
+def this_python(tmp_path):
+  """This Python as a script in tmp_path: make splits PYTHON=... at spaces, which the venv's
+  own path has in a checkout under a folder like 'My Projects'."""
+  python = tmp_path / 'this_python'
+  python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+  python.chmod(0o755)
+  return python
+
+
 def test_a_python_older_than_setup_py_requires_is_refused_before_a_venv_is_made(tmp_path):
   """pip's refusal came after the venv was made; every later make reused that venv."""
-  rc, out = make_venv(tmp_path, '>=3.99', sys.executable)
+  python = this_python(tmp_path)
+  rc, out = make_venv(tmp_path, '>=3.99', python)
   have = '%d.%d' % sys.version_info[:2]
   assert rc != 0
-  assert out.splitlines()[0] == (f'{sys.executable} is Python {have}; vit_jax needs 3.99 or newer '
+  assert out.splitlines()[0] == (f'{python} is Python {have}; vit_jax needs 3.99 or newer '
                                  '(setup.py): install one and run make .venv/installed '
                                  'PYTHON=python3.99')
   assert not (tmp_path / '.venv').exists()
@@ -141,7 +152,7 @@ def python_stopping_at_venv(tmp_path):
   """This Python, but `-m venv` prints its arguments and fails: the recipe stops there."""
   python = tmp_path / 'python'
   python.write_text(f'#!/bin/sh\n[ "$1" = -m ] && {{ echo "venv: $*"; exit 3; }}\n'
-                    f'exec {sys.executable} "$@"\n')
+                    f'exec {shlex.quote(sys.executable)} "$@"\n')
   python.chmod(0o755)
   return python
 
@@ -160,7 +171,8 @@ def test_a_venv_of_another_python_is_made_again(tmp_path):
 
 def test_a_venv_of_the_same_python_is_kept(tmp_path):
   python = python_stopping_at_venv(tmp_path)
-  rc, out = make_venv(tmp_path, '>=3.0', python, venv_python=f'exec {sys.executable} "$@"')
+  rc, out = make_venv(tmp_path, '>=3.0', python,
+                      venv_python=f'exec {shlex.quote(sys.executable)} "$@"')
   assert rc != 0
   assert out.splitlines()[0] == 'venv: -m venv .venv'
   assert (tmp_path / '.venv' / 'bin' / 'python').exists()
@@ -176,16 +188,17 @@ def test_a_folder_without_symbolic_links_is_refused_before_a_venv_is_made(tmp_pa
   bin_dir.mkdir()
   (bin_dir / 'ln').write_text('#!/bin/sh\necho "ln: Operation not permitted" >&2\nexit 1\n')
   (bin_dir / 'ln').chmod(0o755)
-  out = subprocess.run(['make', '-s', '-f', MAKEFILE, f'PYTHON={sys.executable}', 'quickstart'],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, PATH=f'{bin_dir}:{os.environ["PATH"]}'))
+  out = subprocess.run(
+      ['make', '-s', '-f', MAKEFILE, f'PYTHON={this_python(tmp_path)}', 'quickstart'], cwd=tmp_path,
+      capture_output=True, text=True, timeout=60, env=dict(os.environ,
+                                                           PATH=f'{bin_dir}:{os.environ["PATH"]}'))
   assert out.returncode != 0
   assert out.stdout.splitlines() == [
       f'{tmp_path} takes no symbolic links, which a venv needs (Google Drive, SMB and FAT '
       'folders refuse them): run make quickstart VENV=DIR with DIR on a local disk (the '
       'workdirs may stay here)'
   ], out.stdout + out.stderr
-  assert sorted(os.listdir(tmp_path)) == ['bin', 'constraints.txt', 'setup.py']
+  assert sorted(os.listdir(tmp_path)) == ['bin', 'constraints.txt', 'setup.py', 'this_python']
 
 
 def test_venv_names_where_the_venv_is_made(tmp_path):
