@@ -5,6 +5,7 @@ import io
 import logging
 import os
 import re
+import struct
 import subprocess
 import sys
 
@@ -561,6 +562,24 @@ def test_skips_without_file_names_are_logged_at_powers_of_two(caplog):
   assert batches.summary() == ('Skipped 16 undecodable image(s) in all while training (their '
                                'records are not named by the dataset)')
   assert ip.Batches(None, 'training').summary() is None
+
+
+def test_a_jpeg_too_large_to_decode_is_named_with_its_size(tmp_path):
+  """An intact 14000x14000 photo in a folder dataset had been named only as undecodable: it
+  opens in a viewer. Here its header only, as TensorFlow's decoder reads it."""
+  fx.write_folder(str(tmp_path), 'train', {'a': [1], 'b': [2]}, fmt='JPEG')
+  (small,) = (tmp_path / 'train' / 'a').iterdir()
+  data = small.read_bytes()
+  frame = data.index(b'\xff\xc0') + 5  # the start of frame's height and width
+  (tmp_path / 'train' / 'a'
+   / 'huge.jpg').write_bytes(data[:frame] + struct.pack('>HH', 14000, 14000) + data[frame + 4:])
+  source = data_sources.source(_config(dataset=f'folder:{tmp_path}'))
+  files = source.arrays('train')[0]
+  named = {os.path.basename(str(f)): source.describe_items(files)(i) for i, f in enumerate(files)}
+  assert named['huge.jpg'] == (
+      f"{tmp_path}/train/a/huge.jpg (14000x14000 pixels, too large for TensorFlow's JPEG "
+      'decoder, which stops at 512 MiB of pixels: downscale it)')
+  assert named[small.name] == str(small)
 
 
 def test_folder_train_replaces_corrupt_and_resumes(folder, caplog):

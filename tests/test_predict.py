@@ -230,7 +230,7 @@ def test_a_damaged_file_is_named_as_damaged_without_tensorflow_s_log(tmp_path):
           'warning: skipped cut.png: damaged or cut short ('), lines
   assert all(l.endswith('): replace it with an intact copy') for l in lines[:2]), lines
   assert lines[2] == ("warning: skipped huge.jpg: 14000x14000 pixels, too large for "
-                      "TensorFlow's JPEG decoder (it stops at 512 MiB of pixels): downscale it")
+                      "TensorFlow's JPEG decoder, which stops at 512 MiB of pixels: downscale it")
   assert lines[3] == ("warning: skipped vast.png: too large for TensorFlow's decoder (PNG size "
                       'too large for int: 40000 by 40000): downscale it')
   assert lines[4] == ('vit-predict: 4 of 5 files could not be read: fix them as the warnings '

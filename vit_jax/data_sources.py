@@ -447,7 +447,7 @@ class _FolderSource(_LocalSource):
                for name in self.classes_by_split[split] for f in self._listing(split, name)[0])
 
   def describe_items(self, items: np.ndarray) -> Callable[[int], str]:
-    return lambda i: str(items[i])  # the file's path
+    return lambda i: image_files.named_with_why(str(items[i]))  # the file's path
 
 
 class _TfdsSource(Source):

@@ -128,16 +128,34 @@ def read_image(path, config):
     return preprocessing.preprocess_eval(palette_bmp.as_png(data), config).numpy()
   except tf.errors.OpError as e:
     reason = _short_reason(e)
-    size = jpeg_orientation.frame_size(raw) if head.startswith(b'\xff\xd8') else None
-    if size and size[0] * size[1] * 3 >= _JPEG_DECODE_LIMIT:  # decoded as RGB
-      raise UnreadableImage(
-          path, f'{size[1]}x{size[0]} pixels, too large for TensorFlow\'s JPEG decoder (it stops '
-          f'at {_JPEG_DECODE_LIMIT >> 20} MiB of pixels)', 'downscale it') from None
+    if too_large := _too_large_a_jpeg(raw):
+      raise UnreadableImage(path, too_large, 'downscale it') from None
     if 'too large' in reason:  # a PNG: 'PNG size too large for int: 40000 by 40000'
       raise UnreadableImage(path, f'too large for TensorFlow\'s decoder ({reason})',
                             'downscale it') from None
     raise UnreadableImage(path, f'damaged or cut short ({reason})',
                           'replace it with an intact copy') from None
+
+
+def _too_large_a_jpeg(head):
+  """Why TensorFlow cannot decode a JPEG whose first bytes are `head`, where it is its size."""
+  size = jpeg_orientation.frame_size(head) if head.startswith(b'\xff\xd8') else None
+  if size and size[0] * size[1] * 3 >= _JPEG_DECODE_LIMIT:  # decoded as RGB
+    return (f'{size[1]}x{size[0]} pixels, too large for TensorFlow\'s JPEG decoder, which stops '
+            f'at {_JPEG_DECODE_LIMIT >> 20} MiB of pixels')
+  return None
+
+
+def named_with_why(path):
+  """`path` of an image a dataset could not decode, with why where it is the image's size:
+  such a file opens in a viewer, and had been named only as undecodable."""
+  try:
+    with open(path, 'rb') as f:
+      head = f.read(1 << 17)  # the header: EXIF (up to 64 KiB) comes before the frame
+  except OSError:
+    return path
+  too_large = _too_large_a_jpeg(head)
+  return f'{path} ({too_large}: downscale it)' if too_large else path
 
 
 def load_images(files, config):
