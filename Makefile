@@ -18,13 +18,13 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 # with PYTHON=python3.11), and a venv of another Python is made again.
 PYTHON_VERSION := import sys; print(sys.version_info[:2])
 CHECK_PYTHON := import re, sys; need = re.search(r"python_requires=.>=(\d+)\.(\d+)", open("setup.py").read()).groups(); have = sys.version_info[:2]; sys.exit(0 if have >= tuple(map(int, need)) else "$(PYTHON) is Python %d.%d; vit_jax needs %s.%s or newer (setup.py): install one and run make $(strip $(MAKECMDGOALS) PYTHON=python%s.%s)" % (have + need + need))
-# setuptools warns, in a box, that folders named like the package in the working directory
-# may take precedence on import: here ./vit_jax IS the package, so its warning is silenced.
 # python -m venv makes symbolic links (lib64, bin/python): where the venv's folder takes none
 # (Google Drive in Colab, SMB, FAT) it had stopped with "Operation not permitted: 'lib' -> ...".
 LINK_PROBE = $(dir $(VENV)).vit_jax_link_probe
 CHECK_LINKS = mkdir -p '$(dir $(VENV))' && { ln -sfn . '$(LINK_PROBE)' 2>/dev/null && rm -f '$(LINK_PROBE)' || { \
   rm -f '$(LINK_PROBE)'; echo "$(abspath $(dir $(VENV))) takes no symbolic links, which a venv needs (Google Drive, SMB and FAT folders refuse them): run make $(strip $(MAKECMDGOALS)) VENV=DIR with DIR on a local disk (the workdirs may stay here)"; exit 1; }; }
+# setuptools warns, in a box, that folders named like the package in the working directory
+# may take precedence on import: here ./vit_jax IS the package, so its warning is silenced.
 $(VENV)/installed: setup.py constraints.txt
 	@$(PYTHON) -c '$(CHECK_PYTHON)'
 	@$(CHECK_LINKS)
