@@ -126,6 +126,19 @@ def held(*also):
 _delivering = []
 
 
+def _interrupt_again():
+  """SIGINT sent again from another thread, a moment later: sent from here, the handler would
+  raise it inside deliver_lost_ones' hook again. On a loaded host it could land while this
+  thread still waited for the timer's to start (Timer.start waits for it), and so was raised
+  in the hook after all, printed as "Exception ignored" and lost: it is sent again then."""
+  while True:
+    try:
+      threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+      return
+    except KeyboardInterrupt:
+      continue
+
+
 def deliver_lost_ones():
   """A KeyboardInterrupt raised in a garbage-collection callback (JAX has one, which runs
   as TensorFlow imports) or in a __del__ is printed by Python as "Exception ignored", and
@@ -139,9 +152,7 @@ def deliver_lost_ones():
   def hook(unraisable):
     if (isinstance(unraisable.exc_value, KeyboardInterrupt)
         and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
-      # From another thread, a moment later: sent from here, the handler would raise it
-      # inside this hook again.
-      threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT)).start()
+      _interrupt_again()
     else:
       shown(unraisable)
 
