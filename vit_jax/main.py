@@ -12,6 +12,7 @@ gs://...; the readable log then stays on the local disk (--local_log_dir).
 """
 import contextlib
 import errno
+import getpass
 import glob
 import os
 import re
@@ -257,7 +258,8 @@ def _open_log(workdir, log_dir, cpu_devices):
              + (' or --local_log_dir' if log_dir != workdir else ''))
   name = 'train' if jax.process_index() == 0 else f'train.process{jax.process_index()}'
   try:
-    logging.get_absl_handler().use_absl_log_file(name, log_dir)
+    with _named_for_absl():
+      logging.get_absl_handler().use_absl_log_file(name, log_dir)
   except OSError as e:  # absl: "Can't find a writable directory for logs"
     sys.exit(f'{errors.PROGRAM}: cannot write the log in {log_dir} ({errors.one_line(e)}): fix its '
              'permissions or choose another --workdir'
@@ -277,6 +279,27 @@ def _open_log(workdir, log_dir, cpu_devices):
     logging.info('%s', host_allocator.describe())
     if note := cpu_features.bf16_note(FLAGS.config.dtype):
       logging.warning('%s', note)
+
+
+@contextlib.contextmanager
+def _named_for_absl():
+  """absl names the log after getpass.getuser(). For a user without a name (a container's
+  uid with no passwd entry, none of LOGNAME, USER, LNAME, USERNAME set) Python 3.13 raises
+  OSError, not the KeyError on which absl takes the uid: vit-train had stopped with 'cannot
+  write the log ... (No username set in the environment)'. LOGNAME is the uid meanwhile."""
+  try:
+    getpass.getuser()
+    named = True
+  except (OSError, KeyError):
+    named = False
+  if named:
+    yield
+    return
+  os.environ['LOGNAME'] = str(os.getuid())
+  try:
+    yield
+  finally:
+    del os.environ['LOGNAME']
 
 
 def _log_to_the_link_itself(log_dir, name):
