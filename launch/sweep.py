@@ -8,11 +8,11 @@ r"""Hyper-parameter sweeps: one vit_jax.main run per grid point, then a summary 
 (python -m launch.sweep in a checkout is the same.)
 
 Without --sweep the grid is the config's lr_grid over base_lr (Table 4). Several --sweep
-flags form the cartesian product. Point p runs in DIR/<p> (p like 'base_lr=0.003'),
-locally one after another (output also in DIR/<p>/sweep.log, line by line; a failed point
-is recorded and the sweep goes on; Ctrl-C, SIGTERM or SIGHUP stop it once the running
-point has saved), or with --tpu one after another in the background on
-every worker of a TPU VM (see launch/tpu_vm.py; DIR must then be gs://). Before any point
+flags form the cartesian product. Point p runs in DIR/<p> (p like 'base_lr=0.003'; cut to
+255 bytes, see fitted), locally one after another (output also in DIR/<p>/sweep.log, line by
+line; a failed point is recorded and the sweep goes on; Ctrl-C, SIGTERM or SIGHUP stop it
+once the running point has saved), or with --tpu one after another in the background on every
+worker of a TPU VM (see launch/tpu_vm.py; DIR must then be gs://). Before any point
 runs, each point's config goes through vit-train's start-up checks (preflight), and for a
 local sweep its data is checked as vit-train checks it (check_data). The summary reads the
 'accuracy' scalars of each point's TensorBoard events and writes DIR/summary.md and
@@ -28,6 +28,7 @@ refused, --dry-run too, before anything is written; the same flags resume that s
 import argparse
 import ast
 import csv
+import hashlib
 import io
 import itertools
 import json
@@ -48,6 +49,7 @@ from vit_jax.launch import tpu_vm
 
 COLUMNS = ('point', 'status', 'final_accuracy', 'best_accuracy', 'steps')
 RECORD = 'sweep.json'  # DIR/sweep.json: the --config, grid and --set flags the points run with
+NAME_BYTES = 255  # The longest file name Linux filesystems take (NAME_MAX), in UTF-8 bytes.
 
 
 class SweepError(Exception):
@@ -254,9 +256,21 @@ def format_value(value):
 
 
 def point_name(assignments):
-  """'base_lr=0.003,warmup_steps=100', with anything unsafe in a file name made '_'."""
+  """'base_lr=0.003,warmup_steps=100', with anything unsafe in a file name made '_', fitted to
+  a folder name's length."""
   name = ','.join(f'{k}={format_value(v)}' for k, v in assignments)
-  return re.sub(f'[^{tpu_vm.LOG_NAME_CHARS}]', '_', name)
+  return fitted(re.sub(f'[^{tpu_vm.LOG_NAME_CHARS}]', '_', name), NAME_BYTES)
+
+
+def fitted(name, limit):
+  """`name`, or where its UTF-8 is longer than `limit` bytes, as much of its start as fits
+  before '+' and 12 hex digits of its SHA-256: a grid of many swept keys (or long values)
+  still has one folder per point, named the same on every run of the sweep."""
+  data = name.encode()
+  if len(data) <= limit:
+    return name
+  digest = hashlib.sha256(data).hexdigest()[:12]
+  return data[:limit - len(digest) - 1].decode(errors='ignore') + '+' + digest
 
 
 def grid_points(grid):
@@ -300,9 +314,8 @@ def tpu_commands(args, config, workdir, sets, points):
     raise SweepError('--tpu needs --workdir=gs://BUCKET/..., where this machine can read the '
                      'results')
   config, _ = tpu_vm.remote_config(config)  # As the workers name it; none outside the tree.
-  jobs = [(tpu_vm.train_argv(config, join(workdir, name), overrides(sets,
-                                                                    assignments)), f'sweep-{name}')
-          for name, assignments in points]
+  jobs = [(tpu_vm.train_argv(config, join(workdir, name), overrides(sets, assignments)),
+           fitted(f'sweep-{name}', tpu_vm.LOG_NAME_BYTES)) for name, assignments in points]
   return [tpu_vm.ssh(args, 'all', tpu_vm.start_script(jobs))]
 
 
@@ -385,7 +398,10 @@ def _run_point(config, workdir, sets, points, i, runner, out):
           flush=True)
     return 'ok'
   print(f'== sweep point {i + 1}/{len(points)}: {name}\n{shlex.join(argv)}', file=out, flush=True)
-  paths.makedirs(point_dir)
+  try:
+    paths.make_workdir(point_dir, flag='--workdir')
+  except ValueError as e:  # a full disk, a file of the point's name in the way
+    raise SweepError(f'point {name}: {e}') from None
   try:
     rc = runner(argv, join(point_dir, 'sweep.log'))
   except OSError as e:

@@ -55,6 +55,8 @@ PID_FILE = f'{LOG_DIR}/run.pid'
 # What a --log name may hold (a regex character set): no path, no space; vit-sweep's point
 # names (base_lr=0.003,warmup_steps=100) are made of these.
 LOG_NAME_CHARS = r'\w.=,+-'
+# The longest name whose files (<log>.log, <log>.status) a filesystem takes: 255 UTF-8 bytes.
+LOG_NAME_BYTES = 255 - len('.status')
 # Left by `stop` until the next start: `watch` must not start again a run the user stopped.
 STOPPED_FILE = f'{LOG_DIR}/stopped'
 # How long `stop` waits for the run to save its checkpoint and exit.
@@ -996,6 +998,9 @@ def parse_args(argv):
     raise LaunchError(f'--log {args.log!r} is not a log name: use letters, digits, _ and '
                       f'{" ".join(LOG_NAME_CHARS[2:])} (the log is ~/{LOG_DIR}/<name>.log on each '
                       'worker)')
+  if len(args.log.encode()) > LOG_NAME_BYTES:
+    raise LaunchError(f'--log is {len(args.log.encode())} bytes long: use a name of at most '
+                      f'{LOG_NAME_BYTES} (the log is ~/{LOG_DIR}/<name>.log on each worker)')
   for arg in rest:
     if not re.fullmatch(r'--config\.[\w.]+=.*', arg, re.S):
       raise LaunchError(f'unknown argument {arg!r}: config overrides look like '

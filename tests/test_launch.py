@@ -565,6 +565,10 @@ def test_execute_stops_at_the_first_failure(capsys):
         (['logs', '--name', 'vit', '--zone', ZONE, '--log', '../x y'
          ], "--log '../x y' is not a log name: use letters, digits, _ and . = , + - (the log is "
          '~/vit_jax_logs/<name>.log on each worker)'),
+        # Its files are <name>.log and <name>.status: the run had failed on the worker.
+        (['logs', '--name', 'vit', '--zone', ZONE, '--log', 'x' * 249
+         ], '--log is 249 bytes long: use a name of at most 248 (the log is '
+         '~/vit_jax_logs/<name>.log on each worker)'),
     ])
 def test_bad_arguments_give_one_line(argv, message, capsys):
   with pytest.raises(SystemExit) as e:

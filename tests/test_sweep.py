@@ -1,6 +1,7 @@
 """launch/sweep.py: grids, the argv of each point, summaries from event files, a real sweep."""
 import csv
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -643,6 +644,62 @@ def test_real_local_sweep(tmp_path, monkeypatch, capsys):
       assert f.read() == log
   with open(os.path.join(workdir, 'summary.md')) as f:
     assert f.read() == md
+
+
+# Swept keys whose point names are longer than a file name may be (255 bytes), and differ
+# only past that: os.makedirs had raised 'File name too long' as a traceback at the first
+# point. A shorter grid of long values could fail so only at its last point, hours in.
+_MANY_KEYS = [
+    'config.base_lr=[0.001]', 'config.model.attention_dropout_rate=[0.0]',
+    'config.model.dropout_rate=[0.0]', 'config.warmup_steps=[1]', 'config.grad_clip_norm=[1.0]',
+    'config.model.hidden_size=[64]', 'config.weight_decay=[0.0001]', 'config.total_steps=[2]',
+    'config.eval_every_steps=[2]', 'config.checkpoint_every_steps=[2]',
+    'config.log_every_steps=[1]', 'config.model.mlp_dim=[128]', 'config.shuffle_buffer=[1000,2000]'
+]
+
+# A point that only finishes: final.npz in its --workdir.
+_POINT_THAT_FINISHES = ('import sys\n'
+                        'from vit_jax.launch import sweep\n'
+                        'def finish(argv, log):\n'
+                        '  [w] = [a[10:] for a in argv if a.startswith("--workdir=")]\n'
+                        '  open(w + "/final.npz", "w").close()\n'
+                        '  return 0\n'
+                        'sweep.main(sys.argv[1:], runner=finish)\n')
+
+
+def test_points_with_names_too_long_for_a_folder_each_run_in_their_own(tmp_path):
+  flags = [f for k in _MANY_KEYS for f in ('--sweep', k)]
+  argv = [sys.executable, '-c', _POINT_THAT_FINISHES, '--config=quickstart', '--workdir=sw', *flags]
+  env = dict(os.environ, PYTHONPATH=REPO)
+  first = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  assert first.returncode == 0, first.stderr[-2000:]
+  names = sorted(n for n in os.listdir(tmp_path / 'sw') if n.startswith('base_lr='))
+  assert len(names) == 2 and all(len(n.encode()) <= 255 for n in names), names
+  assert all(
+      re.fullmatch(r'base_lr=0\.001,model\.attention_dropout_rate=.*\+[0-9a-f]{12}', n)
+      for n in names), names
+  for n in names:
+    assert (tmp_path / 'sw' / n / 'sweep_status').read_text() == 'ok\n'
+  # The same command again finds the same folders: each point is finished, not run again.
+  again = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert [l for l in again.stdout.splitlines() if l.startswith('== ')] == [
+      f'== sweep point {i}/2: {n}: finished (final.npz), skipped' for i, n in enumerate(names, 1)
+  ]
+  # On a TPU VM each point's log is ~/vit_jax_logs/sweep-<point>.log, and .status beside it.
+  p = console_script('vit-sweep', tmp_path, '--config=quickstart', '--workdir=gs://b/sw', *flags,
+                     '--tpu', 'vit', '--zone', 'us-central2-b', '--dry-run')
+  assert p.returncode == 0, p.stderr[-2000:]
+  logs = re.findall(r'vit_jax_logs/(sweep-[^ ;"\']*)\.log', p.stdout)
+  assert len(set(logs)) == 2 and all(len(f'{n}.status'.encode()) <= 255 for n in logs), logs
+
+
+def test_a_name_is_cut_between_letters():
+  name = 'é' * 200
+  cut = sweep.fitted(name, 255)
+  assert len(cut.encode()) <= 255 and cut.startswith('é' * 120) and cut != sweep.fitted(
+      'é' * 201, 255)
+  assert sweep.fitted('base_lr=0.1', 255) == 'base_lr=0.1'
 
 
 SWEEP_FLAGS = ['--config=finetune:ViT-B_16,cifar10,dev', '--workdir=sw']
