@@ -40,6 +40,7 @@ import sys
 import threading
 
 from vit_jax import cli_help
+from vit_jax import console_scripts
 from vit_jax import configs
 from vit_jax import ctrl_c
 from vit_jax import errors
@@ -885,4 +886,5 @@ def main(argv=None, runner=run_local, out=None):
 
 
 if __name__ == '__main__':
+  console_scripts.prepare_the_process()  # as its console script does
   main()

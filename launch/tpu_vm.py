@@ -43,6 +43,7 @@ import sys
 import time
 
 from vit_jax import cli_help
+from vit_jax import console_scripts
 from vit_jax import ctrl_c
 from vit_jax import paths
 
@@ -1140,4 +1141,5 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
+  console_scripts.prepare_the_process()  # as its console script does
   sys.exit(main())

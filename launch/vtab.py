@@ -22,6 +22,7 @@ import shlex
 import sys
 
 from vit_jax import cli_help
+from vit_jax import console_scripts
 from vit_jax import configs
 from vit_jax import ctrl_c
 from vit_jax import models
@@ -336,4 +337,5 @@ def main(argv=None, runner=sweep.run_local, out=None):
 
 
 if __name__ == '__main__':
+  console_scripts.prepare_the_process()  # as its console script does
   main()

@@ -1,6 +1,7 @@
 """Tests for vit-predict (vit_jax/predict.py): the console script on a tiny finished run,
 run from the user's directory with relative paths."""
 import os
+import shlex
 import shutil
 import struct
 import subprocess
@@ -692,3 +693,21 @@ def test_non_ascii_names_on_an_ascii_stdout_are_escaped(home, tmp_path):
               tmp_path, PYTHONIOENCODING='ascii')
   assert out.returncode == 0, out.stderr[-2000:]
   assert 'fig/rollout_00_\\xe9t\\xe9.png' in out.stdout.splitlines(), out.stdout
+
+
+def test_python_m_runs_as_the_console_scripts_do(home, tmp_path):
+  """`python -m vit_jax.inspection ... 2>&-` had exited 1 without a word or a figure (its
+  first write to the closed stderr raised), and `python -m vit_jax.predict` on an ASCII stdout
+  had not escaped a file name: only the console scripts prepared the process."""
+  shutil.copy(home / 'img/mixed/good.png', tmp_path / 'été.png')
+  out = shell([sys.executable, '-m', 'vit_jax.predict', '--workdir', f'{home}/wd', 'été.png'],
+              tmp_path, PYTHONIOENCODING='ascii')
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert predicted(out.stdout) == {'\\xe9t\\xe9.png': 5}, out.stdout
+  inspect = [
+      sys.executable, '-m', 'vit_jax.inspection', '--workdir', f'{home}/wd', '--images', 'été.png',
+      '--outdir', 'fig'
+  ]
+  out = shell(['bash', '-c', f'exec {shlex.join(inspect)} >&- 2>&- <&-'], tmp_path)
+  assert out.returncode == 0
+  assert (tmp_path / 'fig' / 'rollout_00_été.png').exists(), os.listdir(tmp_path)

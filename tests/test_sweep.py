@@ -702,6 +702,25 @@ def test_a_name_is_cut_between_letters():
   assert sweep.fitted('base_lr=0.1', 255) == 'base_lr=0.1'
 
 
+def test_python_m_launch_sweep_with_its_streams_closed_runs_its_points(tmp_path):
+  """`python -m launch.sweep ... >&- 2>&- <&-` had exited 1 before its first point: the
+  streams were prepared only by the vit-sweep console script."""
+  data = data_fixtures.write_idx(str(tmp_path / 'data'), num_train=64, num_test=32)
+  argv = [
+      sys.executable, '-m', 'launch.sweep', '--config=quickstart', f'--workdir={tmp_path}/sw',
+      '--sweep', 'config.base_lr=[0.001]', '--set', 'config.total_steps=2', '--set',
+      'config.warmup_steps=1', '--set', 'config.batch_size=16', '--set',
+      'config.eval_batch_size=16', '--set', f'config.data_dir={data}', '--set',
+      'config.model.num_layers=1', '--set', 'config.cpu_devices=1'
+  ]
+  out = subprocess.run(['bash', '-c', f'exec {shlex.join(argv)} >&- 2>&- <&-'], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0
+  with open(tmp_path / 'sw' / 'summary.csv') as f:
+    assert [(r['point'], r['status'], r['steps']) for r in csv.DictReader(f)] == [('base_lr=0.001',
+                                                                                   'ok', '2')]
+
+
 SWEEP_FLAGS = ['--config=finetune:ViT-B_16,cifar10,dev', '--workdir=sw']
 
 

@@ -26,6 +26,7 @@ from absl import app
 from absl import flags
 from absl import logging as absl_logging
 
+from vit_jax import console_scripts
 from vit_jax import ctrl_c
 from vit_jax import errors
 from vit_jax import jax_backend
@@ -158,7 +159,7 @@ def run(main, module_name, *flag_modules, program=None, flags_parser=None):
   as_the_program(module_name, *flag_modules)
   quiet_the_libraries()
   program = program or os.path.basename(sys.argv[0])
-  ctrl_c.deliver_lost_ones()
+  console_scripts.prepare_the_process()  # again for `python -m`, which has no console script
 
   def main_or_its_backend_in_one_line(argv):
     try:

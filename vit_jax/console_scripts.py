@@ -20,9 +20,7 @@ def _command(module, function, takes_signals_over=False):
   also = (signal.SIGTERM, signal.SIGHUP) if takes_signals_over else ()
 
   def start():
-    reopen_closed_streams()
-    ctrl_c.deliver_lost_ones()
-    _unencodable_escaped()
+    prepare_the_process()
     try:
       with ctrl_c.held(*also):
         entry = getattr(importlib.import_module(module), function)
@@ -36,6 +34,16 @@ def _command(module, function, takes_signals_over=False):
 
   start.__doc__ = f'{module}.{function}(), imported with Ctrl-C as one line.'
   return start
+
+
+def prepare_the_process():
+  """What each command does first, as a console script and with `python -m` (there from its
+  module's start: cli_help.run, vit_jax.main.run, the launch modules' __main__): closed
+  standard streams reopened, characters stdout cannot encode escaped, and a Ctrl-C raised
+  where Python would only print it sent again. Each step is done once however often called."""
+  reopen_closed_streams()
+  ctrl_c.deliver_lost_ones()
+  _unencodable_escaped()
 
 
 def reopen_closed_streams():

@@ -517,7 +517,7 @@ def _exit_if_a_peer_failed(error):
 
 def run():
   """The `vit-train` console script."""
-  console_scripts.reopen_closed_streams()  # again for `python -m vit_jax.main`
+  console_scripts.prepare_the_process()  # again for `python -m vit_jax.main`
   try:
     _stop_while_starting()
     try:
