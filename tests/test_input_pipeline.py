@@ -8,6 +8,7 @@ import re
 import struct
 import subprocess
 import sys
+import zlib
 
 import jax
 import numpy as np
@@ -564,21 +565,30 @@ def test_skips_without_file_names_are_logged_at_powers_of_two(caplog):
   assert ip.Batches(None, 'training').summary() is None
 
 
-def test_a_jpeg_too_large_to_decode_is_named_with_its_size(tmp_path):
-  """An intact 14000x14000 photo in a folder dataset had been named only as undecodable: it
-  opens in a viewer. Here its header only, as TensorFlow's decoder reads it."""
-  fx.write_folder(str(tmp_path), 'train', {'a': [1], 'b': [2]}, fmt='JPEG')
+@pytest.mark.parametrize('fmt', ['JPEG', 'PNG'])
+def test_an_image_too_large_to_decode_is_named_with_its_size(tmp_path, fmt):
+  """An intact 14000x14000 photo (a 40000x40000 PNG) in a folder dataset had been named only
+  as undecodable: it opens in a viewer. Here its header only, as TensorFlow's decoder reads it."""
+  fx.write_folder(str(tmp_path), 'train', {'a': [1], 'b': [2]}, fmt=fmt)
   (small,) = (tmp_path / 'train' / 'a').iterdir()
   data = small.read_bytes()
-  frame = data.index(b'\xff\xc0') + 5  # the start of frame's height and width
-  (tmp_path / 'train' / 'a'
-   / 'huge.jpg').write_bytes(data[:frame] + struct.pack('>HH', 14000, 14000) + data[frame + 4:])
+  if fmt == 'JPEG':
+    frame = data.index(b'\xff\xc0') + 5  # the start of frame's height and width
+    huge = data[:frame] + struct.pack('>HH', 14000, 14000) + data[frame + 4:]
+    why = "14000x14000 pixels, too large for TensorFlow's JPEG decoder, which stops at 512 MiB"
+    name = 'huge.jpg'
+  else:
+    header = b'IHDR' + struct.pack('>II', 40000, 40000) + data[24:29]  # its checksum made again
+    huge = data[:12] + header + struct.pack('>I', zlib.crc32(header)) + data[33:]
+    why = ("40000x40000 pixels, too large for TensorFlow's PNG decoder, which stops at 512 Mi "
+           'pixels or 1,000,000 on a side')
+    name = 'huge.png'
+  (tmp_path / 'train' / 'a' / name).write_bytes(huge)
   source = data_sources.source(_config(dataset=f'folder:{tmp_path}'))
   files = source.arrays('train')[0]
   named = {os.path.basename(str(f)): source.describe_items(files)(i) for i, f in enumerate(files)}
-  assert named['huge.jpg'] == (
-      f"{tmp_path}/train/a/huge.jpg (14000x14000 pixels, too large for TensorFlow's JPEG "
-      'decoder, which stops at 512 MiB of pixels: downscale it)')
+  assert named[name].startswith(f'{tmp_path}/train/a/{name} ({why}')
+  assert named[name].endswith(': downscale it)')
   assert named[small.name] == str(small)
 
 

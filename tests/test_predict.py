@@ -215,26 +215,32 @@ def test_a_damaged_file_is_named_as_damaged_without_tensorflow_s_log(tmp_path):
   frame = data.index(b'\xff\xc0') + 5  # the start of frame's height and width
   (tmp_path / 'huge.jpg').write_bytes(data[:frame] + struct.pack('>HH', 14000, 14000)
                                       + data[frame + 4:])
-  # A PNG's header of 40000x40000 pixels (its checksum made again), as TensorFlow refuses it.
+  # PNG headers of 40000x40000 and 1000001x1 pixels (their checksums made again), as
+  # TensorFlow refuses them; the second had been called damaged.
   data = (tmp_path / 'whole.png').read_bytes()
-  header = b'IHDR' + struct.pack('>II', 40000, 40000) + data[24:29]
-  (tmp_path / 'vast.png').write_bytes(data[:12] + header + struct.pack('>I', zlib.crc32(header))
-                                      + data[33:])
-  out = shell(
-      ['vit-predict', '--workdir', 'wd', 'cut.jpg', 'cut.png', 'whole.png', 'huge.jpg', 'vast.png'],
-      tmp_path, TF_CPP_MIN_LOG_LEVEL=None)
+  for name, size in (('vast.png', (40000, 40000)), ('wide.png', (1_000_001, 1))):
+    header = b'IHDR' + struct.pack('>II', *size) + data[24:29]
+    (tmp_path / name).write_bytes(data[:12] + header + struct.pack('>I', zlib.crc32(header))
+                                  + data[33:])
+  out = shell([
+      'vit-predict', '--workdir', 'wd', 'cut.jpg', 'cut.png', 'whole.png', 'huge.jpg', 'vast.png',
+      'wide.png'
+  ], tmp_path, TF_CPP_MIN_LOG_LEVEL=None)
   assert out.returncode == 1, out.stderr[-2000:]
   assert predicted(out.stdout) == {'whole.png': 5}
   lines = out.stderr.splitlines()
-  assert len(lines) == 5 and lines[0].startswith(
+  assert len(lines) == 6 and lines[0].startswith(
       'warning: skipped cut.jpg: damaged or cut short (') and lines[1].startswith(
           'warning: skipped cut.png: damaged or cut short ('), lines
   assert all(l.endswith('): replace it with an intact copy') for l in lines[:2]), lines
   assert lines[2] == ("warning: skipped huge.jpg: 14000x14000 pixels, too large for "
                       "TensorFlow's JPEG decoder, which stops at 512 MiB of pixels: downscale it")
-  assert lines[3] == ("warning: skipped vast.png: too large for TensorFlow's decoder (PNG size "
-                      'too large for int: 40000 by 40000): downscale it')
-  assert lines[4] == ('vit-predict: 4 of 5 files could not be read: fix them as the warnings '
+  assert lines[3:5] == [
+      f"warning: skipped {name}: {size} pixels, too large for TensorFlow's PNG decoder, which "
+      'stops at 512 Mi pixels or 1,000,000 on a side: downscale it'
+      for name, size in (('vast.png', '40000x40000'), ('wide.png', '1000001x1'))
+  ]
+  assert lines[5] == ('vit-predict: 5 of 6 files could not be read: fix them as the warnings '
                       'above say, or leave them out')
 
 

@@ -9,6 +9,7 @@ before TensorFlow's import (~5 s), which the first decode makes.
 import functools
 import os
 import re
+import struct
 import sys
 
 import ml_collections
@@ -25,6 +26,10 @@ OTHER_IMAGE_EXTENSIONS = ('.tif', '.tiff', '.heic', '.heif', '.avif', '.jxl', '.
 # TensorFlow's JPEG decoder refuses an image whose pixels take this many bytes or more
 # (height x width x the 3 channels decoded), saying only "Invalid JPEG data".
 _JPEG_DECODE_LIMIT = 1 << 29
+# Its PNG decoder refuses width x height from this many pixels ("PNG size too large for
+# int"), and libpng's default limit a side longer than this ("Failed to initialize decoder").
+_PNG_PIXEL_LIMIT = 1 << 29
+_PNG_SIDE_LIMIT = 1_000_000
 # How files of those formats begin (WebP: b'RIFF', 4 bytes of size, b'WEBP').
 _SIGNATURES = (b'\xff\xd8\xff', b'\x89PNG\r\n\x1a\n', b'GIF87a', b'GIF89a', b'BM')
 
@@ -128,21 +133,25 @@ def read_image(path, config):
     return preprocessing.preprocess_eval(palette_bmp.as_png(data), config).numpy()
   except tf.errors.OpError as e:
     reason = _short_reason(e)
-    if too_large := _too_large_a_jpeg(raw):
+    if too_large := _too_large(raw):
       raise UnreadableImage(path, too_large, 'downscale it') from None
-    if 'too large' in reason:  # a PNG: 'PNG size too large for int: 40000 by 40000'
-      raise UnreadableImage(path, f'too large for TensorFlow\'s decoder ({reason})',
-                            'downscale it') from None
     raise UnreadableImage(path, f'damaged or cut short ({reason})',
                           'replace it with an intact copy') from None
 
 
-def _too_large_a_jpeg(head):
-  """Why TensorFlow cannot decode a JPEG whose first bytes are `head`, where it is its size."""
-  size = jpeg_orientation.frame_size(head) if head.startswith(b'\xff\xd8') else None
-  if size and size[0] * size[1] * 3 >= _JPEG_DECODE_LIMIT:  # decoded as RGB
-    return (f'{size[1]}x{size[0]} pixels, too large for TensorFlow\'s JPEG decoder, which stops '
-            f'at {_JPEG_DECODE_LIMIT >> 20} MiB of pixels')
+def _too_large(head):
+  """Why TensorFlow cannot decode a JPEG or PNG whose first bytes are `head`, where it is its
+  size."""
+  if head.startswith(b'\xff\xd8'):
+    size = jpeg_orientation.frame_size(head)
+    if size and size[0] * size[1] * 3 >= _JPEG_DECODE_LIMIT:  # decoded as RGB
+      return (f'{size[1]}x{size[0]} pixels, too large for TensorFlow\'s JPEG decoder, which '
+              f'stops at {_JPEG_DECODE_LIMIT >> 20} MiB of pixels')
+  elif head.startswith(b'\x89PNG\r\n\x1a\n') and head[12:16] == b'IHDR' and len(head) >= 24:
+    width, height = struct.unpack('>II', head[16:24])
+    if width * height >= _PNG_PIXEL_LIMIT or max(width, height) > _PNG_SIDE_LIMIT:
+      return (f'{width}x{height} pixels, too large for TensorFlow\'s PNG decoder, which stops '
+              f'at {_PNG_PIXEL_LIMIT >> 20} Mi pixels or {_PNG_SIDE_LIMIT:,} on a side')
   return None
 
 
@@ -154,7 +163,7 @@ def named_with_why(path):
       head = f.read(1 << 17)  # the header: EXIF (up to 64 KiB) comes before the frame
   except OSError:
     return path
-  too_large = _too_large_a_jpeg(head)
+  too_large = _too_large(head)
   return f'{path} ({too_large}: downscale it)' if too_large else path
 
 
