@@ -20,6 +20,9 @@ INSTALL_REQUIRES = [
     # tensorflow-cpu 2.21 no longer pulls in tensorboard; the event files are written with it.
     "tensorboard>=2.21",
     "tensorflow-datasets>=4.9.10",
+    # tensorflow-datasets 4.9.10 looks up each dataset's source through importlib_resources on
+    # every Python but requires it only before 3.9: without it no dataset could be prepared.
+    "importlib_resources>=6",
     "pillow>=11",
     "matplotlib>=3.9",
 ]

@@ -145,3 +145,36 @@ def write_published(path, model_name: str, num_classes: int = 1000, **overrides)
   rng = np.random.default_rng(0)
   params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(np.float32), shapes)
   checkpoint.save_npz(str(path), params)
+
+
+def write_tfds_cifar10(data_dir: str, num_train: int, num_test: int) -> None:
+  """A cifar10 prepared by tfds in `data_dir`, as `tfds build cifar10` leaves it (its files,
+  dataset_info.json), of num_train + num_test examples: example i (train first) has
+  id_image(i, 32) in each channel and label i % 10."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (slow to import)
+
+  class Cifar10(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """The registered cifar10's name, version and features; examples of our own."""
+    VERSION = tfds.builder_cls('cifar10').VERSION
+
+    def _info(self):
+      return tfds.core.DatasetInfo(
+          builder=self, features=tfds.features.FeaturesDict({
+              'id': tfds.features.Text(),
+              'image': tfds.features.Image(shape=(32, 32, 3)),
+              'label': tfds.features.ClassLabel(num_classes=10)
+          }))
+
+    def _split_generators(self, dl_manager):
+      del dl_manager  # nothing to download
+      return {
+          'train': self._generate_examples(range(num_train)),
+          'test': self._generate_examples(range(num_train, num_train + num_test))
+      }
+
+    def _generate_examples(self, ids):
+      for i in ids:
+        image = np.repeat(id_image(i, 32)[..., None], 3, axis=-1)
+        yield i, {'id': f'{i}', 'image': image, 'label': i % 10}
+
+  Cifar10(data_dir=data_dir).download_and_prepare()

@@ -956,3 +956,24 @@ def test_a_config_size_that_is_not_the_split_is_named(idx_dir, tmp_path, caplog)
     train.train_and_evaluate(_config(idx_dir, num_train_examples=train_examples),
                              str(tmp_path / 'same'))
   assert "is the config's" not in caplog.text
+
+
+def test_a_tfds_dataset_prepared_on_disk_trains_and_evaluates(tmp_path):
+  """No other test reads a TFDS dataset from the files `tfds build` writes (mocks stand in).
+  Here a cifar10 of 64 + 32 examples in a data_dir given relative, as a user types it, whose
+  path holds a space and '[' (TFDS globs its shards: a workdir's '[' is refused for orbax's
+  sake, a data_dir's need not be)."""
+  fx.write_tfds_cifar10(str(tmp_path / 'my data[1]'), num_train=64, num_test=32)
+  out = console_script('vit-train', tmp_path, '--config=quickstart', '--workdir=w',
+                       '--config.dataset=cifar10', '--config.data_dir=my data[1]',
+                       '--config.image_size=32', '--config.model.patch_size=8',
+                       '--config.model.num_layers=1', '--config.total_steps=4',
+                       '--config.warmup_steps=1', '--config.batch_size=16',
+                       '--config.eval_batch_size=16', '--config.shuffle_buffer=64')
+  assert out.returncode == 0, out.stderr[-2000:]
+  last = (tmp_path / 'w' / 'train.INFO').read_text().splitlines()[-1]
+  accuracy = re.search(r'Final test top-1 accuracy: (\d\.\d{4}) after 4 steps', last)
+  assert accuracy, last
+  out = console_script('vit-evaluate', tmp_path, '--workdir=w', '--mode=top1')
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert re.search(rf'^top1 +test +{accuracy[1]}  \(32 images\)$', out.stdout, re.M), out.stdout
