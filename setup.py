@@ -51,6 +51,7 @@ CONSOLE_SCRIPTS = [
     "vit-sweep = vit_jax.console_scripts:sweep",
     "vit-vtab = vit_jax.console_scripts:vtab",
     "vit-tpu = vit_jax.console_scripts:tpu",
+    "vit-tfds-build = vit_jax.console_scripts:tfds_build",
 ]
 
 setuptools.setup(

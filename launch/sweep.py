@@ -199,7 +199,7 @@ def check_data(configs_of_points, what='point', config_flag='--set config.', swe
   """The datasets of points that run here, as vit-train checks them at its start (prepared,
   splits that exist and hold examples), once per dataset and splits: a dataset not built
   stops the sweep before its first point, not every point in turn, and the datasets not
-  prepared are named together, in one `tfds build`. Arguments as for preflight."""
+  prepared are named together, in one `vit-tfds-build`. Arguments as for preflight."""
   # pylint: disable=g-import-not-at-top,unused-import
   from vit_jax import tensorflow_quietly  # noqa: F401  (TF without its start-up notices)
   from vit_jax import data_sources

@@ -46,6 +46,7 @@ from vit_jax import cli_help
 from vit_jax import console_scripts
 from vit_jax import ctrl_c
 from vit_jax import paths
+from vit_jax import tfds_build
 
 ACTIONS = ('preflight', 'create', 'setup', 'run', 'logs', 'stop', 'delete', 'all', 'resume',
            'watch')
@@ -817,7 +818,7 @@ def validate_for_slice(config, accelerator_type):
 
 
 def check_tfds(name, data_dir):
-  """One line if `name` is prepared in data_dir; LaunchError naming the tfds build if not."""
+  """One line if `name` is prepared in data_dir; LaunchError naming the vit-tfds-build if not."""
   from vit_jax import data_sources  # pylint: disable=g-import-not-at-top  (TensorFlow: slow)
   try:
     builder = data_sources.tfds_builder(name, data_dir)
@@ -830,7 +831,7 @@ def check_tfds(name, data_dir):
                       'and your credentials (gcloud auth application-default login)') from None
   if not prepared:
     raise LaunchError(f'TFDS dataset {name} is not prepared in {data_dir}: run '
-                      f'`tfds build {name} --data_dir={data_dir}` once, then this again')
+                      f'`{tfds_build.PROGRAM} {name} --data_dir={data_dir}` once, then this again')
   return f'TFDS {name} {builder.info.version} is prepared in {data_dir}'
 
 
@@ -883,10 +884,11 @@ def preflight_steps(args):
                              'there on every host')
       continue
     if not data_dir:
-      raise LaunchError(f'config.dataset {name!r} comes from TFDS and config.{field} is empty, '
-                        'which on a TPU VM is an empty ~/tensorflow_datasets: pass '
-                        f'--config.{field}=gs://BUCKET/tensorflow_datasets (prepared with '
-                        f'`tfds build {name} --data_dir=gs://BUCKET/tensorflow_datasets`)')
+      raise LaunchError(
+          f'config.dataset {name!r} comes from TFDS and config.{field} is empty, '
+          'which on a TPU VM is an empty ~/tensorflow_datasets: pass '
+          f'--config.{field}=gs://BUCKET/tensorflow_datasets (prepared with '
+          f'`{tfds_build.PROGRAM} {name} --data_dir=gs://BUCKET/tensorflow_datasets`)')
     if data_dir.startswith('gs://'):
       checks.append(
           Check(f'TFDS {name} is prepared in {data_dir}',

@@ -21,6 +21,7 @@ COMMAND_MODULES = {
     'vit-sweep': 'vit_jax.launch.sweep',
     'vit-vtab': 'vit_jax.launch.vtab',
     'vit-tpu': 'vit_jax.launch.tpu_vm',
+    'vit-tfds-build': 'vit_jax.tfds_build',
 }
 
 

@@ -345,7 +345,7 @@ def test_cli_end_to_end(tiny):
   ]
   out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert (out.returncode, out.stderr.strip().splitlines()) == (1, [
-      f'vit-evaluate: dataset cifar10 is not prepared in data_dir {data_dir}: run `tfds build '
+      f'vit-evaluate: dataset cifar10 is not prepared in data_dir {data_dir}: run `vit-tfds-build '
       f'cifar10 --data_dir={data_dir}` or set --data_dir to where it is prepared.'
   ]), out.stderr[-2000:]
   # Errors are one line naming the fix (in-process: the same code path as the CLI).

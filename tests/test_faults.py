@@ -1371,11 +1371,11 @@ def _make_folder(root, empty_class):
          r'before it starts \(start=54000, end=48000\): set --config.train_split$'),
         # The evaluations' datasets: the fix is not the run's own data_dir.
         (dict(eval_real=True), r'^eval_real: dataset imagenet2012_real is not prepared in data_dir '
-         r'.*: run `tfds build imagenet2012_real --data_dir=.*` \(its files downloaded by hand .*\) '
+         r'.*: run `vit-tfds-build imagenet2012_real --data_dir=.*` \(its files downloaded by hand .*\) '
          r'or set --config.eval_real=False\.$'),
         (dict(fewshot_every_steps=2, fewshot_datasets=(('mnist', 'train', 'test'),),
               fewshot_data_dir='DATA'),
-         r'^fewshot_datasets mnist: dataset mnist is not prepared in data_dir .*DATA: run `tfds build '
+         r'^fewshot_datasets mnist: dataset mnist is not prepared in data_dir .*DATA: run `vit-tfds-build '
          r'mnist --data_dir=.*DATA` or set --config.fewshot_data_dir to where it is prepared \(or '
          r'leave it out of --config.fewshot_datasets\)\.$'),
         (dict(fewshot_every_steps=2,
@@ -1384,7 +1384,7 @@ def _make_folder(root, empty_class):
          r"^fewshot_datasets fashion_mnist_local held-out split 'tst': Unknown split 'tst'. Should be "
          r"one of \['train', 'test'\]: set --config.fewshot_datasets$"),
         (dict(dataset='mnist', data_dir='DATA'),
-         r'dataset mnist is not prepared in data_dir .*DATA: run `tfds build mnist '
+         r'dataset mnist is not prepared in data_dir .*DATA: run `vit-tfds-build mnist '
          r'--data_dir=.*DATA` or set --config.data_dir'),
         (dict(dataset='FOLDER'), r'class folder .*/train/c holds no images'),
         (dict(pp=dict(eval_crop='center')),

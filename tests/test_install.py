@@ -27,7 +27,7 @@ def test_package_is_one_namespace(wheel_venv, tmp_path):
   site = os.path.dirname(package_dir)
   assert not {'configs', 'launch', 'tests', 'benchmarks'} & set(os.listdir(site))
   for script in ('vit-train', 'vit-evaluate', 'vit-predict', 'vit-inspect', 'vit-sweep', 'vit-tpu',
-                 'vit-vtab'):
+                 'vit-vtab', 'vit-tfds-build'):
     assert (wheel_venv / 'bin' / script).exists(), script
 
 
@@ -69,7 +69,7 @@ def test_a_mistake_found_after_start_up_is_the_only_line(wheel_venv, tmp_path):
   scratch.mkdir()
   env = dict(user_env(wheel_venv), TMPDIR=str(scratch))
   unprepared = (f'vit-train: dataset cifar10 is not prepared in data_dir {tmp_path}/tfds: run '
-                f'`tfds build cifar10 --data_dir={tmp_path}/tfds` or set --config.data_dir to '
+                f'`vit-tfds-build cifar10 --data_dir={tmp_path}/tfds` or set --config.data_dir to '
                 'where it is prepared.')
   for cmd, line in [
       (['vit-train', '--config=quickstart', '--workdir=runs/x',
@@ -114,6 +114,7 @@ def test_console_scripts_help_lists_their_flags(wheel_venv, tmp_path):
       'vit-sweep': ('usage: vit-sweep ', '--workdir'),
       'vit-vtab': ('usage: vit-vtab ', '--model'),
       'vit-tpu': ('usage: vit-tpu ', '--accelerator_type'),
+      'vit-tfds-build': ('usage: vit-tfds-build ', '--data_dir', '--manual_dir'),
   }
   for script, texts in expected.items():
     out = subprocess.run([script, '--help'], cwd=tmp_path, env=env, capture_output=True, text=True,

@@ -385,7 +385,7 @@ def test_preflight_data_dir():
   with pytest.raises(tpu_vm.LaunchError) as e:
     build('preflight', *no_data)
   assert ('--config.data_dir=gs://BUCKET/tensorflow_datasets' in str(e.value)
-          and 'tfds build cifar10' in str(e.value) and '\n' not in str(e.value))
+          and 'vit-tfds-build cifar10' in str(e.value) and '\n' not in str(e.value))
   a = args('preflight', *no_data, '--config.data_dir=/mnt/tfds')  # On the VM: a warning.
   assert [s.what.split()[0] for s in tpu_vm.build_commands('preflight', a)] == ['--workdir']
   assert 'every host' in a.warnings[0]
@@ -396,7 +396,7 @@ def test_check_tfds(tmp_path):
   with pytest.raises(tpu_vm.LaunchError) as e:
     tpu_vm.check_tfds('cifar10', str(tmp_path))
   assert str(e.value) == (f'TFDS dataset cifar10 is not prepared in {tmp_path}: run '
-                          f'`tfds build cifar10 --data_dir={tmp_path}` once, then this again')
+                          f'`vit-tfds-build cifar10 --data_dir={tmp_path}` once, then this again')
   builder = tfds.builder('cifar10', data_dir=str(tmp_path))
   os.makedirs(builder.data_dir)
   builder.info.write_to_directory(builder.data_dir)  # What `tfds build` leaves, less the data.
@@ -423,10 +423,10 @@ def test_preflight_runs_its_checks(monkeypatch, capsys):
   ]
 
   def not_prepared(name, data_dir):
-    raise tpu_vm.LaunchError(f'run `tfds build {name} --data_dir={data_dir}`')
+    raise tpu_vm.LaunchError(f'run `vit-tfds-build {name} --data_dir={data_dir}`')
 
   monkeypatch.setattr(tpu_vm, 'check_tfds', not_prepared)
-  with pytest.raises(SystemExit, match='tfds build cifar10 --data_dir=gs://b/tfds'):
+  with pytest.raises(SystemExit, match='vit-tfds-build cifar10 --data_dir=gs://b/tfds'):
     tpu_vm.main(['all', '--name', NAME, '--zone', ZONE, *run_args()])
   assert 'create' not in capsys.readouterr().out  # Nothing was created.
 

@@ -86,7 +86,7 @@ def rule(argv):
     return 'ci', []  # .ci/run runs the two set-up commands verbatim
   if prog == 'source' and argv[1:] == ['.venv/bin/activate']:
     return 'activate', []  # the tests put the venv's commands on PATH themselves
-  if prog in ('curl', 'pip', 'gcloud', 'tfds'):
+  if prog in ('curl', 'pip', 'gcloud', 'tfds', 'vit-tfds-build'):
     return 'network', []
   if prog == 'python' and argv[1] == 'experiments/masked_patches_fashion.py':
     return 'experiment', SMALL_EXPERIMENT

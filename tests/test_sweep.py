@@ -131,7 +131,7 @@ def test_data_not_prepared_stops_a_local_sweep_before_its_first_point(tmp_path):
     ], runner=runner)
   assert str(e.value).startswith(
       'vit-sweep: error: point base_lr=0.001: dataset cifar10 is not '
-      f'prepared in data_dir {tmp_path / "tfds"}: run `tfds build'), e.value
+      f'prepared in data_dir {tmp_path / "tfds"}: run `vit-tfds-build'), e.value
   # The flag as vit-sweep takes it: it had named --config.data_dir, which vit-sweep refuses.
   assert str(e.value).endswith('or set --set config.data_dir to where it is prepared.'), e.value
   assert '\n' not in str(e.value) and not workdir.exists()

@@ -535,10 +535,10 @@ def test_data_not_prepared_stops_before_the_first_task(tmp_path):
   p = console_script('vit-vtab', tmp_path, '--model=ViT-B_16', '--workdir=vt',
                      '--tasks=dtd,svhn,eurosat', '--config.data_dir=tfds')
   assert p.returncode == 1 and p.stdout == '', p.stdout + p.stderr
-  # All the datasets missing, in one line and one `tfds build` (it had named one per run).
+  # All the datasets missing, in one line and one `vit-tfds-build` (it had named one per run).
   assert p.stderr.splitlines()[-1] == (
       "vit-vtab: error: 2 tasks' datasets are not prepared in data_dir tfds (svhn, eurosat): run "
-      '`tfds build svhn_cropped eurosat/rgb --data_dir=tfds`, or set --config.data_dir to where '
+      '`vit-tfds-build svhn_cropped eurosat/rgb --data_dir=tfds`, or set --config.data_dir to where '
       'they are prepared')
   assert sorted(os.listdir(tmp_path / 'vt')) == ['dtd']
   # TFDS's own data_dir: the root, also for a dataset with a builder config (eurosat/rgb: the
@@ -548,12 +548,12 @@ def test_data_not_prepared_stops_before_the_first_task(tmp_path):
                      TFDS_DATA_DIR=f'{tmp_path}/home_tfds')
   assert p.stderr.splitlines()[-1] == (
       f'vit-vtab: error: task eurosat: dataset eurosat/rgb is not prepared in data_dir '
-      f'{tmp_path}/home_tfds: run `tfds build eurosat/rgb --data_dir={tmp_path}/home_tfds` or set '
+      f'{tmp_path}/home_tfds: run `vit-tfds-build eurosat/rgb --data_dir={tmp_path}/home_tfds` or set '
       '--config.data_dir to where it is prepared.')
   p = console_script('vit-vtab', tmp_path, '--model=ViT-B_16', '--workdir=vt', '--tasks=resisc45',
                      '--config.data_dir=tfds')
   assert p.stderr.splitlines()[-1] == (
       'vit-vtab: error: task resisc45: dataset resisc45 is not prepared in data_dir tfds: run '
-      '`tfds build resisc45 --data_dir=tfds` (its files downloaded by hand into '
+      '`vit-tfds-build resisc45 --data_dir=tfds` (its files downloaded by hand into '
       'tfds/downloads/manual first, as the TFDS catalog says) or set --config.data_dir to where '
       'it is prepared.')

@@ -1,7 +1,8 @@
 """How the absl programs run as console scripts (vit-train, vit-evaluate, ...) start:
 `--help`, one-line flag errors, JAX's start-up notice that a TPU runtime is missing, and
 Ctrl-C as one line (status 130), not a traceback. A single-valued flag given twice is
-refused here in all seven commands, the argparse ones (vit-sweep, vit-vtab, vit-tpu) too.
+refused here in all eight commands, the argparse ones (vit-sweep, vit-vtab, vit-tpu,
+vit-tfds-build) too.
 
 absl's `--help` prints `__main__`'s docstring and the flags its module declared. Run as a
 console script, `__main__` is pip's wrapper, with no docstring and no flags, so

@@ -49,6 +49,7 @@ from vit_jax import errors
 from vit_jax import image_files
 from vit_jax import jpeg_orientation
 from vit_jax import palette_bmp
+from vit_jax import tfds_build
 from vit_jax import vtab
 
 FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
@@ -204,7 +205,7 @@ class DamagedFile(FixInTheData):
 
 
 class NotPrepared(FileNotFoundError):
-  """A TFDS dataset with no prepared files in its data_dir (`tfds build` makes them)."""
+  """A TFDS dataset with no prepared files in its data_dir (`vit-tfds-build` makes them)."""
 
   def __init__(self, name: str, data_dir: str, manual: bool, field: str = '',
                fix: str = 'set --config.data_dir to where it is prepared'):
@@ -220,12 +221,12 @@ class NotPrepared(FileNotFoundError):
 
 
 def build_advice(missing: list[NotPrepared]) -> str:
-  """'run `tfds build A B --data_dir=D`' for datasets not prepared in one data_dir D, with
+  """'run `vit-tfds-build A B --data_dir=D`' for datasets not prepared in one data_dir D, with
   where the files of those that TFDS cannot download go."""
   names = ' '.join(dict.fromkeys(m.name for m in missing))
   manual = list(dict.fromkeys(m.name for m in missing if m.manual))
   where = shlex.quote(missing[0].data_dir)
-  advice = f'run `tfds build {names} --data_dir={where}`'
+  advice = f'run `{tfds_build.PROGRAM} {names} --data_dir={where}`'
   if manual:
     whose = 'its' if len(manual) == 1 else 'their'
     whose = whose if len(missing) == 1 else f'{", ".join(manual)}: {whose}'
@@ -463,11 +464,11 @@ class _TfdsSource(Source):
       # TFDS also reads a dataset prepared elsewhere (imagenet21k, jft) from data_dir.
       raise ValueError(f"dataset {name!r} is neither a TFDS dataset nor prepared in data_dir "
                        f"{data_dir or '~/tensorflow_datasets'}: put its prepared files there "
-                       f"({name}/<version>/, as `tfds build` writes them) and set "
+                       f"({name}/<version>/, as `vit-tfds-build` writes them) and set "
                        f"--config.data_dir, or set --config.dataset to {_DATASET_KINDS}") from None
     except (ValueError, AssertionError) as e:  # a name TFDS cannot parse, or cannot build
       raise _not_built_by_tfds(name, e) from None
-    # The data_dir root, as a user would pass it to `tfds build --data_dir`: the builder's
+    # The data_dir root, as a user would pass it to `vit-tfds-build --data_dir`: the builder's
     # folder less <name>[/<config>]/<version>.
     self.data_dir = data_dir or self.builder.data_dir[:-len(self.builder.info.full_name)].rstrip(
         '/')
@@ -602,18 +603,27 @@ _DATASET_KINDS = "a TFDS name, 'folder:<dir>' or 'fashion_mnist_local'"
 
 
 def _not_built_by_tfds(name: str, error: Exception) -> ValueError:
-  """One line for a name TFDS refuses before looking for data: one it cannot parse (TFDS's
-  own message is an 18-line help), or a version or config the dataset does not have."""
-  text = str(error).strip()
-  if text.startswith('Parsing builder name string'):
-    return ValueError(f'dataset {name!r} is not a TFDS name (TFDS reads name[/config][:version], '
-                      f'e.g. cifar10 or oxford_iiit_pet:3.*.*): set --config.dataset to '
-                      f'{_DATASET_KINDS}')
-  # 'Failed to construct dataset "x", builder_kwargs "{...}": <why>. Here are ...'
-  why = text.splitlines()[0].split('": ', 1)[-1].split(' Here are ')[0].rstrip(' .:')
+  """One line for a name TFDS refuses before looking for data (why_tfds_refuses)."""
+  why = why_tfds_refuses(error)
+  if why.startswith(_NOT_A_NAME):
+    return ValueError(f'dataset {name!r} is {why}: set --config.dataset to {_DATASET_KINDS}')
   return ValueError(f'dataset {name!r} cannot be built by TFDS ({why}): set --config.dataset to '
                     'a config and version the dataset has (tensorflow.org/datasets/catalog), or '
                     'to its name alone')
+
+
+_NOT_A_NAME = 'not a TFDS name'
+
+
+def why_tfds_refuses(error: Exception) -> str:
+  """Why TFDS refused a dataset name before looking for data, in a few words: a name it
+  cannot parse (its own message is an 18-line help), or a version or config the dataset
+  does not have."""
+  text = str(error).strip()
+  if text.startswith('Parsing builder name string'):
+    return f'{_NOT_A_NAME} (TFDS reads name[/config][:version], e.g. cifar10 or oxford_iiit_pet:3.*.*)'
+  # 'Failed to construct dataset "x", builder_kwargs "{...}": <why>. Here are ...'
+  return text.splitlines()[0].split('": ', 1)[-1].split(' Here are ')[0].rstrip(' .:')
 
 
 def _a_path(dataset: str) -> ValueError:

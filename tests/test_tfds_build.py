@@ -1,0 +1,89 @@
+"""vit-tfds-build, run as a user runs it: the command the refusals of a dataset not prepared
+name (TFDS's `tfds build` does not start without apache-beam)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests import data_fixtures
+from tests.conftest import console_script
+
+CATALOG = 'see https://www.tensorflow.org/datasets/catalog'
+
+# A dataset TFDS prepares here without a network: registered by the Python that runs the
+# command, then prepared by it as any TFDS dataset is.
+_WITH_A_DATASET_OF_OUR_OWN = '''
+import sys
+import numpy as np
+import tensorflow_datasets as tfds
+from vit_jax import tfds_build
+
+class VitJaxTestDigits(tfds.core.GeneratorBasedBuilder):
+  VERSION = tfds.core.Version('1.0.0')
+
+  def _info(self):
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
+        'image': tfds.features.Image(shape=(8, 8, 1)),
+        'label': tfds.features.ClassLabel(num_classes=2)}))
+
+  def _split_generators(self, dl_manager):
+    return {'train': self._generate_examples(20), 'test': self._generate_examples(10)}
+
+  def _generate_examples(self, n):
+    for i in range(n):
+      yield i, {'image': np.full((8, 8, 1), i, np.uint8), 'label': i % 2}
+
+tfds_build.main(sys.argv[1:])
+'''
+
+
+def test_a_dataset_is_prepared_once(tmp_path):
+  run = [sys.executable, '-c', _WITH_A_DATASET_OF_OUR_OWN, 'vit_jax_test_digits', '--data_dir=d']
+  first = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert first.returncode == 0, first.stderr[-2000:]
+  assert first.stdout.splitlines()[-1] == ('vit_jax_test_digits: prepared in '
+                                           'd/vit_jax_test_digits/1.0.0 (train: 20, test: 10 '
+                                           'examples)'), first.stdout
+  assert os.path.exists(tmp_path / 'd' / 'vit_jax_test_digits' / '1.0.0' / 'dataset_info.json')
+  again = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert again.stdout.splitlines() == [
+      'vit_jax_test_digits: already prepared in d/vit_jax_test_digits/1.0.0, left as it is'
+  ]
+
+
+def test_a_dataset_prepared_by_tfds_is_left_as_it_is(tmp_path):
+  """As `tfds build` left it; the data_dir's path holds a space and '['."""
+  data_fixtures.write_tfds_cifar10(str(tmp_path / 'my data[1]'), num_train=20, num_test=10)
+  out = console_script('vit-tfds-build', tmp_path, 'cifar10', '--data_dir=my data[1]')
+  assert (out.returncode, out.stdout) == (
+      0, 'cifar10: already prepared in my data[1]/cifar10/3.0.2, left as it is\n'), out.stderr
+
+
+@pytest.mark.parametrize('argv,line', [
+    (['cifar1O'], f'cifar1O: TFDS has no dataset of that name (did you mean cifar10?): {CATALOG}'),
+    (['cifar10/foo'], f'cifar10/foo: BuilderConfig foo not found with version 3.0.2: {CATALOG}'),
+    (['a b'], 'a b: not a TFDS name (TFDS reads name[/config][:version], e.g. cifar10 or '
+     f'oxford_iiit_pet:3.*.*): {CATALOG}'),
+    (['cifar10', '--data_dir=a', '--data_dir=b'], "--data_dir is given more than once ('a', 'b'): "
+     'give one'),
+    ([], 'the following arguments are required: NAME'),
+])
+def test_a_name_or_flag_tfds_refuses_is_one_line(tmp_path, argv, line):
+  out = console_script('vit-tfds-build', tmp_path, *argv)
+  assert (out.returncode, out.stdout) == (1, ''), out.stderr[-2000:]
+  assert out.stderr.splitlines()[-1] == f'vit-tfds-build: error: {line}', out.stderr[-2000:]
+  assert os.listdir(tmp_path) == []
+
+
+def test_a_dataset_downloaded_by_hand_names_where_its_files_go(tmp_path):
+  """TFDS reads imagenet2012 from the manual folder only. Preparing it had also needed
+  importlib_resources, which TFDS 4.9.10 uses on every Python but requires before 3.9 only:
+  every dataset of TFDS's had stopped with ModuleNotFoundError."""
+  out = console_script('vit-tfds-build', tmp_path, 'imagenet2012', '--data_dir=d', timeout=600)
+  assert out.returncode == 1, out.stderr[-2000:]
+  last = out.stderr.splitlines()[-1]
+  assert last.startswith('vit-tfds-build: error: imagenet2012: Manual directory '
+                         'd/downloads/manual does not exist or is empty.'), last
+  assert 'ILSVRC2012_img_train.tar' in last and last.endswith(' Then run this command again.')

@@ -1,0 +1,110 @@
+"""vit-tfds-build: prepares TFDS datasets in a data_dir (downloads them, then writes the
+files vit-train reads), as `tfds build NAME --data_dir=DIR` would.
+
+  vit-tfds-build cifar10 [oxford_iiit_pet ...] [--data_dir=DIR] [--manual_dir=DIR]
+
+(python -m vit_jax.tfds_build is the same.) vit-train, vit-evaluate, vit-sweep, vit-vtab and
+vit-tpu name this command where a dataset is not prepared. TFDS's own `tfds build` does not
+start without apache-beam, which it imports for another of its subcommands but does not
+install (tensorflow/datasets#5463); apache-beam's pins conflict with this stack's, so vit_jax
+does not install it either.
+
+The datasets are prepared one after another, each as tfds.builder(NAME, data_dir=DIR)
+.download_and_prepare() does; one already prepared in DIR is left as it is, and the first
+that cannot be prepared stops the command with one line. DIR defaults to TFDS's
+(~/tensorflow_datasets) and may be gs://. Datasets whose files TFDS cannot download
+(imagenet2012) read them from --manual_dir (default DIR/downloads/manual), as the TFDS
+catalog says. A download cut off leaves only TFDS's `incomplete.*` folder: the same command
+starts that dataset again.
+"""
+import argparse
+import difflib
+import sys
+
+from vit_jax import cli_help
+from vit_jax import errors
+from vit_jax import paths
+
+PROGRAM = 'vit-tfds-build'
+CATALOG = 'https://www.tensorflow.org/datasets/catalog'
+
+
+class BuildError(Exception):
+  """A dataset that cannot be prepared, or a bad argument; main prints it as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+
+  def error(self, message):
+    raise BuildError(message)
+
+
+def parser():
+  p = _Parser(prog=PROGRAM, description=__doc__.split('\n')[0])
+  p.register('action', None, cli_help.StoreOnce)  # a flag given twice is refused
+  p.add_argument(
+      'datasets', nargs='+', metavar='NAME',
+      help='TFDS dataset names, as vit-train\'s --config.dataset (cifar10, '
+      'diabetic_retinopathy_detection/btgraham-300, ...)')
+  p.add_argument('--data_dir', '--data-dir', dest='data_dir', default=None,
+                 help='where to write them, as --config.data_dir (default: ~/tensorflow_datasets)')
+  p.add_argument(
+      '--manual_dir', '--manual-dir', dest='manual_dir', default=None,
+      help='files downloaded by hand, for the datasets that need them (default: '
+      'DATA_DIR/downloads/manual)')
+  return p
+
+
+def prepare(name, data_dir, manual_dir, out):
+  """Prepares dataset `name` in `data_dir` (None: TFDS's default), saying what it did."""
+  # pylint: disable=g-import-not-at-top  (TensorFlow: after the arguments are checked)
+  from vit_jax import tensorflow_quietly  # noqa: F401  (first: before TensorFlow loads)
+  import requests
+  import tensorflow_datasets as tfds
+  from vit_jax import data_sources
+  # pylint: enable=g-import-not-at-top
+  try:
+    builder = data_sources.tfds_builder(name, data_dir)
+  except tfds.core.registered.DatasetNotFoundError:
+    close = difflib.get_close_matches(name.split('/')[0], tfds.list_builders(), n=1)
+    mean = f' (did you mean {close[0]}?)' if close else ''
+    raise BuildError(f'{name}: TFDS has no dataset of that name{mean}: see {CATALOG}') from None
+  except (ValueError, AssertionError) as e:  # a name TFDS cannot parse, a config it lacks
+    raise BuildError(f'{name}: {data_sources.why_tfds_refuses(e)}: see {CATALOG}') from None
+  where = builder.data_dir
+  # Not builder.is_prepared(): it globs the folder's path, and one holding '[' (which vit-train
+  # reads) had been found unprepared every time.
+  if paths.exists(f'{where}/dataset_info.json'):
+    print(f'{name}: already prepared in {where}, left as it is', file=out, flush=True)
+    return
+  config = tfds.download.DownloadConfig(manual_dir=manual_dir)
+  try:
+    builder.download_and_prepare(download_config=config)
+  except requests.exceptions.RequestException as e:
+    raise BuildError(f'{name}: cannot download its files ({errors.one_line(e)}): check this '
+                     'machine\'s network, or prepare it on one that has it and copy '
+                     f'{where} here') from None
+  except AssertionError as e:  # TFDS's check of a manual download: what to put where
+    raise BuildError(f'{name}: {" ".join(str(e).split())} Then run this command again.') from None
+  except OSError as e:
+    raise BuildError(f'{name}: cannot prepare it in {where}: {errors.one_line(e)}') from None
+  sizes = ', '.join(
+      f'{split}: {info.num_examples:,}' for split, info in builder.info.splits.items())
+  print(f'{name}: prepared in {where} ({sizes} examples)', file=out, flush=True)
+
+
+def main(argv=None, out=None):
+  """The vit-tfds-build console script."""
+  out = out or sys.stdout
+  try:
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    for name in dict.fromkeys(args.datasets):
+      prepare(name, args.data_dir, args.manual_dir, out)
+  except BuildError as e:
+    sys.exit(f'{PROGRAM}: error: {e}')
+
+
+if __name__ == '__main__':
+  from vit_jax import console_scripts  # pylint: disable=g-import-not-at-top
+  console_scripts.prepare_the_process()  # as its console script does
+  main()
