@@ -1,5 +1,6 @@
 """vit-tfds-build, run as a user runs it: the command the refusals of a dataset not prepared
 name (TFDS's `tfds build` does not start without apache-beam)."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -87,3 +88,20 @@ def test_a_dataset_downloaded_by_hand_names_where_its_files_go(tmp_path):
   assert last.startswith('vit-tfds-build: error: imagenet2012: Manual directory '
                          'd/downloads/manual does not exist or is empty.'), last
   assert 'ILSVRC2012_img_train.tar' in last and last.endswith(' Then run this command again.')
+
+
+def test_a_dataset_needing_a_module_not_installed_names_its_package(tmp_path):
+  """VTAB's sun397, kitti and diabetic_retinopathy_detection import cv2 as TFDS prepares
+  them (after their download): a traceback of TFDS's lazy import had ended the command."""
+  if importlib.util.find_spec('cv2'):
+    pytest.skip('cv2 is installed here')
+  code = _WITH_A_DATASET_OF_OUR_OWN.replace(
+      "    return {'train'", "    tfds.core.lazy_imports.cv2.imread  # as sun397's does\n"
+      "    return {'train'")
+  out = subprocess.run([sys.executable, '-c', code, 'vit_jax_test_digits', '--data_dir=d'],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert out.stderr.splitlines()[-1] == (
+      'vit-tfds-build: error: vit_jax_test_digits: preparing it needs the Python module cv2, '
+      'which vit_jax does not install: pip install opencv-python-headless, then run this '
+      'command again'), out.stderr[-2000:]

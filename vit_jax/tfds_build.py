@@ -19,6 +19,7 @@ starts that dataset again.
 """
 import argparse
 import difflib
+import re
 import sys
 
 from vit_jax import cli_help
@@ -27,6 +28,9 @@ from vit_jax import paths
 
 PROGRAM = 'vit-tfds-build'
 CATALOG = 'https://www.tensorflow.org/datasets/catalog'
+# The pip package of a module that TFDS imports to prepare some datasets, where the names
+# differ (cv2: VTAB's sun397, kitti and diabetic_retinopathy_detection).
+_PACKAGES = {'cv2': 'opencv-python-headless'}
 
 
 class BuildError(Exception):
@@ -84,6 +88,12 @@ def prepare(name, data_dir, manual_dir, out):
     raise BuildError(f'{name}: cannot download its files ({errors.one_line(e)}): check this '
                      'machine\'s network, or prepare it on one that has it and copy '
                      f'{where} here') from None
+  except ImportError as e:  # TFDS's lazy import of what one dataset's preparation needs
+    named = re.search(r"No module named '([\w.]+)'", str(e))  # TFDS re-raises it without .name
+    module = (e.name or (named[1] if named else '?')).split('.')[0]
+    raise BuildError(f'{name}: preparing it needs the Python module {module}, which vit_jax does '
+                     f'not install: pip install {_PACKAGES.get(module, module)}, then run this '
+                     'command again') from None
   except AssertionError as e:  # TFDS's check of a manual download: what to put where
     raise BuildError(f'{name}: {" ".join(str(e).split())} Then run this command again.') from None
   except OSError as e:
