@@ -977,3 +977,35 @@ def test_a_tfds_dataset_prepared_on_disk_trains_and_evaluates(tmp_path):
   out = console_script('vit-evaluate', tmp_path, '--workdir=w', '--mode=top1')
   assert out.returncode == 0, out.stderr[-2000:]
   assert re.search(rf'^top1 +test +{accuracy[1]}  \(32 images\)$', out.stdout, re.M), out.stdout
+
+
+# Runs the module argv[1] as its command, as on a machine with a network: there TFDS fills an
+# unprepared dataset's info (splits, sizes) from its own bucket's metadata, which these test
+# hosts cannot reach. Here that metadata is the dataset_info.json in folder argv[2].
+_AS_WITH_A_NETWORK = '''
+import runpy, sys
+from etils import epath
+from tensorflow_datasets.core.utils import gcs_utils
+module, bucket = sys.argv.pop(1), epath.Path(sys.argv.pop(1))
+gcs_utils.gcs_dataset_info_files = lambda name: [bucket / 'dataset_info.json', bucket / 'features.json']
+runpy.run_module(module, run_name='__main__')
+'''
+
+
+def test_a_tfds_dataset_not_prepared_is_one_line_where_tfds_reaches_its_metadata(tmp_path):
+  """Where TFDS reached its bucket (every user's machine), a dataset not prepared passed the
+  start-up checks: the run made its workdir, then ended in a traceback ('could not find data
+  in ...') instead of naming the command that prepares it."""
+  fx.write_tfds_cifar10(str(tmp_path / 'elsewhere'), num_train=20, num_test=10)
+  bucket = str(tmp_path / 'elsewhere' / 'cifar10' / '3.0.2')
+  out = subprocess.run([
+      sys.executable, '-c', _AS_WITH_A_NETWORK, 'vit_jax.main', bucket, '--config=quickstart',
+      '--workdir=w', '--config.dataset=cifar10', '--config.data_dir=empty',
+      '--config.image_size=32', '--config.model.patch_size=8'
+  ], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert out.stderr.splitlines()[-1] == (
+      f'vit-train: dataset cifar10 is not prepared in data_dir {tmp_path}/empty: run '
+      f'`vit-tfds-build cifar10 --data_dir={tmp_path}/empty` or set --config.data_dir to where '
+      'it is prepared.'), out.stderr[-2000:]
+  assert not (tmp_path / 'w').exists()

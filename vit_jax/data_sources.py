@@ -513,6 +513,7 @@ class _TfdsSource(Source):
   def sizes(self) -> dict[str, int]:
     splits = self.builder.info.splits
     if splits:
+      self._check_prepared()
       return {k: v.num_examples for k, v in splits.items()}
     # tfds.testing.mock_data leaves info.splits empty: count by reading.
     sizes = {}
@@ -523,9 +524,24 @@ class _TfdsSource(Source):
         continue
       sizes[name] = int(ds.reduce(np.int64(0), as_written(lambda c, _: c + 1)))
     if not sizes:
-      raise NotPrepared(self.name, self.data_dir,
-                        bool(getattr(self.builder, 'MANUAL_DOWNLOAD_INSTRUCTIONS', None)))
+      raise self._not_prepared()
     return sizes
+
+  def _check_prepared(self) -> None:
+    """NotPrepared where data_dir holds no files of the dataset. TFDS fills info.splits from
+    its own bucket's metadata where data_dir has none, on any machine with a network (all
+    but these test hosts): such a run had gone on past its start-up checks to a traceback,
+    'could not find data in ...'. Mocked TFDS (tests) has no files but reads."""
+    if tf.io.gfile.exists(os.path.join(self.builder.data_dir, 'dataset_info.json')):
+      return
+    try:
+      self.builder.as_dataset(split=next(iter(self.builder.info.splits)))
+    except AssertionError:  # 'Dataset x: could not find data in D. Please make sure to call ...'
+      raise self._not_prepared() from None
+
+  def _not_prepared(self) -> NotPrepared:
+    return NotPrepared(self.name, self.data_dir,
+                       bool(getattr(self.builder, 'MANUAL_DOWNLOAD_INSTRUCTIONS', None)))
 
   def shard(self, spec: str, index: int, count: int, shuffle_buffer: int) -> Shard:
     host_sizes = [_length(r) for r in self.host_ranges(spec, count)]
