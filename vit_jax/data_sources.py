@@ -532,7 +532,7 @@ class _TfdsSource(Source):
     its own bucket's metadata where data_dir has none, on any machine with a network (all
     but these test hosts): such a run had gone on past its start-up checks to a traceback,
     'could not find data in ...'. Mocked TFDS (tests) has no files but reads."""
-    if tf.io.gfile.exists(os.path.join(self.builder.data_dir, 'dataset_info.json')):
+    if has_prepared_files(self.builder):
       return
     try:
       self.builder.as_dataset(split=next(iter(self.builder.info.splits)))
@@ -561,6 +561,14 @@ def as_written(fn: Callable) -> Callable:
   out). The rewrite cost each run ~0.4 s of CPU at start-up, and left its generated modules'
   bytecode in a shared /tmp/__pycache__."""
   return tf.autograph.experimental.do_not_convert(fn)
+
+
+def has_prepared_files(builder) -> bool:
+  """Whether a TFDS builder's folder holds its prepared dataset: its dataset_info.json (TFDS
+  writes into an incomplete.* folder and renames it once whole). Not builder.is_prepared():
+  that globs the folder's path, so one holding '[' (which TFDS reads) was found unprepared,
+  or a neighbour's files found instead."""
+  return tf.io.gfile.exists(os.path.join(builder.data_dir, 'dataset_info.json'))
 
 
 def tfds_builder(name: str, data_dir: str | None):

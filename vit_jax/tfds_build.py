@@ -24,7 +24,6 @@ import sys
 
 from vit_jax import cli_help
 from vit_jax import errors
-from vit_jax import paths
 
 PROGRAM = 'vit-tfds-build'
 CATALOG = 'https://www.tensorflow.org/datasets/catalog'
@@ -76,9 +75,7 @@ def prepare(name, data_dir, manual_dir, out):
   except (ValueError, AssertionError) as e:  # a name TFDS cannot parse, a config it lacks
     raise BuildError(f'{name}: {data_sources.why_tfds_refuses(e)}: see {CATALOG}') from None
   where = builder.data_dir
-  # Not builder.is_prepared(): it globs the folder's path, and one holding '[' (which vit-train
-  # reads) had been found unprepared every time.
-  if paths.exists(f'{where}/dataset_info.json'):
+  if data_sources.has_prepared_files(builder):
     print(f'{name}: already prepared in {where}, left as it is', file=out, flush=True)
     return
   config = tfds.download.DownloadConfig(manual_dir=manual_dir)
