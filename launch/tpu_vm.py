@@ -822,7 +822,7 @@ def check_tfds(name, data_dir):
   from vit_jax import data_sources  # pylint: disable=g-import-not-at-top  (TensorFlow: slow)
   try:
     builder = data_sources.tfds_builder(name, data_dir)
-    prepared = builder.is_prepared()
+    prepared = data_sources.has_prepared_files(builder)
   except Exception as e:  # pylint: disable=broad-except
     if type(e).__name__ == 'DatasetNotFoundError':
       raise LaunchError(f'config.dataset {name!r} is not a TFDS dataset: check the name '

@@ -401,6 +401,10 @@ def test_check_tfds(tmp_path):
   os.makedirs(builder.data_dir)
   builder.info.write_to_directory(builder.data_dir)  # What `tfds build` leaves, less the data.
   assert 'cifar10 3.0.2 is prepared' in tpu_vm.check_tfds('cifar10', str(tmp_path))
+  # A folder whose name TFDS's is_prepared() would read as a glob: the same files count.
+  bracketed = tmp_path / 'tfds[1]'
+  shutil.copytree(tmp_path / 'cifar10', bracketed / 'cifar10')
+  assert 'is prepared' in tpu_vm.check_tfds('cifar10', str(bracketed))
   with pytest.raises(tpu_vm.LaunchError, match='not a TFDS dataset'):
     tpu_vm.check_tfds('cifar10000', str(tmp_path))
 
