@@ -105,3 +105,24 @@ def test_a_dataset_needing_a_module_not_installed_names_its_package(tmp_path):
       'vit-tfds-build: error: vit_jax_test_digits: preparing it needs the Python module cv2, '
       'which vit_jax does not install: pip install opencv-python-headless, then run this '
       'command again'), out.stderr[-2000:]
+
+
+def test_a_dataset_not_downloaded_names_its_url_and_what_to_copy(tmp_path):
+  """Without a network: the URL and its cause in one line (not requests' 'Max retries
+  exceeded', which repeats them), and the folder to copy from a machine that has one."""
+  code = _WITH_A_DATASET_OF_OUR_OWN.replace(
+      "    return {'train'", "    dl_manager.download('http://vit-jax-test.invalid/digits.tar')\n"
+      "    return {'train'").replace(
+          'from vit_jax import tfds_build', 'from vit_jax import tfds_build\n'
+          'from tensorflow_datasets.core.download import downloader\n'
+          'downloader.MAX_RETRIES = 0  # TFDS retries 10 times with backoff: 3.5 minutes')
+  out = subprocess.run([sys.executable, '-c', code, 'vit_jax_test_digits', '--data_dir=d'],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1, out.stderr[-2000:]
+  last = out.stderr.splitlines()[-1]
+  assert last.startswith('vit-tfds-build: error: vit_jax_test_digits: cannot download its files '
+                         '(http://vit-jax-test.invalid/digits.tar: '), last
+  assert "Failed to resolve 'vit-jax-test.invalid'" in last and 'Max retries' not in last, last
+  assert last.endswith('): check this machine\'s network, or prepare it on a machine that has '
+                       'one and copy d/vit_jax_test_digits/1.0.0 to the same path here'), last
+  assert not os.path.exists(tmp_path / 'd' / 'vit_jax_test_digits' / '1.0.0')

@@ -58,6 +58,14 @@ def parser():
   return p
 
 
+def _why_not_downloaded(e) -> str:
+  """The URL and the cause under requests' 'Max retries exceeded with url ... (Caused by ...)';
+  that whole text where there is no such cause."""
+  url = getattr(getattr(e, 'request', None), 'url', None)
+  cause = getattr(e.args[0], 'reason', None) if e.args else None  # urllib3's MaxRetryError
+  return f'{url}: {errors.one_line(cause)}' if url and cause else errors.one_line(e)
+
+
 def prepare(name, data_dir, manual_dir, out):
   """Prepares dataset `name` in `data_dir` (None: TFDS's default), saying what it did."""
   # pylint: disable=g-import-not-at-top  (TensorFlow: after the arguments are checked)
@@ -82,9 +90,9 @@ def prepare(name, data_dir, manual_dir, out):
   try:
     builder.download_and_prepare(download_config=config)
   except requests.exceptions.RequestException as e:
-    raise BuildError(f'{name}: cannot download its files ({errors.one_line(e)}): check this '
-                     'machine\'s network, or prepare it on one that has it and copy '
-                     f'{where} here') from None
+    raise BuildError(f'{name}: cannot download its files ({_why_not_downloaded(e)}): check this '
+                     'machine\'s network, or prepare it on a machine that has one and copy '
+                     f'{where} to the same path here') from None
   except ImportError as e:  # TFDS's lazy import of what one dataset's preparation needs
     named = re.search(r"No module named '([\w.]+)'", str(e))  # TFDS re-raises it without .name
     module = (e.name or (named[1] if named else '?')).split('.')[0]
