@@ -13,11 +13,11 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
 .PHONY: quickstart test lint format fashion-mnist jemalloc
 
-# Before the venv is made: PYTHON must satisfy setup.py's python_requires (pip's own refusal
+# Before the venv is made: PYTHON must satisfy setup.py's python_requires, both ends (pip's own refusal
 # came after the venv was made, and every later make reused that venv of the old Python, even
 # with PYTHON=python3.11), and a venv of another Python is made again.
 PYTHON_VERSION := import sys; print(sys.version_info[:2])
-CHECK_PYTHON := import re, sys; need = re.search(r"python_requires=.>=(\d+)\.(\d+)", open("setup.py").read()).groups(); have = sys.version_info[:2]; sys.exit(0 if have >= tuple(map(int, need)) else "$(PYTHON) is Python %d.%d; vit_jax needs %s.%s or newer (setup.py): install one and run make $(strip $(MAKECMDGOALS) PYTHON=python%s.%s)" % (have + need + need))
+CHECK_PYTHON := import re, sys; spec = re.search(r"python_requires=.([^\"]*)", open("setup.py").read())[1]; low = tuple(int(v) for v in re.search(r">=(\d+)\.(\d+)", spec).groups()); below = re.search(r"<(\d+)\.(\d+)", spec); newest = below and (int(below[1]), int(below[2]) - 1); have = sys.version_info[:2]; span = "%d.%d to %d.%d" % (low + newest) if newest else "%d.%d or newer" % low; fit = newest if newest and have > newest else low; sys.exit(0 if low <= have and not (newest and have > newest) else "$(PYTHON) is Python %d.%d; vit_jax needs %s (setup.py): install one and run make $(strip $(MAKECMDGOALS) PYTHON=python%d.%d)" % (have + (span,) + fit))
 # python -m venv makes symbolic links (lib64, bin/python): where the venv's folder takes none
 # (Google Drive in Colab, SMB, FAT) it had stopped with "Operation not permitted: 'lib' -> ...".
 LINK_PROBE = $(dir $(VENV)).vit_jax_link_probe

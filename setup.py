@@ -63,7 +63,9 @@ setuptools.setup(
         "vit_jax.configs": "configs",
         "vit_jax.launch": "launch"
     },
-    python_requires=">=3.11",  # jax 0.10, numpy 2.4 and scipy 1.17 need it
+    # At least 3.11: jax 0.10, numpy 2.4 and scipy 1.17 need it. Below 3.14: tensorflow-cpu
+    # (2.21, the newest) has no wheels for 3.14, where pip ended in "No matching distribution".
+    python_requires=">=3.11,<3.14",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
     entry_points={"console_scripts": CONSOLE_SCRIPTS},

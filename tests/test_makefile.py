@@ -148,6 +148,18 @@ def test_a_python_older_than_setup_py_requires_is_refused_before_a_venv_is_made(
   assert not (tmp_path / '.venv').exists()
 
 
+def test_a_python_newer_than_setup_py_allows_is_refused_before_a_venv_is_made(tmp_path):
+  """TensorFlow has no wheels for the newest Python: pip ended in 'No matching distribution'."""
+  python = this_python(tmp_path)
+  major, minor = sys.version_info[:2]
+  rc, out = make_venv(tmp_path, f'>={major}.0,<{major}.{minor}', python)
+  assert rc != 0
+  assert out.splitlines()[0] == (f'{python} is Python {major}.{minor}; vit_jax needs {major}.0 '
+                                 f'to {major}.{minor - 1} (setup.py): install one and run make '
+                                 f'.venv/installed PYTHON=python{major}.{minor - 1}')
+  assert not (tmp_path / '.venv').exists()
+
+
 def python_stopping_at_venv(tmp_path):
   """This Python, but `-m venv` prints its arguments and fails: the recipe stops there."""
   python = tmp_path / 'python'
