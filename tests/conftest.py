@@ -226,3 +226,10 @@ def console_script(name, cwd, *argv, timeout=300, **env_vars):
   script = os.path.join(os.path.dirname(sys.executable), name)
   return subprocess.run([script, *argv], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                         env=dict(os.environ, **env_vars))
+
+
+# Every request of TensorFlow's GCS filesystem (libcurl) fails at once, network or none: a
+# bucket that cannot be read, as without a network, credentials or a correct bucket name.
+UNREACHABLE_GCS = dict(HTTPS_PROXY='http://127.0.0.1:1', HTTP_PROXY='http://127.0.0.1:1',
+                       https_proxy='http://127.0.0.1:1', http_proxy='http://127.0.0.1:1',
+                       NO_PROXY='', no_proxy='', GCS_RETRY_CONFIG_MAX_RETRIES='0')

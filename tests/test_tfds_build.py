@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tests import data_fixtures
-from tests.conftest import console_script
+from tests.conftest import UNREACHABLE_GCS, console_script
 
 CATALOG = 'see https://www.tensorflow.org/datasets/catalog'
 
@@ -126,3 +126,14 @@ def test_a_dataset_not_downloaded_names_its_url_and_what_to_copy(tmp_path):
   assert last.endswith('): check this machine\'s network, or prepare it on a machine that has '
                        'one and copy d/vit_jax_test_digits/1.0.0 to the same path here'), last
   assert not os.path.exists(tmp_path / 'd' / 'vit_jax_test_digits' / '1.0.0')
+
+
+def test_a_data_dir_that_cannot_be_read_is_one_line(tmp_path):
+  """A bucket this machine cannot read had ended the command in TFDS's traceback."""
+  out = console_script('vit-tfds-build', tmp_path, 'cifar10', '--data_dir=gs://vit-jax-test/tfds',
+                       **UNREACHABLE_GCS)
+  assert (out.returncode, out.stdout) == (1, ''), out.stderr[-2000:]
+  last = out.stderr.splitlines()[-1]
+  assert last.startswith('vit-tfds-build: error: cifar10: cannot read data_dir '
+                         'gs://vit-jax-test/tfds: '), last
+  assert 'Could not connect' in last and 'Traceback' not in out.stderr, out.stderr[-2000:]

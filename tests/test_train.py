@@ -34,7 +34,7 @@ from vit_jax import train
 from vit_jax import step as step_lib
 from vit_jax import xla_cpu_flags
 from tests import data_fixtures as fx
-from tests.conftest import console_script
+from tests.conftest import UNREACHABLE_GCS, console_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -990,6 +990,22 @@ module, bucket = sys.argv.pop(1), epath.Path(sys.argv.pop(1))
 gcs_utils.gcs_dataset_info_files = lambda name: [bucket / 'dataset_info.json', bucket / 'features.json']
 runpy.run_module(module, run_name='__main__')
 '''
+
+
+def test_a_data_dir_that_cannot_be_read_is_one_line_before_the_workdir(tmp_path):
+  """A bucket this machine cannot read (TPU VM users keep their TFDS data in one) had ended
+  vit-train in TFDS's traceback, 'RuntimeError: FailedPreconditionError: Failed to construct
+  dataset ...'."""
+  out = console_script('vit-train', tmp_path, '--config=quickstart', '--workdir=w',
+                       '--config.dataset=cifar10', '--config.data_dir=gs://vit-jax-test/tfds',
+                       **UNREACHABLE_GCS)
+  assert out.returncode == 1, out.stderr[-2000:]
+  last = out.stderr.splitlines()[-1]
+  assert last.startswith('vit-train: cannot read data_dir gs://vit-jax-test/tfds: '), last
+  assert 'Could not connect' in last and last.endswith(
+      ": check the bucket name, this machine's network and its credentials (gcloud auth "
+      'application-default login)'), last
+  assert 'Traceback' not in out.stderr and not (tmp_path / 'w').exists()
 
 
 def test_a_tfds_dataset_not_prepared_is_one_line_where_tfds_reaches_its_metadata(tmp_path):

@@ -29,11 +29,13 @@ order, each host its own shard of the split.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gzip
 import hashlib
 import os
+import re
 import shlex
 import tempfile
 import types
@@ -202,6 +204,36 @@ class FixInTheData(ValueError):
 
 class DamagedFile(FixInTheData):
   """A data file that exists but cannot be read whole: the fix is the file, not a split."""
+
+
+class DataDirUnreadable(ValueError):
+  """A data_dir that cannot be read at all: a bucket misnamed or not this machine's to read,
+  no network. TFDS's own error had ended the command in a traceback."""
+
+  def __init__(self, data_dir: str, error: Exception):
+    # The first line, less gfile's retry preamble: its second is '\t when reading ... <path>'.
+    text = str(getattr(error, 'message', '') or error).strip()
+    why = re.sub(
+        r'^(All \d+ retry attempts failed\. The last failure: )?(Error executing an HTTP '
+        r'request: )?', '', (text.splitlines() or ['?'])[0])
+    why = why if len(why) <= 140 else why[:137] + '...'  # the fix after it stays in one_line's 300
+    fix = ("check the bucket name, this machine's network and its credentials (gcloud auth "
+           'application-default login)'
+           if data_dir.startswith('gs://') else 'check the path and its permissions')
+    super().__init__(f'cannot read data_dir {data_dir}: {why}: {fix}')
+
+
+@contextlib.contextmanager
+def _reading(data_dir: str | None):
+  """TensorFlow's errors reading data_dir (OpError, or TFDS's RuntimeError around one) become
+  DataDirUnreadable."""
+  try:
+    yield
+  except (RuntimeError, tf.errors.OpError) as e:
+    cause = e.__cause__ if isinstance(e, RuntimeError) else e
+    if not isinstance(cause, tf.errors.OpError):
+      raise
+    raise DataDirUnreadable(data_dir or '~/tensorflow_datasets', cause) from None
 
 
 class NotPrepared(FileNotFoundError):
@@ -466,6 +498,8 @@ class _TfdsSource(Source):
                        f"{data_dir or '~/tensorflow_datasets'}: put its prepared files there "
                        f"({name}/<version>/, as `vit-tfds-build` writes them) and set "
                        f"--config.data_dir, or set --config.dataset to {_DATASET_KINDS}") from None
+    except DataDirUnreadable:
+      raise
     except (ValueError, AssertionError) as e:  # a name TFDS cannot parse, or cannot build
       raise _not_built_by_tfds(name, e) from None
     # The data_dir root, as a user would pass it to `vit-tfds-build --data_dir`: the builder's
@@ -568,7 +602,8 @@ def has_prepared_files(builder) -> bool:
   writes into an incomplete.* folder and renames it once whole). Not builder.is_prepared():
   that globs the folder's path, so one holding '[' (which TFDS reads) was found unprepared,
   or a neighbour's files found instead."""
-  return tf.io.gfile.exists(os.path.join(builder.data_dir, 'dataset_info.json'))
+  with _reading(builder.data_dir):
+    return tf.io.gfile.exists(os.path.join(builder.data_dir, 'dataset_info.json'))
 
 
 def tfds_builder(name: str, data_dir: str | None):
@@ -579,7 +614,8 @@ def tfds_builder(name: str, data_dir: str | None):
   with tempfile.TemporaryDirectory() as folder:
     before, tempfile.tempdir = tempfile.tempdir, folder
     try:
-      return tfds.builder(name, data_dir=data_dir)
+      with _reading(data_dir):
+        return tfds.builder(name, data_dir=data_dir)
     finally:
       tempfile.tempdir = before
 

@@ -80,6 +80,8 @@ def prepare(name, data_dir, manual_dir, out):
     close = difflib.get_close_matches(name.split('/')[0], tfds.list_builders(), n=1)
     mean = f' (did you mean {close[0]}?)' if close else ''
     raise BuildError(f'{name}: TFDS has no dataset of that name{mean}: see {CATALOG}') from None
+  except data_sources.DataDirUnreadable as e:
+    raise BuildError(f'{name}: {e}') from None
   except (ValueError, AssertionError) as e:  # a name TFDS cannot parse, a config it lacks
     raise BuildError(f'{name}: {data_sources.why_tfds_refuses(e)}: see {CATALOG}') from None
   where = builder.data_dir
