@@ -34,6 +34,7 @@ from vit_jax.configs import finetune
 from vit_jax.configs import quickstart
 from tests.conftest import built_once
 from tests.conftest import console_script
+from tests.conftest import UNREACHABLE_GCS
 from tests.conftest import CTRL_C_AS_IN_A_TERMINAL
 from tests.conftest import own_compilation_cache
 from tests.conftest import with_flags
@@ -1603,8 +1604,8 @@ def test_a_bucket_that_cannot_be_written_names_credentials(monkeypatch):
   monkeypatch.setattr(train.tf.io.gfile, 'makedirs', denied)
   with pytest.raises(
       train.ConfigError, match=r'cannot create workdir gs://b/wd: 403 on gs://b/wd: '
-      r'check the bucket name, this machine\'s credentials \(gcloud auth '
-      r'application-default login\)'):
+      r'check the bucket name, this machine\'s network and its credentials \(gcloud auth '
+      r'application-default login\), or choose another --workdir$'):
     train.train_and_evaluate(_config(), 'gs://b/wd')
 
 
@@ -1633,6 +1634,17 @@ def test_an_unpublished_default_checkpoint_is_named(monkeypatch, tmp_path, model
       f'pretrained_path {path} cannot be read ({path}: could not reach storage.googleapis.com): '
       f'download it (curl -O {public}, or gsutil cp) and pass the local file as '
       f'--config.pretrained_path=FILE{note}')
+
+
+def test_a_pretrained_path_in_a_bucket_out_of_reach_says_why(tmp_path):
+  """With TensorFlow's own error (the test above mocks one): its last line, all that was
+  said, is only '\t when reading metadata of gs://...'."""
+  out = console_script('vit-train', tmp_path, '--config=quickstart', '--workdir=w',
+                       '--config.pretrained_path=gs://vit-jax-test/ViT-B_16.npz', **UNREACHABLE_GCS)
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert out.stderr.splitlines()[-1].startswith(
+      'vit-train: pretrained_path gs://vit-jax-test/ViT-B_16.npz cannot be read (libcurl code 7 '
+      "meaning 'Could not connect to server', "), out.stderr[-2000:]
 
 
 def test_skip_mode_leaves_out_non_finite_updates(tmp_path, caplog):

@@ -35,7 +35,6 @@ import functools
 import gzip
 import hashlib
 import os
-import re
 import shlex
 import tempfile
 import types
@@ -211,16 +210,8 @@ class DataDirUnreadable(ValueError):
   no network. TFDS's own error had ended the command in a traceback."""
 
   def __init__(self, data_dir: str, error: Exception):
-    # The first line, less gfile's retry preamble: its second is '\t when reading ... <path>'.
-    text = str(getattr(error, 'message', '') or error).strip()
-    why = re.sub(
-        r'^(All \d+ retry attempts failed\. The last failure: )?(Error executing an HTTP '
-        r'request: )?', '', (text.splitlines() or ['?'])[0])
-    why = why if len(why) <= 140 else why[:137] + '...'  # the fix after it stays in one_line's 300
-    fix = ("check the bucket name, this machine's network and its credentials (gcloud auth "
-           'application-default login)'
-           if data_dir.startswith('gs://') else 'check the path and its permissions')
-    super().__init__(f'cannot read data_dir {data_dir}: {why}: {fix}')
+    fix = errors.GCS_FIX if data_dir.startswith('gs://') else 'check the path and its permissions'
+    super().__init__(f'cannot read data_dir {data_dir}: {errors.storage_why(error)}: {fix}')
 
 
 @contextlib.contextmanager

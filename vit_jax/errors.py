@@ -112,6 +112,39 @@ def op_error_line(error):
   return lines[0] if lines else type(error).__name__
 
 
+# What to check where a gs:// path cannot be read or written.
+GCS_FIX = ("check the bucket name, this machine's network and its credentials (gcloud auth "
+           'application-default login)')
+
+
+def storage_why(error):
+  """Why TensorFlow's file system failed, in at most 140 characters (a fix can follow within
+  one_line's 300): op_error_line less the GCS client's preamble, 'All 10 retry attempts
+  failed. The last failure: Error executing an HTTP request: '."""
+  why = re.sub(
+      r'^(All \d+ retry attempts failed\. The last failure: )?'
+      r'(Error executing an HTTP request: )?', '', op_error_line(error))
+  return why if len(why) <= 140 else why[:137] + '...'
+
+
+# TensorFlow's errors of reaching a file, not of its contents (InvalidArgument, DataLoss, ...).
+_ACCESS_ERRORS = {
+    'FailedPreconditionError', 'PermissionDeniedError', 'UnauthenticatedError', 'UnavailableError',
+    'DeadlineExceededError', 'AbortedError', 'NotFoundError'
+}
+
+
+def unreachable_bucket(error):
+  """'cannot access gs://B/P: <why>: <GCS_FIX>' for TensorFlow's error reaching a gs:// path
+  (TFDS raises it inside a RuntimeError); None for any other error."""
+  cause = error.__cause__ if isinstance(error, RuntimeError) and error.__cause__ else error
+  if not (type(cause).__module__.startswith('tensorflow')
+          and type(cause).__name__ in _ACCESS_ERRORS):
+    return None
+  path = re.search(r'gs://[^\s\'"]+', getattr(cause, 'message', None) or str(cause))
+  return f'cannot access {path[0]}: {storage_why(cause)}: {GCS_FIX}' if path else None
+
+
 # Python's words for a flag value of the wrong type -> what the flag expects.
 _CONVERSION_ERRORS = (
     (r'invalid literal for int\(\) with base \d+: .*', 'expected an integer'),

@@ -106,8 +106,7 @@ def make_workdir(path, flag='--workdir'):
     if not (isinstance(e, OSError) or type(e).__module__.startswith('tensorflow')):
       raise
     if is_remote(path):
-      fix = ("check the bucket name, this machine's credentials (gcloud auth application-default "
-             f'login) and its access to the bucket, or choose another {flag}')
+      fix = f'{errors.GCS_FIX}, or choose another {flag}'
     else:
       fix = f'choose a writable {flag}'
     blocking, dangling = _file_in_the_way(path), _dangling_link(path)
@@ -117,8 +116,8 @@ def make_workdir(path, flag='--workdir'):
       target = os.path.normpath(os.path.join(os.path.dirname(dangling), os.readlink(dangling)))
       why = f'{dangling} is a symbolic link to {target}, which does not exist'
       fix = f'create {target} (mkdir -p) or {fix}'
-    else:
-      why = errors.one_line(e)
+    else:  # gfile's last line is only '\t when reading metadata of <path>'
+      why = errors.storage_why(e) if not isinstance(e, OSError) else errors.one_line(e)
     raise ValueError(f'cannot create workdir {path}: {why}: {fix}') from None
 
 
