@@ -886,5 +886,4 @@ def main(argv=None, runner=run_local, out=None):
 
 
 if __name__ == '__main__':
-  console_scripts.prepare_the_process()  # as its console script does
-  main()
+  console_scripts.run_as_main(main, 'vit-sweep')

@@ -1143,5 +1143,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-  console_scripts.prepare_the_process()  # as its console script does
-  sys.exit(main())
+  console_scripts.run_as_main(main, 'vit-tpu')

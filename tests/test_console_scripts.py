@@ -8,9 +8,12 @@ import subprocess
 import sys
 
 import pytest
+from PIL import Image
 
 from tests.conftest import CTRL_C_AS_IN_A_TERMINAL
 from tests.conftest import ROOT
+from tests.conftest import UNREACHABLE_GCS
+from vit_jax import errors
 from vit_jax import main
 
 COMMAND_MODULES = {
@@ -151,3 +154,62 @@ def test_a_run_whose_standard_streams_are_closed_trains(tmp_path, closed):
   assert out.returncode == 0, out.stderr[-3000:]
   log = (tmp_path / 'w' / 'train.INFO').read_text().splitlines()
   assert 'Final test[:256] top-1 accuracy: ' in log[-1], log[-3:]
+
+
+@pytest.mark.parametrize('argv,path', [
+    (['vit-evaluate', '--workdir=gs://vit-jax-test/run'], 'gs://vit-jax-test/run/config.json'),
+    (['vit-predict', '--workdir=gs://vit-jax-test/run', '../shoe.png'
+     ], 'gs://vit-jax-test/run/config.json'),
+    (['vit-inspect', '--workdir=gs://vit-jax-test/run', '--outdir=figures'
+     ], 'gs://vit-jax-test/run/config.json'),
+    ([
+        'vit-train', '--config=quickstart', '--workdir=w',
+        '--config.dataset=folder:gs://vit-jax-test/images'
+    ], 'gs://vit-jax-test/images'),
+    ([
+        'vit-sweep', '--config=quickstart', '--workdir=gs://vit-jax-test/sweep',
+        '--sweep=config.seed=[0,1]'
+    ], 'gs://vit-jax-test/sweep/sweep.json'),
+    ([
+        sys.executable, '-m', 'vit_jax.launch.sweep', '--config=quickstart',
+        '--workdir=gs://vit-jax-test/sweep', '--sweep=config.seed=[0,1]'
+    ], 'gs://vit-jax-test/sweep/sweep.json'),
+    (['vit-vtab', '--model=ViT-B_16', '--workdir=gs://vit-jax-test/vtab', '--tasks=dtd'
+     ], 'gs://vit-jax-test/vtab/dtd/final.npz'),
+])
+def test_a_bucket_that_cannot_be_read_is_one_line(tmp_path, argv, path):
+  """A bucket misnamed, not this machine's or without a network had ended each command in
+  TensorFlow's traceback wherever it first read from it ('FailedPreconditionError ... when
+  reading metadata of gs://...')."""
+  Image.new('L', (28, 28)).save(tmp_path / 'shoe.png')
+  cwd = tmp_path / 'cwd'
+  cwd.mkdir()
+  program = argv[0] if argv[0].startswith('vit-') else 'vit-sweep'
+  command = os.path.join(os.path.dirname(sys.executable),
+                         argv[0]) if argv[0] == program else argv[0]
+  out = subprocess.run([command, *argv[1:]], cwd=cwd, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, **UNREACHABLE_GCS))
+  assert out.returncode == 1, out.stderr[-3000:]
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith(f'{program}: cannot access {path}: '), out.stderr[-3000:]
+  assert 'Could not connect' in last and last.endswith(f': {errors.GCS_FIX}'), last
+  assert 'Traceback' not in out.stderr and os.listdir(cwd) == [], out.stderr[-3000:]
+
+
+def test_only_tensorflows_errors_of_reaching_a_bucket_are_said_so():
+  """Errors of a file's contents, and those of other paths, keep their traceback."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  text = ('All 10 retry attempts failed. The last failure: Error executing an HTTP request: '
+          "libcurl code 6 meaning 'Could not resolve hostname'\n\t when reading metadata of "
+          'gs://b/run/config.json')
+  unreachable = tf.errors.FailedPreconditionError(None, None, text)
+  assert errors.unreachable_bucket(unreachable) == (
+      "cannot access gs://b/run/config.json: libcurl code 6 meaning 'Could not resolve "
+      f"hostname': {errors.GCS_FIX}")
+  try:  # as TFDS raises it: a RuntimeError from it
+    raise RuntimeError(f'FailedPreconditionError: {text}') from unreachable
+  except RuntimeError as e:
+    assert errors.unreachable_bucket(e) == errors.unreachable_bucket(unreachable)
+  assert errors.unreachable_bucket(tf.errors.InvalidArgumentError(None, None, text)) is None
+  assert errors.unreachable_bucket(tf.errors.PermissionDeniedError(None, None, 'on /x')) is None
+  assert errors.unreachable_bucket(RuntimeError(text)) is None

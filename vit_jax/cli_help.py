@@ -165,8 +165,10 @@ def run(main, module_name, *flag_modules, program=None, flags_parser=None):
   def main_or_its_backend_in_one_line(argv):
     try:
       return main(argv)
-    except (RuntimeError, AssertionError):
-      jax_backend.exit_if_it_cannot_start(program)  # else the error is not the backend's
+    except Exception as e:  # pylint: disable=broad-except
+      if isinstance(e, (RuntimeError, AssertionError)):
+        jax_backend.exit_if_it_cannot_start(program)  # else the error is not the backend's
+      console_scripts.exit_if_a_bucket_failed(program)  # TensorFlow's OpError on a gs:// path
       raise
 
   parse = flags_parser or one_line_flag_errors(program)

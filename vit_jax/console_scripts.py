@@ -10,6 +10,7 @@ import signal
 import sys
 
 from vit_jax import ctrl_c
+from vit_jax import errors
 
 
 def _command(module, function, takes_signals_over=False):
@@ -21,19 +22,49 @@ def _command(module, function, takes_signals_over=False):
 
   def start():
     prepare_the_process()
-    try:
+
+    def imported_and_run():
       with ctrl_c.held(*also):
         entry = getattr(importlib.import_module(module), function)
         if takes_signals_over:
           return _flushed(entry)
       return _flushed(entry)
-    except KeyboardInterrupt:  # importing, or before the command's own handling
-      ctrl_c.interrupted(os.path.basename(sys.argv[0]))
-    except BrokenPipeError:
-      _reader_gone()
+
+    return _guarded(imported_and_run, os.path.basename(sys.argv[0]))
 
   start.__doc__ = f'{module}.{function}(), imported with Ctrl-C as one line.'
   return start
+
+
+def run_as_main(entry, program):
+  """`python -m` of a module whose console script `program` runs entry(): the same process
+  set-up and the same one lines (Ctrl-C, a reader gone, a bucket that fails)."""
+  prepare_the_process()
+  sys.exit(_guarded(lambda: _flushed(entry), program))
+
+
+def _guarded(run, program):
+  """run(), with a Ctrl-C before the command's own handling, a reader gone and a failing
+  bucket each ending the command `program` as its one line."""
+  try:
+    return run()
+  except KeyboardInterrupt:  # importing, or before the command's own handling
+    ctrl_c.interrupted(program)
+  except BrokenPipeError:
+    _reader_gone()
+  except Exception:  # pylint: disable=broad-except  (TensorFlow's OpError)
+    exit_if_a_bucket_failed(program)
+    raise
+
+
+def exit_if_a_bucket_failed(program):
+  """Exits with one line where the exception being handled is TensorFlow's on a gs:// path
+  (errors.unreachable_bucket): a bucket misnamed, not this machine's, or no network had ended
+  each command in a traceback wherever it first read one (a workdir's config.json, a sweep's
+  sweep.json, a folder: dataset). Other errors are left to their traceback."""
+  line = errors.unreachable_bucket(sys.exc_info()[1])
+  if line:
+    sys.exit(f'{program}: {line}')
 
 
 def prepare_the_process():

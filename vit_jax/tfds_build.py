@@ -123,5 +123,4 @@ def main(argv=None, out=None):
 
 if __name__ == '__main__':
   from vit_jax import console_scripts  # pylint: disable=g-import-not-at-top
-  console_scripts.prepare_the_process()  # as its console script does
-  main()
+  console_scripts.run_as_main(main, PROGRAM)
