@@ -233,3 +233,12 @@ def console_script(name, cwd, *argv, timeout=300, **env_vars):
 UNREACHABLE_GCS = dict(HTTPS_PROXY='http://127.0.0.1:1', HTTP_PROXY='http://127.0.0.1:1',
                        https_proxy='http://127.0.0.1:1', http_proxy='http://127.0.0.1:1',
                        NO_PROXY='', no_proxy='', GCS_RETRY_CONFIG_MAX_RETRIES='0')
+
+
+def without_root_override():
+  """A command prefix under which file permissions hold for this user: for root (CI), setpriv
+  drops the capabilities that let root read and search any folder."""
+  if os.geteuid() != 0:
+    return []
+  drop = '-dac_override,-dac_read_search'
+  return ['setpriv', f'--inh-caps={drop}', f'--bounding-set={drop}']

@@ -13,6 +13,7 @@ from PIL import Image
 from tests.conftest import CTRL_C_AS_IN_A_TERMINAL
 from tests.conftest import ROOT
 from tests.conftest import UNREACHABLE_GCS
+from tests.conftest import without_root_override
 from vit_jax import errors
 from vit_jax import main
 
@@ -213,3 +214,35 @@ def test_only_tensorflows_errors_of_reaching_a_bucket_are_said_so():
   assert errors.unreachable_bucket(tf.errors.InvalidArgumentError(None, None, text)) is None
   assert errors.unreachable_bucket(tf.errors.PermissionDeniedError(None, None, 'on /x')) is None
   assert errors.unreachable_bucket(RuntimeError(text)) is None
+
+
+@pytest.mark.parametrize('argv,last', [
+    (['vit-train', '--config=quickstart', '--workdir=w', '--config.dataset=folder:locked'
+     ], 'vit-train: Folder {tmp}/locked cannot be read (permission denied): give this user read '
+     'permission on the dataset (chmod -R a+rX {tmp}/locked)'),
+    ([
+        'vit-train', '--config=quickstart', '--workdir=w', '--config.dataset=cifar10',
+        '--config.data_dir=locked'
+    ], 'vit-train: cannot read data_dir {tmp}/locked/cifar10/3.0.2: '
+     'Permission denied ({tmp}/locked/cifar10/3.0.2/dataset_info.json): check the path and its '
+     'permissions'),
+    (['vit-tfds-build', 'cifar10', '--data_dir=locked'],
+     'vit-tfds-build: error: cifar10: cannot read data_dir locked/cifar10/3.0.2: Permission denied '
+     '(locked/cifar10/3.0.2/dataset_info.json): check the path and its permissions'),
+    (['vit-evaluate', '--workdir=locked'], 'vit-evaluate: {tmp}/locked/config.json cannot be read '
+     "(permission denied): give this user read permission on the run's folder"),
+])
+def test_a_folder_this_user_cannot_read_is_one_line(tmp_path, argv, last):
+  """A folder: dataset had ended vit-train in TensorFlow's PermissionDeniedError traceback; a
+  TFDS data_dir had been called not prepared, and a run's folder said to have no config.json."""
+  (tmp_path / 'locked').mkdir(mode=0)
+  try:
+    out = subprocess.run([
+        *without_root_override(),
+        os.path.join(os.path.dirname(sys.executable), argv[0]), *argv[1:]
+    ], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  finally:
+    (tmp_path / 'locked').chmod(0o755)  # for pytest to delete it
+  last = last.format(tmp=tmp_path)
+  assert (out.returncode, out.stderr.strip().splitlines()[-1]) == (1, last), out.stderr[-3000:]
+  assert os.listdir(tmp_path) == ['locked'] and os.listdir(tmp_path / 'locked') == []

@@ -19,6 +19,7 @@ import tensorflow as tf
 from vit_jax.configs import common
 from tests import data_fixtures as fx
 from tests.conftest import ROOT
+from tests.conftest import without_root_override
 from vit_jax import data_sources
 from vit_jax import input_pipeline as ip
 from vit_jax import palette_bmp
@@ -590,6 +591,18 @@ def test_an_image_too_large_to_decode_is_named_with_its_size(tmp_path, fmt):
   assert named[name].startswith(f'{tmp_path}/train/a/{name} ({why}')
   assert named[name].endswith(': downscale it)')
   assert named[small.name] == str(small)
+
+
+def test_an_image_this_user_cannot_read_is_named_with_that(tmp_path):
+  """It had been named only as undecodable."""
+  (tmp_path / 'x.png').write_bytes(b'')
+  (tmp_path / 'x.png').chmod(0)
+  out = subprocess.run([
+      *without_root_override(), sys.executable, '-c',
+      'from vit_jax import image_files; print(image_files.named_with_why("x.png"))'
+  ], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+  assert out.stdout == 'x.png (permission denied: give this user read permission on it)\n', (
+      out.stderr[-2000:])
 
 
 def test_folder_train_replaces_corrupt_and_resumes(folder, caplog):

@@ -475,7 +475,10 @@ def load_run(workdir, step=None):
   try:
     with paths.open_file(config_path, 'r') as f:
       config = ml_collections.ConfigDict(json.load(f))
-  except (OSError, IOError):
+  except (OSError, IOError) as e:
+    if isinstance(e, PermissionError):  # not 'has no config.json'
+      raise ValueError(f'{config_path} cannot be read (permission denied): give this user read '
+                       'permission on the run\'s folder') from None
     if paths.exists(workdir) and not paths.is_remote(workdir) and not os.path.isdir(workdir):
       raise ValueError(f'{workdir} is a file: pass the --workdir (a folder) of a vit-train '
                        'run') from None

@@ -211,7 +211,8 @@ class DataDirUnreadable(ValueError):
 
   def __init__(self, data_dir: str, error: Exception):
     fix = errors.GCS_FIX if data_dir.startswith('gs://') else 'check the path and its permissions'
-    super().__init__(f'cannot read data_dir {data_dir}: {errors.storage_why(error)}: {fix}')
+    why = errors.one_line(error) if isinstance(error, OSError) else errors.storage_why(error)
+    super().__init__(f'cannot read data_dir {data_dir}: {why}: {fix}')
 
 
 @contextlib.contextmanager
@@ -316,8 +317,13 @@ class _IdxSource(_LocalSource):
 
 def _subfolders(path: str) -> list[str]:
   """The sorted sub-folders of `path`, hidden ones (.ipynb_checkpoints, ...) left out."""
+  try:
+    names = tf.io.gfile.listdir(path)
+  except tf.errors.PermissionDeniedError:  # it had ended the command in a traceback
+    raise FixInTheData(f'Folder {path} cannot be read (permission denied): give this user read '
+                       f'permission on the dataset (chmod -R a+rX {shlex.quote(path)})') from None
   return sorted(
-      d.rstrip('/') for d in tf.io.gfile.listdir(path)
+      d.rstrip('/') for d in names
       if not d.startswith('.') and tf.io.gfile.isdir(os.path.join(path, d)))
 
 
@@ -493,6 +499,7 @@ class _TfdsSource(Source):
       raise
     except (ValueError, AssertionError) as e:  # a name TFDS cannot parse, or cannot build
       raise _not_built_by_tfds(name, e) from None
+    has_prepared_files(self.builder)  # DataDirUnreadable where this user may not look in
     # The data_dir root, as a user would pass it to `vit-tfds-build --data_dir`: the builder's
     # folder less <name>[/<config>]/<version>.
     self.data_dir = data_dir or self.builder.data_dir[:-len(self.builder.info.full_name)].rstrip(
@@ -593,8 +600,18 @@ def has_prepared_files(builder) -> bool:
   writes into an incomplete.* folder and renames it once whole). Not builder.is_prepared():
   that globs the folder's path, so one holding '[' (which TFDS reads) was found unprepared,
   or a neighbour's files found instead."""
+  path = os.path.join(builder.data_dir, 'dataset_info.json')
   with _reading(builder.data_dir):
-    return tf.io.gfile.exists(os.path.join(builder.data_dir, 'dataset_info.json'))
+    if tf.io.gfile.exists(path):
+      return True
+  if '://' not in path:  # gfile says only 'not there' of a folder it may not look into
+    try:
+      os.stat(path)
+    except PermissionError as e:
+      raise DataDirUnreadable(builder.data_dir, e) from None
+    except OSError:
+      pass
+  return False
 
 
 def tfds_builder(name: str, data_dir: str | None):

@@ -156,11 +156,13 @@ def _too_large(head):
 
 
 def named_with_why(path):
-  """`path` of an image a dataset could not decode, with why where it is the image's size:
-  such a file opens in a viewer, and had been named only as undecodable."""
+  """`path` of an image a dataset could not decode, with why where it is the image's size or
+  its permissions: such a file opens in a viewer, and had been named only as undecodable."""
   try:
     with open(path, 'rb') as f:
       head = f.read(1 << 17)  # the header: EXIF (up to 64 KiB) comes before the frame
+  except PermissionError:
+    return f'{path} (permission denied: give this user read permission on it)'
   except OSError:
     return path
   too_large = _too_large(head)

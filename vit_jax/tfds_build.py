@@ -85,7 +85,11 @@ def prepare(name, data_dir, manual_dir, out):
   except (ValueError, AssertionError) as e:  # a name TFDS cannot parse, a config it lacks
     raise BuildError(f'{name}: {data_sources.why_tfds_refuses(e)}: see {CATALOG}') from None
   where = builder.data_dir
-  if data_sources.has_prepared_files(builder):
+  try:
+    prepared = data_sources.has_prepared_files(builder)
+  except data_sources.DataDirUnreadable as e:
+    raise BuildError(f'{name}: {e}') from None
+  if prepared:
     print(f'{name}: already prepared in {where}, left as it is', file=out, flush=True)
     return
   config = tfds.download.DownloadConfig(manual_dir=manual_dir)
