@@ -229,12 +229,16 @@ def test_only_tensorflows_errors_of_reaching_a_bucket_are_said_so():
     (['vit-tfds-build', 'cifar10', '--data_dir=locked'],
      'vit-tfds-build: error: cifar10: cannot read data_dir locked/cifar10/3.0.2: Permission denied '
      '(locked/cifar10/3.0.2/dataset_info.json): check the path and its permissions'),
+    (['vit-train', '--config=quickstart', '--workdir=w', '--config.data_dir=locked'
+     ], 'vit-train: cannot read data_dir {tmp}/locked: Permission denied '
+     '({tmp}/locked/train-images-idx3-ubyte.gz): check the path and its permissions'),
     (['vit-evaluate', '--workdir=locked'], 'vit-evaluate: {tmp}/locked/config.json cannot be read '
      "(permission denied): give this user read permission on the run's folder"),
 ])
 def test_a_folder_this_user_cannot_read_is_one_line(tmp_path, argv, last):
   """A folder: dataset had ended vit-train in TensorFlow's PermissionDeniedError traceback; a
-  TFDS data_dir had been called not prepared, and a run's folder said to have no config.json."""
+  TFDS data_dir had been called not prepared, Fashion-MNIST's missing (`apt-get install`),
+  and a run's folder said to have no config.json."""
   (tmp_path / 'locked').mkdir(mode=0)
   try:
     out = subprocess.run([

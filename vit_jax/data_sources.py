@@ -261,14 +261,17 @@ def build_advice(missing: list[NotPrepared]) -> str:
 
 
 def _read_idx(path: str, magic: int) -> np.ndarray:
-  if not os.path.exists(path):
-    raise FileNotFoundError(f'Fashion-MNIST file {path} is missing: run `apt-get install '
-                            'dataset-fashion-mnist` or point --config.data_dir at the IDX files.')
   replace = ('replace it with the original Fashion-MNIST file (`apt-get install --reinstall '
              'dataset-fashion-mnist`)')
   try:
     with gzip.open(path, 'rb') as f:
       data = f.read()
+  except FileNotFoundError:
+    raise FileNotFoundError(
+        f'Fashion-MNIST file {path} is missing: run `apt-get install '
+        'dataset-fashion-mnist` or point --config.data_dir at the IDX files.') from None
+  except PermissionError as e:  # os.path.exists is False in a folder this user may not search
+    raise DataDirUnreadable(os.path.dirname(path), e) from None
   except (OSError, EOFError, zlib.error) as e:  # truncated or not gzip at all
     raise DamagedFile(f'{path} is damaged ({e}): {replace}') from None
   ndim = magic & 0xFF

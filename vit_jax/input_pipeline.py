@@ -104,7 +104,7 @@ def _count(src, config, field, what=None, flag=None):
   spec = config[field]
   try:
     return src.count(spec)
-  except data_sources.DamagedFile:
+  except (data_sources.DamagedFile, data_sources.DataDirUnreadable):  # not the split's fault
     raise
   except ValueError as e:
     reason = ' '.join(str(e).removeprefix(f'Split {spec!r}: ').split()).rstrip('.')  # TFDS: 2 lines
