@@ -19,6 +19,7 @@ import importlib.util
 import os
 import re
 import sys
+import traceback
 import warnings
 
 from absl import flags
@@ -95,6 +96,8 @@ def _load(spec, overrides):
     raise ValueError(f'{e.filename}:{e.lineno}: {e.msg}: fix the config file') from None
   except ImportError as e:
     raise ValueError(f'{path}: {e}: fix the import in the config file') from None
+  except Exception as e:  # pylint: disable=broad-except  (a NameError, ... as it runs)
+    raise _failed_in(path, e) from None
   if not callable(getattr(module, 'get_config', None)):
     raise ValueError(f'{path} defines no get_config(): a config file returns its ConfigDict '
                      'from get_config()')
@@ -106,6 +109,10 @@ def _load(spec, overrides):
     call = f'get_config({arg!r})' if arg else 'get_config()'
     raise ValueError(f'{path}: {call} failed ({errors.one_line(e)}): fix the config file or '
                      "the argument after ':' in --config") from None
+  except Exception as e:  # pylint: disable=broad-except
+    if os.path.dirname(os.path.abspath(path)) == _PACKAGE_DIR:
+      raise  # a fault of ours: its traceback
+    raise _failed_in(path, e) from None
   _check_complete(config, path)
   before = config  # (the overrides are applied to a config loaded anew)
   check_overrides_once(overrides)
@@ -123,6 +130,18 @@ def _load(spec, overrides):
   add_model_fields(config, model_fields)
   check_model_name_takes_effect(before, config)
   return config
+
+
+def _failed_in(path, error):
+  """One line for an exception a user's config file raised (a NameError, a KeyError, ...):
+  the line of the file it was raised from, its type and its text. It had been a traceback."""
+  lines = [
+      f.lineno for f in traceback.extract_tb(error.__traceback__)
+      if os.path.abspath(f.filename) == os.path.abspath(path)
+  ]
+  where = f'{path}:{lines[-1]}' if lines else path
+  return ValueError(f'{where}: {type(error).__name__}: {errors.one_line(error)}: fix the config '
+                    'file')
 
 
 def check_model_name_takes_effect(config, final):

@@ -1473,6 +1473,12 @@ def test_a_relative_folder_dataset_is_recorded_as_an_absolute_path(tmp_path, mon
          r"'arg'\): fix the config file or the argument after ':' in --config"),
         ('def get_config(arg):\n  return int(arg)\n', 'my.py:abc',
          r"my.py: get_config\('abc'\) failed \(invalid literal for int\(\) with base 10: 'abc'\)"),
+        # Any other exception the file raises had been a traceback.
+        ('def get_config():\n  c = None\n  c.batch_size = undefined_name\n', 'my.py',
+         r"^vit-train: my.py:3: NameError: name 'undefined_name' is not defined: fix the config "
+         r'file \(see --help\)$'),
+        ('settings = {}\nsize = settings["size"]\n', 'my.py',
+         r"^vit-train: my.py:2: KeyError: 'size': fix the config file"),
     ])
 def test_a_broken_config_file_is_one_line(tmp_path, text, spec, message):
   (tmp_path / 'my.py').write_text(text)
