@@ -1479,6 +1479,10 @@ def test_a_relative_folder_dataset_is_recorded_as_an_absolute_path(tmp_path, mon
          r'file \(see --help\)$'),
         ('settings = {}\nsize = settings["size"]\n', 'my.py',
          r"^vit-train: my.py:2: KeyError: 'size': fix the config file"),
+        # A string field set to None (ConfigDict allows it): dataset's had been a traceback.
+        ('from vit_jax.configs import quickstart\ndef get_config():\n'
+         '  c = quickstart.get_config()\n  c.dataset = None\n  return c\n', 'my.py',
+         r'^vit-train: dataset None names no dataset .*: set --config.dataset to a TFDS name'),
     ])
 def test_a_broken_config_file_is_one_line(tmp_path, text, spec, message):
   (tmp_path / 'my.py').write_text(text)

@@ -653,7 +653,7 @@ def check_folder_named(dataset: str) -> None:
 
 @functools.lru_cache(maxsize=8)
 def _source(dataset: str, data_dir: str, label_key: str = 'label', vtab_task: str = ''):
-  if not dataset.strip():
+  if not isinstance(dataset, str) or not dataset.strip():
     raise ValueError(f'dataset {dataset!r} names no dataset (an unset shell variable?): set '
                      f'--config.dataset to {_DATASET_KINDS}')
   if label_key != 'label' and (dataset == 'fashion_mnist_local' or dataset.startswith('folder:')):

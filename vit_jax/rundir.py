@@ -143,7 +143,7 @@ def with_absolute_paths(config):
   records them: it is read by vit-evaluate and vit-predict, and by resumed runs, from other
   directories."""
   config = config.copy_and_resolve_references()
-  if config.dataset.startswith('folder:'):
+  if str(config.dataset).startswith('folder:'):  # None (a config file's) is refused later
     # pylint: disable-next=g-import-not-at-top  (TFDS: not where vit-predict imports rundir)
     from vit_jax import data_sources
     data_sources.check_folder_named(config.dataset)  # '' would resolve to the current directory
