@@ -242,11 +242,36 @@ def _check_complete(config, path):
   if not isinstance(config, ml_collections.ConfigDict):
     raise ValueError(f'{path}: get_config() returned a {type(config).__name__}, not an '
                      'ml_collections.ConfigDict: start from vit_jax.configs.common.get_config()')
-  missing = [k for k in common.get_config() if k not in config]
+  defaults = common.get_config()
+  missing = [k for k in defaults if k not in config]
   if missing:
     shown = ', '.join(missing[:5]) + (f' and {len(missing) - 5} more' if len(missing) > 5 else '')
     raise ValueError(f'{path}: the config lacks {shown}: start from '
                      'vit_jax.configs.common.get_config() and set what differs')
+  # ConfigDict takes None for any field; the checks compare numbers (a TypeError traceback).
+  unset = [name for name, value in _leaves(defaults) if _leaf(config, name) is None]
+  if unset:
+    one = len(unset) == 1
+    raise ValueError(f'{path}: {", ".join(unset)} {"is" if one else "are"} None: give '
+                     f'{"it" if one else "each"} a value (configs/common.py says what each field '
+                     'holds), or leave the default of common.get_config()')
+
+
+def _leaves(config, prefix=''):
+  """(dotted name, value) of every field of config below its sub-configs; config.model's are
+  the model's own (None where it has no such part) and are left out."""
+  for name, value in config.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      if name != 'model':
+        yield from _leaves(value, f'{prefix}{name}.')
+    else:
+      yield f'{prefix}{name}', value
+
+
+def _leaf(config, dotted):
+  for part in dotted.split('.'):
+    config = config.get(part) if isinstance(config, ml_collections.ConfigDict) else None
+  return config
 
 
 # Top-level names that google-research/vision_transformer's and big_vision's configs (and

@@ -1479,10 +1479,16 @@ def test_a_relative_folder_dataset_is_recorded_as_an_absolute_path(tmp_path, mon
          r'file \(see --help\)$'),
         ('settings = {}\nsize = settings["size"]\n', 'my.py',
          r"^vit-train: my.py:2: KeyError: 'size': fix the config file"),
-        # A string field set to None (ConfigDict allows it): dataset's had been a traceback.
+        # Fields set to None (ConfigDict allows it) had ended in TypeError tracebacks.
         ('from vit_jax.configs import quickstart\ndef get_config():\n'
-         '  c = quickstart.get_config()\n  c.dataset = None\n  return c\n', 'my.py',
-         r'^vit-train: dataset None names no dataset .*: set --config.dataset to a TFDS name'),
+         '  c = quickstart.get_config()\n  c.dataset = None\n  c.batch_size = None\n'
+         '  c.pp.inception_min_area = None\n  return c\n', 'my.py',
+         r'^vit-train: my.py: batch_size, dataset, pp.inception_min_area are None: give each a '
+         r'value \(configs/common.py says what each field holds\), or leave the default of '
+         r'common.get_config\(\)'),
+        ('from vit_jax.configs import quickstart\ndef get_config():\n'
+         '  c = quickstart.get_config()\n  c.model.dropout_rate = None\n  return c\n', 'my.py',
+         r'^vit-train: model.dropout_rate None is a probability: set --config.model.dropout_rate'),
     ])
 def test_a_broken_config_file_is_one_line(tmp_path, text, spec, message):
   (tmp_path / 'my.py').write_text(text)

@@ -137,7 +137,8 @@ def validate_config(config, num_train_examples=None, dataset_classes=None, *, de
     raise ValueError(f'label_smoothing {config.label_smoothing} is a fraction of the target: '
                      'set --config.label_smoothing to a value in [0, 1)')
   for name in ('dropout_rate', 'attention_dropout_rate'):
-    if not 0 <= fields.get(name, 0.0) < 1:
+    rate = fields.get(name, 0.0)
+    if not isinstance(rate, (int, float)) or not 0 <= rate < 1:
       raise ValueError(f'model.{name} {fields[name]} is a probability: set '
                        f'--config.model.{name} to a value in [0, 1)')
   _validate_pp(config)
