@@ -819,10 +819,15 @@ def validate_for_slice(config, accelerator_type):
 
 def check_tfds(name, data_dir):
   """One line if `name` is prepared in data_dir; LaunchError naming the vit-tfds-build if not."""
-  from vit_jax import data_sources  # pylint: disable=g-import-not-at-top  (TensorFlow: slow)
+  # pylint: disable=g-import-not-at-top  (TensorFlow: slow)
+  from vit_jax import tensorflow_quietly  # noqa: F401  (first: its notices on import dropped)
+  from vit_jax import data_sources
+  # pylint: enable=g-import-not-at-top
   try:
     builder = data_sources.tfds_builder(name, data_dir)
     prepared = data_sources.has_prepared_files(builder)
+  except data_sources.DataDirUnreadable as e:  # its line names what to check
+    raise LaunchError(str(e)) from None
   except Exception as e:  # pylint: disable=broad-except
     if type(e).__name__ == 'DatasetNotFoundError':
       raise LaunchError(f'config.dataset {name!r} is not a TFDS dataset: check the name '
@@ -837,7 +842,10 @@ def check_tfds(name, data_dir):
 
 def check_writable(workdir):
   """Writes and deletes a small object under the workdir; LaunchError if that fails."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (slow)
+  # pylint: disable=g-import-not-at-top  (slow)
+  from vit_jax import tensorflow_quietly  # noqa: F401  (first: its notices on import dropped)
+  import tensorflow as tf
+  # pylint: enable=g-import-not-at-top
   probe = f'{workdir.rstrip("/")}/.vit-tpu-probe-{os.getpid()}'
   try:
     tf.io.gfile.makedirs(workdir)

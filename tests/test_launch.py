@@ -11,6 +11,8 @@ import time
 import pytest
 
 from tests.conftest import console_script
+from tests.conftest import UNREACHABLE_GCS
+from vit_jax import errors
 from vit_jax.launch import tpu_vm
 
 GCLOUD = ['gcloud', 'compute', 'tpus', 'tpu-vm']
@@ -821,6 +823,18 @@ def test_a_config_file_outside_the_shipped_tree_is_refused(tmp_path):
     assert (f"--config 'my.py' is a file outside {os.path.realpath(tpu_vm.REPO_ROOT)}, the tree "
             'that setup ships to the TPU VM: move it under') in line, argv
     assert 'use a packaged config' in line and p.stdout == ''
+
+
+def test_preflight_of_a_bucket_out_of_reach_is_its_line_alone(tmp_path):
+  """Its line had been 'cannot read gs://B/tfds: cannot read data_dir gs://B/tfds: ...', cut
+  before its fix, after five lines of TensorFlow's notices on import."""
+  p = console_script('vit-tpu', tmp_path, 'preflight', '--name', NAME, '--zone', 'us-central2-b',
+                     '--accelerator_type', 'v4-8', '--config=finetune:ViT-B_16,cifar10',
+                     '--workdir=gs://vit-jax-test/run', '--config.data_dir=gs://vit-jax-test/tfds',
+                     **UNREACHABLE_GCS)
+  line = _error_line(p)
+  assert line.startswith('vit-tpu: error: cannot read data_dir gs://vit-jax-test/tfds: '), line
+  assert line.endswith(errors.GCS_FIX) and p.stderr.strip() == line, p.stderr
 
 
 def _started_argv(out):
