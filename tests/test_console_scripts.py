@@ -195,6 +195,7 @@ def test_a_bucket_that_cannot_be_read_is_one_line(tmp_path, argv, path):
   assert last.startswith(f'{program}: cannot access {path}: '), out.stderr[-3000:]
   assert 'Could not connect' in last and last.endswith(f': {errors.GCS_FIX}'), last
   assert 'Traceback' not in out.stderr and os.listdir(cwd) == [], out.stderr[-3000:]
+  assert 'oneDNN' not in out.stderr, out.stderr[-3000:]  # TensorFlow's notices on import
 
 
 def test_only_tensorflows_errors_of_reaching_a_bucket_are_said_so():

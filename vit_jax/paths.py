@@ -73,25 +73,33 @@ def resolve_run_folder(path, flag='--workdir', example='workdirs/NAME'):
   return resolved
 
 
+def _gfile():
+  """tf.io.gfile, for remote paths only: TensorFlow is imported on first use, without the
+  notices it prints as it loads (vit_jax/tensorflow_quietly.py), which had come before a
+  command's one line about a bucket."""
+  # pylint: disable=g-import-not-at-top
+  from vit_jax import tensorflow_quietly  # noqa: F401
+  import tensorflow as tf
+  # pylint: enable=g-import-not-at-top
+  return tf.io.gfile
+
+
 def open_file(path, mode):
   """open() for local files, tf.io.gfile.GFile for remote ones."""
   if is_remote(path):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top  (only for remote paths)
-    return tf.io.gfile.GFile(str(path), mode)
+    return _gfile().GFile(str(path), mode)
   return open(path, mode)
 
 
 def exists(path):
   if is_remote(path):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    return tf.io.gfile.exists(str(path))
+    return _gfile().exists(str(path))
   return os.path.exists(path)
 
 
 def makedirs(path):
   if is_remote(path):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    tf.io.gfile.makedirs(str(path))
+    _gfile().makedirs(str(path))
   else:
     os.makedirs(path, exist_ok=True)
 
