@@ -338,6 +338,14 @@ def test_images_from_a_folder_as_vit_predict_reads_them(tiny):
     assert not (home / 'figs2').exists()
 
 
+def test_an_image_in_a_bucket_is_said_to_be_read_from_local_files():
+  """gs://B/cat.jpg had been called 'no such file or folder' (vit-predict, vit-inspect)."""
+  with pytest.raises(ValueError) as e:
+    image_files.find(['gs://b/cat.jpg'])
+  assert str(e.value) == ('gs://b/cat.jpg: images are read from local files: copy them here '
+                          'first (e.g. `gcloud storage cp -r`) and pass that path')
+
+
 def test_a_trailing_comma_in_images_names_no_file(tmp_path):
   """`--images shoe.png,` had stopped with 'vit-inspect: : no such file or folder'."""
   Image.new('L', (8, 8)).save(tmp_path / 'shoe.png')

@@ -49,6 +49,9 @@ def find(items):
   for item in items:
     if not item:  # --images a.png, (a trailing comma)
       continue
+    if '://' in item:  # had been 'no such file or folder'
+      raise ValueError(f'{item}: images are read from local files: copy them here first (e.g. '
+                       '`gcloud storage cp -r`) and pass that path')
     if os.path.isdir(item):
       found, others = [], []
       for d, dirs, files in os.walk(item):
