@@ -207,7 +207,8 @@ class DamagedFile(FixInTheData):
 
 class DataDirUnreadable(ValueError):
   """A data_dir that cannot be read at all: a bucket misnamed or not this machine's to read,
-  no network. TFDS's own error had ended the command in a traceback."""
+  no network, a folder this user may not read. TFDS's error had ended the command in a
+  traceback, and a folder it may not look into was called not prepared."""
 
   def __init__(self, data_dir: str, error: Exception):
     fix = errors.GCS_FIX if data_dir.startswith('gs://') else 'check the path and its permissions'
