@@ -15,6 +15,7 @@ from tests.conftest import ROOT
 from tests.conftest import UNREACHABLE_GCS
 from tests.conftest import without_root_override
 from vit_jax import errors
+from vit_jax.configs import quickstart
 from vit_jax import main
 
 COMMAND_MODULES = {
@@ -205,16 +206,24 @@ def test_only_tensorflows_errors_of_reaching_a_bucket_are_said_so():
           "libcurl code 6 meaning 'Could not resolve hostname'\n\t when reading metadata of "
           'gs://b/run/config.json')
   unreachable = tf.errors.FailedPreconditionError(None, None, text)
-  assert errors.unreachable_bucket(unreachable) == (
+  assert errors.unreachable_path(unreachable) == (
       "cannot access gs://b/run/config.json: libcurl code 6 meaning 'Could not resolve "
       f"hostname': {errors.GCS_FIX}")
   try:  # as TFDS raises it: a RuntimeError from it
     raise RuntimeError(f'FailedPreconditionError: {text}') from unreachable
   except RuntimeError as e:
-    assert errors.unreachable_bucket(e) == errors.unreachable_bucket(unreachable)
-  assert errors.unreachable_bucket(tf.errors.InvalidArgumentError(None, None, text)) is None
-  assert errors.unreachable_bucket(tf.errors.PermissionDeniedError(None, None, 'on /x')) is None
-  assert errors.unreachable_bucket(RuntimeError(text)) is None
+    assert errors.unreachable_path(e) == errors.unreachable_path(unreachable)
+  assert errors.unreachable_path(tf.errors.InvalidArgumentError(None, None, text)) is None
+  assert errors.unreachable_path(tf.errors.PermissionDeniedError(None, None, 'on /x')) is None
+  assert errors.unreachable_path(RuntimeError(text)) is None
+  # A local folder this user may not read: gfile's words and Python's.
+  fix = 'give this user permission there, or run the command as the user who owns it'
+  assert errors.unreachable_path(
+      tf.errors.PermissionDeniedError(None, None, '/r/checkpoints; Permission denied')) == (
+          f'cannot access /r/checkpoints: permission denied: {fix}')
+  assert errors.unreachable_path(PermissionError(
+      13, 'Permission denied', '/r/c')) == (f'cannot access /r/c: permission denied: {fix}')
+  assert errors.unreachable_path(PermissionError(1, 'Operation not permitted')) is None
 
 
 @pytest.mark.parametrize('argv,last', [
@@ -251,3 +260,26 @@ def test_a_folder_this_user_cannot_read_is_one_line(tmp_path, argv, last):
   last = last.format(tmp=tmp_path)
   assert (out.returncode, out.stderr.strip().splitlines()[-1]) == (1, last), out.stderr[-3000:]
   assert os.listdir(tmp_path) == ['locked'] and os.listdir(tmp_path / 'locked') == []
+
+
+@pytest.mark.parametrize('argv', [
+    ['vit-train', '--config=quickstart', '--workdir=run'],
+    ['vit-evaluate', '--workdir=run', '--step=5'],
+])
+def test_a_run_whose_checkpoints_this_user_cannot_read_is_one_line(tmp_path, argv):
+  """A colleague's run, its checkpoints/ not readable by others: resuming it or evaluating a
+  step had ended in a PermissionDeniedError (or PermissionError) traceback."""
+  (tmp_path / 'run').mkdir()
+  (tmp_path / 'run' / 'config.json').write_text(quickstart.get_config().to_json())
+  (tmp_path / 'run' / 'checkpoints').mkdir(mode=0)
+  try:
+    out = subprocess.run([
+        *without_root_override(),
+        os.path.join(os.path.dirname(sys.executable), argv[0]), *argv[1:]
+    ], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  finally:
+    (tmp_path / 'run' / 'checkpoints').chmod(0o755)
+  assert (out.returncode, out.stderr.strip().splitlines()[-1]) == (
+      1, f'{argv[0]}: cannot access {tmp_path}/run/checkpoints: permission denied: give this '
+      'user permission there, or run the command as the user who owns it'), out.stderr[-3000:]
+  assert sorted(os.listdir(tmp_path / 'run')) == ['checkpoints', 'config.json']  # no lock left

@@ -168,7 +168,7 @@ def run(main, module_name, *flag_modules, program=None, flags_parser=None):
     except Exception as e:  # pylint: disable=broad-except
       if isinstance(e, (RuntimeError, AssertionError)):
         jax_backend.exit_if_it_cannot_start(program)  # else the error is not the backend's
-      console_scripts.exit_if_a_bucket_failed(program)  # TensorFlow's OpError on a gs:// path
+      console_scripts.exit_if_unreachable(program)  # a bucket or folder it may not reach
       raise
 
   parse = flags_parser or one_line_flag_errors(program)

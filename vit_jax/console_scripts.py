@@ -52,17 +52,18 @@ def _guarded(run, program):
     ctrl_c.interrupted(program)
   except BrokenPipeError:
     _reader_gone()
-  except Exception:  # pylint: disable=broad-except  (TensorFlow's OpError)
-    exit_if_a_bucket_failed(program)
+  except Exception:  # pylint: disable=broad-except  (TensorFlow's OpError, PermissionError)
+    exit_if_unreachable(program)
     raise
 
 
-def exit_if_a_bucket_failed(program):
-  """Exits with one line where the exception being handled is TensorFlow's on a gs:// path
-  (errors.unreachable_bucket): a bucket misnamed, not this machine's, or no network had ended
-  each command in a traceback wherever it first read one (a workdir's config.json, a sweep's
-  sweep.json, a folder: dataset). Other errors are left to their traceback."""
-  line = errors.unreachable_bucket(sys.exc_info()[1])
+def exit_if_unreachable(program):
+  """Exits with one line where the exception being handled is one of reaching a file
+  (errors.unreachable_path): a bucket misnamed, not this machine's, or no network, or a local
+  folder this user may not read, had ended each command in a traceback wherever it was first
+  read (a workdir's config.json or checkpoints, a sweep's sweep.json, a folder: dataset).
+  Other errors are left to their traceback."""
+  line = errors.unreachable_path(sys.exc_info()[1])
   if line:
     sys.exit(f'{program}: {line}')
 

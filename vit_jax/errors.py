@@ -134,16 +134,28 @@ _ACCESS_ERRORS = {
 }
 
 
-def unreachable_bucket(error):
-  """'cannot access gs://B/P: <why>: <GCS_FIX>' for TensorFlow's error reaching a gs:// path
-  (TFDS raises it inside a RuntimeError); None for any other error."""
+def unreachable_path(error):
+  """One line for an error of reaching a file, or None for any other error: TensorFlow's on a
+  gs:// path ('cannot access gs://B/P: <why>: <GCS_FIX>'; TFDS raises it inside a
+  RuntimeError), or a local file or folder this user may not read or write (TensorFlow's
+  PermissionDenied, Python's PermissionError)."""
   cause = error.__cause__ if isinstance(error, RuntimeError) and error.__cause__ else error
+  if isinstance(cause, PermissionError) and cause.filename:
+    return f'cannot access {cause.filename}: permission denied: {_PERMISSION_FIX}'
   if not (type(cause).__module__.startswith('tensorflow')
           and type(cause).__name__ in _ACCESS_ERRORS):
     return None
-  path = re.search(r'gs://[^\s\'"]+', getattr(cause, 'message', None) or str(cause))
-  return f'cannot access {path[0]}: {storage_why(cause)}: {GCS_FIX}' if path else None
+  text = getattr(cause, 'message', None) or str(cause)
+  bucket = re.search(r'gs://[^\s\'"]+', text)
+  if bucket:
+    return f'cannot access {bucket[0]}: {storage_why(cause)}: {GCS_FIX}'
+  local = re.fullmatch(r'(.+); Permission denied', op_error_line(cause))  # gfile's words
+  if type(cause).__name__ == 'PermissionDeniedError' and local:
+    return f'cannot access {local[1]}: permission denied: {_PERMISSION_FIX}'
+  return None
 
+
+_PERMISSION_FIX = 'give this user permission there, or run the command as the user who owns it'
 
 # Python's words for a flag value of the wrong type -> what the flag expects.
 _CONVERSION_ERRORS = (
