@@ -69,8 +69,7 @@ def _read_npz(path):
       public = re.sub('^gs://', 'https://storage.googleapis.com/', str(path))  # gs:// by curl
       fix = (f'download it (curl -O {public}, or gsutil cp) and pass the local file'
              if public != path else 'download it and pass the local file')
-    why = errors.one_line(e) if isinstance(e, OSError) else errors.storage_why(e)
-    raise UnreadableFileError(path, f'cannot be read ({why})', fix) from None
+    raise UnreadableFileError(path, f'cannot be read ({errors.storage_why(e)})', fix) from None
   if not zipfile.is_zipfile(data):
     raise UnreadableFileError(path, 'is not a readable .npz (zip) file',
                               'check the path and download')

@@ -38,14 +38,14 @@ def _command(module, function, takes_signals_over=False):
 
 def run_as_main(entry, program):
   """`python -m` of a module whose console script `program` runs entry(): the same process
-  set-up and the same one lines (Ctrl-C, a reader gone, a bucket that fails)."""
+  set-up and the same one lines (Ctrl-C, a reader gone, a file it cannot reach)."""
   prepare_the_process()
   sys.exit(_guarded(lambda: _flushed(entry), program))
 
 
 def _guarded(run, program):
-  """run(), with a Ctrl-C before the command's own handling, a reader gone and a failing
-  bucket each ending the command `program` as its one line."""
+  """run(), with a Ctrl-C before the command's own handling, a reader gone and a file it
+  cannot reach (exit_if_unreachable) each ending the command `program` as its one line."""
   try:
     return run()
   except KeyboardInterrupt:  # importing, or before the command's own handling

@@ -212,8 +212,7 @@ class DataDirUnreadable(ValueError):
 
   def __init__(self, data_dir: str, error: Exception):
     fix = errors.GCS_FIX if data_dir.startswith('gs://') else 'check the path and its permissions'
-    why = errors.one_line(error) if isinstance(error, OSError) else errors.storage_why(error)
-    super().__init__(f'cannot read data_dir {data_dir}: {why}: {fix}')
+    super().__init__(f'cannot read data_dir {data_dir}: {errors.storage_why(error)}: {fix}')
 
 
 @contextlib.contextmanager

@@ -118,9 +118,12 @@ GCS_FIX = ("check the bucket name, this machine's network and its credentials (g
 
 
 def storage_why(error):
-  """Why TensorFlow's file system failed, in at most 140 characters (a fix can follow within
-  one_line's 300): op_error_line less the GCS client's preamble, 'All 10 retry attempts
-  failed. The last failure: Error executing an HTTP request: '."""
+  """Why a file could not be reached, in at most 140 characters (a fix can follow within
+  one_line's 300): one_line of an OSError; of TensorFlow's errors, op_error_line less the GCS
+  client's preamble, 'All 10 retry attempts failed. The last failure: Error executing an HTTP
+  request: ' (gfile's last line is only '\t when reading metadata of <path>')."""
+  if isinstance(error, OSError):
+    return one_line(error)
   why = re.sub(
       r'^(All \d+ retry attempts failed\. The last failure: )?'
       r'(Error executing an HTTP request: )?', '', op_error_line(error))

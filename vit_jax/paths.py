@@ -124,8 +124,8 @@ def make_workdir(path, flag='--workdir'):
       target = os.path.normpath(os.path.join(os.path.dirname(dangling), os.readlink(dangling)))
       why = f'{dangling} is a symbolic link to {target}, which does not exist'
       fix = f'create {target} (mkdir -p) or {fix}'
-    else:  # gfile's last line is only '\t when reading metadata of <path>'
-      why = errors.storage_why(e) if not isinstance(e, OSError) else errors.one_line(e)
+    else:
+      why = errors.storage_why(e)
     raise ValueError(f'cannot create workdir {path}: {why}: {fix}') from None
 
 
