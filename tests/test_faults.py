@@ -1634,14 +1634,15 @@ def test_a_bucket_that_cannot_be_written_names_credentials(monkeypatch):
 def test_an_unpublished_default_checkpoint_is_named(monkeypatch, tmp_path, model, note):
   """finetune:ViT-Ti_16's default pretrained_path, gs://vit_models/imagenet21k/ViT-Ti_16.npz,
   was never published: out of reach, the fix had been only to download that address."""
-  opened = checkpoint.paths.open_file
+  opened, stat = checkpoint.paths.open_file, checkpoint.paths.stat
 
-  def offline(path, mode='r'):
+  def offline(path, *args):
     if str(path).startswith('gs://'):
       raise OSError(f'{path}: could not reach storage.googleapis.com')
-    return opened(path, mode)
+    return (opened if args else stat)(path, *args)
 
-  monkeypatch.setattr(checkpoint.paths, 'open_file', offline)
+  monkeypatch.setattr(checkpoint.paths, 'stat', offline)  # asked before the workdir is made
+  monkeypatch.setattr(checkpoint.paths, 'open_file', offline)  # read as the state is made
   path = finetune.pretrained_path(model)
   with pytest.raises(train.ConfigError) as e:
     train.train_and_evaluate(_config(model_name=model, pretrained_path=path), str(tmp_path / 'wd'))
@@ -1661,6 +1662,7 @@ def test_a_pretrained_path_in_a_bucket_out_of_reach_says_why(tmp_path):
   assert out.stderr.splitlines()[-1].startswith(
       'vit-train: pretrained_path gs://vit-jax-test/ViT-B_16.npz cannot be read (libcurl code 7 '
       "meaning 'Could not connect to server', "), out.stderr[-2000:]
+  assert not (tmp_path / 'w').exists()  # asked before the workdir: none left behind
 
 
 def test_skip_mode_leaves_out_non_finite_updates(tmp_path, caplog):

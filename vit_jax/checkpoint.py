@@ -53,23 +53,45 @@ class UnreadableFileError(ValueError):
     self.path, self.reason = path, reason
 
 
+def _unreadable(path, error):
+  """The UnreadableFileError of a file that could not be opened or read, or None where
+  `error` is not one of reaching it (OSError locally; tf.errors.OpError from gs://, with
+  TensorFlow imported only there)."""
+  if not isinstance(error, OSError) and not type(error).__module__.startswith('tensorflow'):
+    return None
+  fix = _missing_file_fix(path) if isinstance(error, FileNotFoundError) else 'check the path'
+  if isinstance(error, IsADirectoryError):  # e.g. a run's checkpoints/<step>: orbax's, not .npz
+    fix = ("pass an .npz file: the folders under a run's checkpoints/ hold its training state "
+           '(vit-evaluate, vit-predict and vit-inspect read one as --workdir RUN --step STEP)')
+  if paths.is_remote(path):
+    public = re.sub('^gs://', 'https://storage.googleapis.com/', str(path))  # gs:// by curl
+    fix = (f'download it (curl -O {public}, or gsutil cp) and pass the local file'
+           if public != path else 'download it and pass the local file')
+  return UnreadableFileError(path, f'cannot be read ({errors.storage_why(error)})', fix)
+
+
+def check_reachable(path):
+  """Raises the UnreadableFileError that reading `path` would where its metadata cannot be
+  read: one request, where a run asks before it makes its workdir (a gs:// file out of reach
+  had left a workdir and its log behind), without reading a file a resume does not need."""
+  try:
+    paths.stat(path)
+  except Exception as e:  # pylint: disable=broad-except
+    unreadable = _unreadable(path, e)
+    if unreadable is None:
+      raise
+    raise unreadable from None
+
+
 def _read_npz(path):
   try:
     with paths.open_file(path, 'rb') as f:
       data = io.BytesIO(f.read())
   except Exception as e:  # pylint: disable=broad-except
-    # OSError locally; tf.errors.OpError from gs:// (TensorFlow is imported only there).
-    if not isinstance(e, OSError) and not type(e).__module__.startswith('tensorflow'):
+    unreadable = _unreadable(path, e)
+    if unreadable is None:
       raise
-    fix = _missing_file_fix(path) if isinstance(e, FileNotFoundError) else 'check the path'
-    if isinstance(e, IsADirectoryError):  # e.g. a run's checkpoints/<step>: orbax's, not .npz
-      fix = ("pass an .npz file: the folders under a run's checkpoints/ hold its training state "
-             '(vit-evaluate, vit-predict and vit-inspect read one as --workdir RUN --step STEP)')
-    if paths.is_remote(path):
-      public = re.sub('^gs://', 'https://storage.googleapis.com/', str(path))  # gs:// by curl
-      fix = (f'download it (curl -O {public}, or gsutil cp) and pass the local file'
-             if public != path else 'download it and pass the local file')
-    raise UnreadableFileError(path, f'cannot be read ({errors.storage_why(e)})', fix) from None
+    raise unreadable from None
   if not zipfile.is_zipfile(data):
     raise UnreadableFileError(path, 'is not a readable .npz (zip) file',
                               'check the path and download')

@@ -97,6 +97,13 @@ def exists(path):
   return os.path.exists(path)
 
 
+def stat(path):
+  """os.stat, or tf.io.gfile.stat for a remote path (one metadata request)."""
+  if is_remote(path):
+    return _gfile().stat(str(path))
+  return os.stat(path)
+
+
 def makedirs(path):
   if is_remote(path):
     _gfile().makedirs(str(path))

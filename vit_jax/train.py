@@ -201,8 +201,8 @@ def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
     config = rundir.with_absolute_paths(config)
     # What needs no dataset first: a mistyped model is not reported as data that is missing.
     config_checks.validate_config(config)
-    # Local files only: a gs:// one is read later (its errors are one line too), as asking
-    # a bucket here would stall an offline run before its data is checked.
+    # Local files only: a gs:// one is asked after the data's checks, as asking a bucket
+    # here would stall an offline run before its data is checked.
     local = config.pretrained_path and not paths.is_remote(config.pretrained_path)
     if local and not os.path.exists(config.pretrained_path):
       raise ValueError(f'pretrained_path {config.pretrained_path} does not exist: set '
@@ -222,6 +222,10 @@ def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
     # The evaluations' other data too: a dataset not prepared is refused before the workdir.
     real = _real_config(config, num_classes)
     fewshot = _fewshot_evaluator(config, model)
+    if paths.is_remote(config.pretrained_path or ''):  # before the workdir is made
+      checkpoint.check_reachable(config.pretrained_path)
+  except checkpoint.UnreadableFileError as e:
+    raise _unreadable_pretrained(config, e) from None
   except (ValueError, FileNotFoundError) as e:
     raise ConfigError(str(e)) from None
   try:
@@ -244,6 +248,12 @@ def _set_up_and_train(config, workdir, stop_after_steps, writer, on_start):
                   fewshot, stop_after_steps, writer, lock)
   finally:
     lock.release()
+
+
+def _unreadable_pretrained(config, error):
+  local = ' as --config.pretrained_path=FILE' if str(error).endswith('the local file') else ''
+  note = finetune.unpublished_note(config.model_name, config.pretrained_path)
+  return ConfigError(f'pretrained_path {error}{local}{note}')
 
 
 def _train_size_note(config, total_steps):
@@ -418,9 +428,7 @@ def _train(config, workdir, info, num_classes, total_steps, schedule, tx, model,
     raise ConfigError(f'workdir {workdir} holds checkpoints of another model ({e}): use another '
                       f'--workdir, or {start}') from None
   except checkpoint.UnreadableFileError as e:  # the pretrained file, damaged or unreachable
-    local = ' as --config.pretrained_path=FILE' if str(e).endswith('the local file') else ''
-    note = finetune.unpublished_note(config.model_name, config.pretrained_path)
-    raise ConfigError(f'pretrained_path {e}{local}{note}') from None
+    raise _unreadable_pretrained(config, e) from None
   except checkpoint.IncompatibleCheckpointError as e:  # the pretrained file, another model
     raise ConfigError(f'pretrained_path {config.pretrained_path} does not fit model '
                       f'{config.model_name}: {e}') from None
