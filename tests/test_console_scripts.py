@@ -233,15 +233,17 @@ def test_only_tensorflows_errors_of_reaching_a_bucket_are_said_so():
     ([
         'vit-train', '--config=quickstart', '--workdir=w', '--config.dataset=cifar10',
         '--config.data_dir=locked'
-    ], 'vit-train: cannot read data_dir {tmp}/locked/cifar10/3.0.2: '
-     'Permission denied ({tmp}/locked/cifar10/3.0.2/dataset_info.json): check the path and its '
-     'permissions'),
-    (['vit-tfds-build', 'cifar10', '--data_dir=locked'],
-     'vit-tfds-build: error: cifar10: cannot read data_dir locked/cifar10/3.0.2: Permission denied '
-     '(locked/cifar10/3.0.2/dataset_info.json): check the path and its permissions'),
+    ], 'vit-train: cannot read data_dir {tmp}/locked: Permission denied '
+     '({tmp}/locked/cifar10/3.0.2/dataset_info.json): give this user read permission on it '
+     '(chmod -R a+rX {tmp}/locked)'),
+    (['vit-tfds-build', 'cifar10', '--data_dir=locked'
+     ], 'vit-tfds-build: error: cifar10: cannot read data_dir locked: Permission denied '
+     '(locked/cifar10/3.0.2/dataset_info.json): give this user read permission on it '
+     '(chmod -R a+rX locked)'),
     (['vit-train', '--config=quickstart', '--workdir=w', '--config.data_dir=locked'
      ], 'vit-train: cannot read data_dir {tmp}/locked: Permission denied '
-     '({tmp}/locked/train-images-idx3-ubyte.gz): check the path and its permissions'),
+     '({tmp}/locked/train-images-idx3-ubyte.gz): give this user read permission on it '
+     '(chmod -R a+rX {tmp}/locked)'),
     (['vit-evaluate', '--workdir=locked'], 'vit-evaluate: {tmp}/locked/config.json cannot be read '
      "(permission denied): give this user read permission on the run's folder"),
 ])

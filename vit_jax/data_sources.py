@@ -212,6 +212,9 @@ class DataDirUnreadable(ValueError):
 
   def __init__(self, data_dir: str, error: Exception):
     fix = errors.GCS_FIX if data_dir.startswith('gs://') else 'check the path and its permissions'
+    denied = type(error).__name__ in ('PermissionError', 'PermissionDeniedError')
+    if denied and not data_dir.startswith('gs://'):
+      fix = f'give this user read permission on it (chmod -R a+rX {shlex.quote(data_dir)})'
     super().__init__(f'cannot read data_dir {data_dir}: {errors.storage_why(error)}: {fix}')
 
 
@@ -503,10 +506,7 @@ class _TfdsSource(Source):
     except (ValueError, AssertionError) as e:  # a name TFDS cannot parse, or cannot build
       raise _not_built_by_tfds(name, e) from None
     has_prepared_files(self.builder)  # DataDirUnreadable where this user may not look in
-    # The data_dir root, as a user would pass it to `vit-tfds-build --data_dir`: the builder's
-    # folder less <name>[/<config>]/<version>.
-    self.data_dir = data_dir or self.builder.data_dir[:-len(self.builder.info.full_name)].rstrip(
-        '/')
+    self.data_dir = data_dir or data_dir_root(self.builder)
     # A VTAB-1k task whose label is computed from other features (vit_jax/vtab.py); not
     # for another dataset read with the same config (a few-shot evaluator's).
     self.vtab_task = vtab_task if vtab.derives_label(vtab_task, name) else ''
@@ -598,20 +598,26 @@ def as_written(fn: Callable) -> Callable:
   return tf.autograph.experimental.do_not_convert(fn)
 
 
+def data_dir_root(builder) -> str:
+  """The data_dir a TFDS builder reads, as a user would pass it to `vit-tfds-build
+  --data_dir`: the builder's folder less <name>[/<config>]/<version>."""
+  return builder.data_dir[:-len(builder.info.full_name)].rstrip('/')
+
+
 def has_prepared_files(builder) -> bool:
   """Whether a TFDS builder's folder holds its prepared dataset: its dataset_info.json (TFDS
   writes into an incomplete.* folder and renames it once whole). Not builder.is_prepared():
   that globs the folder's path, so one holding '[' (which TFDS reads) was found unprepared,
   or a neighbour's files found instead."""
   path = os.path.join(builder.data_dir, 'dataset_info.json')
-  with _reading(builder.data_dir):
+  with _reading(data_dir_root(builder)):
     if tf.io.gfile.exists(path):
       return True
   if '://' not in path:  # gfile says only 'not there' of a folder it may not look into
     try:
       os.stat(path)
     except PermissionError as e:
-      raise DataDirUnreadable(builder.data_dir, e) from None
+      raise DataDirUnreadable(data_dir_root(builder), e) from None
     except OSError:
       pass
   return False
