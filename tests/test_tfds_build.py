@@ -2,8 +2,10 @@
 name (TFDS's `tfds build` does not start without apache-beam)."""
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -116,6 +118,12 @@ def test_a_dataset_not_downloaded_names_its_url_and_what_to_copy(tmp_path):
           'from vit_jax import tfds_build', 'from vit_jax import tfds_build\n'
           'from tensorflow_datasets.core.download import downloader\n'
           'downloader.MAX_RETRIES = 0  # TFDS retries 10 times with backoff: 3.5 minutes')
+  # What the data_dir held before is kept, another download's folder under way too.
+  earlier = tmp_path / 'd' / 'downloads' / 'vit_jax_test_digits' / f'a.tar.tmp.{"0" * 32}'
+  earlier.mkdir(parents=True)
+  (earlier / 'a.tar').write_bytes(b'part')
+  (tmp_path / 'd' / 'mnist').mkdir()
+  held = _tree(tmp_path / 'd')
   out = subprocess.run([sys.executable, '-c', code, 'vit_jax_test_digits', '--data_dir=d'],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1, out.stderr[-2000:]
@@ -125,7 +133,39 @@ def test_a_dataset_not_downloaded_names_its_url_and_what_to_copy(tmp_path):
   assert "Failed to resolve 'vit-jax-test.invalid'" in last and 'Max retries' not in last, last
   assert last.endswith('): check this machine\'s network, or prepare it on a machine that has '
                        'one and copy d/vit_jax_test_digits/1.0.0 to the same path here'), last
-  assert not os.path.exists(tmp_path / 'd' / 'vit_jax_test_digits' / '1.0.0')
+  # Not TFDS's folder of the failed download (d/downloads/vit_jax_test_digits/<file>.tmp.<uuid>),
+  # d/downloads/extracted or d/vit_jax_test_digits, which it had left.
+  assert _tree(tmp_path / 'd') == held
+
+
+def _tree(folder):
+  return sorted(
+      os.path.relpath(os.path.join(d, f), folder) for d, subfolders, files in os.walk(folder)
+      for f in subfolders + files)
+
+
+def test_a_preparation_cut_off_leaves_nothing(tmp_path):
+  """Ctrl-C as the examples are written: the folders TFDS had made for it are gone with its
+  incomplete.* (d/downloads/extracted and d/vit_jax_test_digits had been left, empty)."""
+  code = _WITH_A_DATASET_OF_OUR_OWN.replace(
+      "      yield i, {", "      open('writing', 'w').close()\n"
+      "      __import__('time').sleep(60)\n"
+      "      yield i, {").replace(
+          'tfds_build.main(sys.argv[1:])', 'from vit_jax import console_scripts\n'
+          "console_scripts.run_as_main(tfds_build.main, 'vit-tfds-build')")
+  with subprocess.Popen([sys.executable, '-c', code, 'vit_jax_test_digits', '--data_dir=d'],
+                        cwd=tmp_path, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                        text=True) as command:
+    for _ in range(600):
+      if (tmp_path / 'writing').exists() or command.poll() is not None:
+        break
+      time.sleep(0.2)
+    assert (tmp_path / 'd' / 'vit_jax_test_digits').exists()
+    command.send_signal(signal.SIGINT)
+    stderr = command.communicate(timeout=120)[1]
+  assert (command.returncode, stderr.strip().splitlines()[-1]) == (
+      130, 'vit-tfds-build: interrupted (Ctrl-C)'), stderr[-2000:]
+  assert not (tmp_path / 'd').exists(), (_tree(tmp_path / 'd'), stderr[-2000:])
 
 
 def test_a_data_dir_that_cannot_be_read_is_one_line(tmp_path):

@@ -14,16 +14,20 @@ The datasets are prepared one after another, each as tfds.builder(NAME, data_dir
 that cannot be prepared stops the command with one line. DIR defaults to TFDS's
 (~/tensorflow_datasets) and may be gs://. Datasets whose files TFDS cannot download
 (imagenet2012) read them from --manual_dir (default DIR/downloads/manual), as the TFDS
-catalog says. A download cut off leaves only TFDS's `incomplete.*` folder: the same command
-starts that dataset again.
+catalog says. A preparation that fails or is cut off (Ctrl-C) leaves nothing of its own in a
+local DIR (see _tidied_on_failure); the same command starts that dataset again.
 """
 import argparse
+import contextlib
 import difflib
+import os
 import re
+import shutil
 import sys
 
 from vit_jax import cli_help
 from vit_jax import errors
+from vit_jax import paths
 
 PROGRAM = 'vit-tfds-build'
 CATALOG = 'https://www.tensorflow.org/datasets/catalog'
@@ -66,6 +70,46 @@ def _why_not_downloaded(e) -> str:
   return f'{url}: {errors.one_line(cause)}' if url and cause else errors.one_line(e)
 
 
+# TFDS's folder of one download under way: <file>.tmp.<uuid4 hex>.
+_DOWNLOAD_UNDER_WAY = re.compile(r'\.tmp\.[0-9a-f]{32}$')
+
+
+def _listing(folder):
+  return set(os.listdir(folder)) if os.path.isdir(folder) else set()
+
+
+@contextlib.contextmanager
+def _tidied_on_failure(builder):
+  """Where preparing `builder`'s dataset in a local data_dir fails or is cut off, removes what
+  it left there that was not there before: the folders of downloads under way (TFDS removes
+  one only once its file is whole, with what it had received, and a later run starts a new
+  one) and the folders made for the dataset, where empty. TFDS removes its incomplete.*."""
+  # pylint: disable-next=g-import-not-at-top  (TensorFlow: imported by prepare)
+  from vit_jax import data_sources
+  root = data_sources.data_dir_root(builder)
+  if paths.is_remote(root):
+    yield
+    return
+  downloads = os.path.join(root, 'downloads')
+  under_way = (downloads, os.path.join(downloads, builder.name))
+  dataset = builder.info.full_name.split('/')[:-1]  # name[/config], less the version
+  made = [root, os.path.join(downloads, 'extracted'), *under_way]
+  made += [os.path.join(root, *dataset[:i]) for i in range(1, len(dataset) + 1)]
+  made = [f for f in made if not os.path.isdir(f)]
+  before = {folder: _listing(folder) for folder in under_way}
+  try:
+    yield
+  except BaseException:
+    for folder, entries in before.items():
+      for entry in _listing(folder) - entries:
+        if _DOWNLOAD_UNDER_WAY.search(entry):
+          shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+    for folder in sorted(made, key=len, reverse=True):  # a folder's own before it
+      with contextlib.suppress(OSError):  # not empty: something else was put there
+        os.rmdir(folder)
+    raise
+
+
 def prepare(name, data_dir, manual_dir, out):
   """Prepares dataset `name` in `data_dir` (None: TFDS's default), saying what it did."""
   # pylint: disable=g-import-not-at-top  (TensorFlow: after the arguments are checked)
@@ -94,7 +138,8 @@ def prepare(name, data_dir, manual_dir, out):
     return
   config = tfds.download.DownloadConfig(manual_dir=manual_dir)
   try:
-    builder.download_and_prepare(download_config=config)
+    with _tidied_on_failure(builder):
+      builder.download_and_prepare(download_config=config)
   except requests.exceptions.RequestException as e:
     raise BuildError(f'{name}: cannot download its files ({_why_not_downloaded(e)}): check this '
                      'machine\'s network, or prepare it on a machine that has one and copy '
