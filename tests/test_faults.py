@@ -584,6 +584,48 @@ def test_second_run_in_a_workdir_is_refused(good, tmp_path):
   assert os.readlink(run / 'train.INFO') == 'the-holder.INFO'
 
 
+@pytest.mark.parametrize('untouched_min', [2, 11])
+def test_a_lock_from_another_host_is_taken_over_once_left_untouched(good, tmp_path, untouched_min):
+  """A Colab runtime gone (its successor has another host name) or a lost host of a shared
+  folder: its lock had to be deleted by hand, as a pid on another host cannot be asked."""
+  run = _copy(good, tmp_path)
+  (run / 'lock').write_text(json.dumps({'host': 'a-runtime-gone', 'pid': 4242, 'started': 'then'}))
+  then = time.time() - untouched_min * 60
+  os.utime(run / 'lock', (then, then))
+  rc, err, last = _cli(tmp_path, 'run')
+  if untouched_min < 10:  # that run may be there: refused, saying when it will not be
+    assert (rc, last) == (1, f'vit-train: workdir {run} is in use by pid 4242 on a-runtime-gone '
+                          f'(started then, lock {run}/lock): wait for that run to end or use '
+                          'another --workdir (that run touches the lock every 60 s: the same '
+                          'command takes it over once it is left untouched for 10 minutes, in 8 '
+                          'at the earliest)'), err[-3000:]
+    assert os.path.getmtime(run / 'lock') == pytest.approx(then)
+    return
+  assert rc == 0, err[-3000:]
+  assert ('Taking over the lock of pid 4242 on a-runtime-gone (started then, lock '
+          f'{run}/lock): untouched for 11 minutes (its run touches it every 60 s), that run is '
+          'gone') in err, err[-3000:]
+  assert not (run / 'lock').exists()  # released at the end
+
+
+def test_a_held_lock_is_touched_until_released(tmp_path, monkeypatch):
+  monkeypatch.setattr(rundir, 'HEARTBEAT_S', 0.05)
+  lock = rundir.WorkdirLock(str(tmp_path))
+  lock.acquire()
+  then = time.time() - 3600
+  os.utime(tmp_path / 'lock', (then, then))
+  for _ in range(100):
+    if os.path.getmtime(tmp_path / 'lock') > then + 60:
+      break
+    time.sleep(0.05)
+  assert os.path.getmtime(tmp_path / 'lock') > then + 60
+  lock.release()
+  (tmp_path / 'lock').write_text('{}')  # another run's, after this one released its own
+  os.utime(tmp_path / 'lock', (then, then))
+  time.sleep(0.3)
+  assert os.path.getmtime(tmp_path / 'lock') == then
+
+
 def test_stale_lock_is_taken_over(tmp_path, caplog):
   dead = subprocess.Popen(['true'])
   dead.wait()

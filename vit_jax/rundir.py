@@ -3,9 +3,11 @@ resumed run has the config of the run it resumes, and the lock that keeps one ru
 workdir."""
 import contextlib
 import json
+import math
 import os
 import shlex
 import socket
+import threading
 import time
 
 from absl import logging
@@ -313,19 +315,28 @@ def leave_at_once(workdir, line):
     pass
 
 
+# A lock's pid tells nothing on another host (a shared folder; a Colab runtime gone, whose
+# successor has another host name): its run touches it every HEARTBEAT_S, and one left
+# untouched for GONE_AFTER_S is stale.
+HEARTBEAT_S = 60
+GONE_AFTER_S = 600
+
+
 class WorkdirLock:
   """One run per workdir: `<workdir>/lock` holds the host, pid and start time of its run.
 
   Local workdirs: created with O_CREAT|O_EXCL; a lock whose process is gone (same host,
-  pid not running, or running but started at another time) is stale and taken over with
-  a warning. gs:// (no exclusive create on object stores): the lock object is written
-  and a holder found there is only warned about, since a preempted TPU VM cannot remove
-  its lock and must resume. Only process 0 locks.
+  pid not running, or running but started at another time; another host: not touched for
+  GONE_AFTER_S) is stale and taken over with a warning. gs:// (no exclusive create on
+  object stores): the lock object is written and a holder found there is only warned
+  about, since a preempted TPU VM cannot remove its lock and must resume. Only process 0
+  locks.
   """
 
   def __init__(self, workdir):
     self.path = os.path.join(workdir, 'lock')
     self.held = False
+    self._stop_touching = threading.Event()
 
   def _info(self):
     return {
@@ -349,7 +360,7 @@ class WorkdirLock:
       except OSError:
         return True
     if holder.get('host') != socket.gethostname():
-      return False
+      return self._untouched_s() > GONE_AFTER_S
     pid = int(holder.get('pid', -1))
     try:
       os.kill(pid, 0)
@@ -359,6 +370,25 @@ class WorkdirLock:
       pass
     start = holder.get('proc_start')
     return start is not None and _proc_start(pid) not in (None, start)
+
+  def _untouched_s(self):
+    try:
+      return time.time() - os.path.getmtime(self.path)
+    except OSError:  # gone: the next exclusive create tells
+      return 0
+
+  def _touch_while_held(self):
+    """Touches the lock every HEARTBEAT_S until released, from a daemon thread: a run on
+    another host tells by its age whether this one is still there."""
+
+    stop = self._stop_touching = threading.Event()
+
+    def touch():
+      while not stop.wait(HEARTBEAT_S):
+        with contextlib.suppress(OSError):  # gone: lost() tells the run at its next save
+          os.utime(self.path)
+
+    threading.Thread(target=touch, name='workdir-lock', daemon=True).start()
 
   def _holder_text(self, holder):
     if holder is None:
@@ -388,8 +418,8 @@ class WorkdirLock:
           if not self._stale(holder):
             raise errors.ConfigError(
                 f'workdir {os.path.dirname(self.path)} is in use by {self._holder_text(holder)}: '
-                'wait for that run to end or use another --workdir (delete the lock file only '
-                'if that run is gone)') from None
+                f'wait for that run to end or use another --workdir{self._when_taken_over(holder)}'
+            ) from None
           self._remove_stale()
           continue
         try:
@@ -402,6 +432,7 @@ class WorkdirLock:
             os.remove(self.path)
           raise
         self.held = True
+        self._touch_while_held()
         return
       raise errors.ConfigError(f'cannot take the lock {self.path}: another run keeps taking it')
     except (OSError, tf.errors.OpError) as e:
@@ -410,6 +441,14 @@ class WorkdirLock:
       raise errors.ConfigError(
           f'cannot write to workdir {workdir}: '
           f'{errors.write_failure(e, workdir)}, or use another --workdir') from None
+
+  def _when_taken_over(self, holder):
+    if holder is None or holder.get('host') == socket.gethostname():
+      return ' (delete the lock file only if that run is gone)'
+    minutes = max(1, math.ceil((GONE_AFTER_S - self._untouched_s()) / 60))
+    return (f' (that run touches the lock every {HEARTBEAT_S} s: the same command takes it over '
+            f'once it is left untouched for {GONE_AFTER_S // 60} minutes, in {minutes} at the '
+            'earliest)')
 
   def _remove_stale(self):
     """Removes a stale lock while holding `<lock>.takeover` (made exclusively): of two runs
@@ -433,6 +472,11 @@ class WorkdirLock:
           logging.warning(
               'Taking over the lock %s, unreadable and over 10 s old: the run '
               'that wrote it is gone', self.path)
+        elif holder.get('host') != socket.gethostname():
+          logging.warning(
+              'Taking over the lock of %s: untouched for %d minutes (its run touches it every '
+              '%d s), that run is gone', self._holder_text(holder),
+              self._untouched_s() // 60, HEARTBEAT_S)
         else:
           logging.warning('Taking over the stale lock of %s: that process is gone',
                           self._holder_text(holder))
@@ -464,6 +508,7 @@ class WorkdirLock:
 
   def release(self):
     """Removes the lock if it is still this run's (a run that took it over keeps its own)."""
+    self._stop_touching.set()
     if self.held:
       self.held = False
       holder = self._read() or {}
