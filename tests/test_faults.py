@@ -38,6 +38,7 @@ from tests.conftest import UNREACHABLE_GCS
 from tests.conftest import CTRL_C_AS_IN_A_TERMINAL
 from tests.conftest import own_compilation_cache
 from tests.conftest import with_flags
+from tests.conftest import without_root_override
 
 ARGS = [
     '--config=quickstart', '--config.total_steps=30', '--config.warmup_steps=2',
@@ -63,12 +64,12 @@ _NO_SYMLINKS = ('import errno, os; '
 
 
 def _cli(cwd, workdir, *extra, devices=8, file_size_limit=None, memory_limit=None, env_extra=None,
-         no_symlinks=False):
+         no_symlinks=False, prefix=()):
   """vit-train's (rc, stderr, last line). file_size_limit: "disk full" for files past it
   (Python ignores SIGXFSZ); memory_limit: bytes of address space, past which allocations
   fail (a test of the memory check cannot then take the host's memory if the check breaks);
   env_extra: variables of the user's environment; no_symlinks: os.symlink fails, as on a
-  filesystem without them."""
+  filesystem without them; prefix: a command that runs it (without_root_override())."""
   command = [
       sys.executable, '-m', 'vit_jax.main', *with_flags([*ARGS, f'--workdir={workdir}'], extra)
   ]
@@ -84,7 +85,8 @@ def _cli(cwd, workdir, *extra, devices=8, file_size_limit=None, memory_limit=Non
     ]
   env = own_compilation_cache(_env(devices)) if file_size_limit else _env(devices)
   env.update(env_extra or {})
-  proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
+  proc = subprocess.run([*prefix, *command], cwd=cwd, env=env, capture_output=True, text=True,
+                        timeout=400)
   lines = proc.stderr.strip().splitlines()
   return proc.returncode, proc.stderr, lines[-1] if lines else ''
 
@@ -719,6 +721,32 @@ def test_release_leaves_a_lock_another_run_took(tmp_path):
 
 
 # 5. Damaged checkpoints, another model's workdir.
+@pytest.mark.parametrize('command', ['vit-train', 'vit-evaluate'])
+def test_a_checkpoint_file_this_user_cannot_read_is_one_line_and_kept(good, tmp_path, command):
+  """Written by another user under a strict umask, the step is not damaged: it had been moved
+  aside as such and the run resumed from the step before (vit-train), or called damaged
+  (vit-evaluate --step), after orbax's 'Event loop is closed' traceback."""
+  run = _copy(good, tmp_path)
+  shutil.rmtree(run / 'checkpoints' / '30')
+  os.remove(run / 'final.npz')
+  locked = sorted((run / 'checkpoints/20/default/ocdbt.process_0/d').iterdir())[0]
+  locked.chmod(0)
+  if command == 'vit-train':
+    rc, err, last = _cli(tmp_path, 'run', prefix=without_root_override())
+  else:
+    out = subprocess.run([
+        *without_root_override(),
+        os.path.join(os.path.dirname(sys.executable), command), '--workdir=run', '--step=20'
+    ], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    rc, err, last = out.returncode, out.stderr, out.stderr.strip().splitlines()[-1]
+  assert (rc, last) == (
+      1, f'{command}: cannot access {locked}: permission denied: give this '
+      'user permission there, or run the command as the user who owns it'), err[-3000:]
+  assert 'Traceback' not in err, err[-3000:]
+  assert _steps(run) == ['10', '20']  # nothing moved aside, nothing trained
+  assert not (run / 'final.npz').exists()
+
+
 def test_damaged_checkpoints_fall_back_to_an_intact_one(good, tmp_path):
   run = _copy(good, tmp_path)
   for name in os.listdir(run / 'checkpoints/30/default/ocdbt.process_0/d'):  # truncated

@@ -826,6 +826,26 @@ def move_aside(directory, step):
   return dst
 
 
+def raise_if_denied(folder):
+  """Raises the PermissionError (its filename set) of the first file or folder under a local
+  `folder` this user may not read: a step written by another user under a strict umask is
+  not damaged, and had been moved aside as such (vit-train) or called damaged (--step N),
+  after orbax's 'Event loop is closed' traceback."""
+  if paths.is_remote(folder):
+    return
+  denied = []
+  for root, _, files in os.walk(folder, onerror=denied.append):
+    for name in files:
+      try:
+        with open(os.path.join(root, name), 'rb'):
+          pass
+      except PermissionError as e:
+        raise e from None
+  for error in denied:
+    if isinstance(error, PermissionError):
+      raise error
+
+
 def restore_train_state(manager, abstract_state, *, move_bad=True):
   """The newest restorable state, laid out as `abstract_state` (ShapeDtypeStructs with
   shardings, so it restores onto any mesh), or None when there is none.
@@ -841,6 +861,7 @@ def restore_train_state(manager, abstract_state, *, move_bad=True):
   steps = sorted(manager.all_steps(), reverse=True)
   for step in steps:
     error = None
+    raise_if_denied(os.path.join(directory, str(step)))
     try:
       custom_metadata = _custom_metadata(manager, step)  # read once: layout and checksums
     except Exception:  # pylint: disable=broad-except  (any damage: the previous step is tried)
@@ -931,6 +952,7 @@ def saved_arrays(directory, step=None):
     if step not in steps:
       raise ValueError(f'{directory} has no checkpoint of step {step}: pass one of its steps '
                        f'({", ".join(map(str, steps))})')
+    raise_if_denied(os.path.join(manager.directory, str(step)))
     try:
       state = _restore_on_host(manager, step)
     except Exception as e:  # pylint: disable=broad-except  (damage of any kind, as orbax says)

@@ -524,7 +524,7 @@ def run():
       host_allocator.reexec_with_jemalloc()  # before JAX starts: see host_allocator.py
     except ValueError as e:  # a bad VIT_JAX_HOST_ALLOCATOR value
       sys.exit(f'{errors.PROGRAM}: {e}')
-    cli_help.run(main, __name__, flags_parser=parse_flags)
+    cli_help.run(main, __name__, program=errors.PROGRAM, flags_parser=parse_flags)
   except _StoppedWhileStarting as stopped:
     _exit_outside_the_loop(stopped.signum, log_open=[])
 
