@@ -338,12 +338,17 @@ def test_images_from_a_folder_as_vit_predict_reads_them(tiny):
     assert not (home / 'figs2').exists()
 
 
-def test_an_image_in_a_bucket_is_said_to_be_read_from_local_files():
-  """gs://B/cat.jpg had been called 'no such file or folder' (vit-predict, vit-inspect)."""
+@pytest.mark.parametrize('image,copy', [
+    ('gs://b/cat.jpg', 'gcloud storage cp -r'),
+    ('https://example.com/cat.jpg?s=1&t=2', "curl -O 'https://example.com/cat.jpg?s=1&t=2'"),
+])
+def test_an_image_in_a_bucket_is_said_to_be_read_from_local_files(image, copy):
+  """gs://B/cat.jpg had been called 'no such file or folder' (vit-predict, vit-inspect); a
+  web address had been told to use gcloud."""
   with pytest.raises(ValueError) as e:
-    image_files.find(['gs://b/cat.jpg'])
-  assert str(e.value) == ('gs://b/cat.jpg: images are read from local files: copy them here '
-                          'first (e.g. `gcloud storage cp -r`) and pass that path')
+    image_files.find([image])
+  assert str(e.value) == (f'{image}: images are read from local files: copy them here '
+                          f'first (e.g. `{copy}`) and pass that path')
 
 
 def test_a_trailing_comma_in_images_names_no_file(tmp_path):

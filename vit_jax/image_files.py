@@ -9,6 +9,7 @@ before TensorFlow's import (~5 s), which the first decode makes.
 import functools
 import os
 import re
+import shlex
 import struct
 import sys
 
@@ -50,8 +51,10 @@ def find(items):
     if not item:  # --images a.png, (a trailing comma)
       continue
     if '://' in item:  # had been 'no such file or folder'
+      web = item.startswith(('http://', 'https://'))
+      copy = f'curl -O {shlex.quote(item)}' if web else 'gcloud storage cp -r'
       raise ValueError(f'{item}: images are read from local files: copy them here first (e.g. '
-                       '`gcloud storage cp -r`) and pass that path')
+                       f'`{copy}`) and pass that path')
     if os.path.isdir(item):
       found, others = [], []
       for d, dirs, files in os.walk(item):
