@@ -380,7 +380,6 @@ class WorkdirLock:
   def _touch_while_held(self):
     """Touches the lock every HEARTBEAT_S until released, from a daemon thread: a run on
     another host tells by its age whether this one is still there."""
-
     stop = self._stop_touching = threading.Event()
 
     def touch():
