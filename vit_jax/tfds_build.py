@@ -91,19 +91,18 @@ def _tidied_on_failure(builder):
     yield
     return
   downloads = os.path.join(root, 'downloads')
-  under_way = (downloads, os.path.join(downloads, builder.name))
+  under_way = os.path.join(downloads, builder.name)  # this dataset's alone: not another's
   dataset = builder.info.full_name.split('/')[:-1]  # name[/config], less the version
-  made = [root, os.path.join(downloads, 'extracted'), *under_way]
+  made = [root, downloads, os.path.join(downloads, 'extracted'), under_way]
   made += [os.path.join(root, *dataset[:i]) for i in range(1, len(dataset) + 1)]
   made = [f for f in made if not os.path.isdir(f)]
-  before = {folder: _listing(folder) for folder in under_way}
+  before = _listing(under_way)
   try:
     yield
   except BaseException:
-    for folder, entries in before.items():
-      for entry in _listing(folder) - entries:
-        if _DOWNLOAD_UNDER_WAY.search(entry):
-          shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+    for entry in _listing(under_way) - before:
+      if _DOWNLOAD_UNDER_WAY.search(entry):
+        shutil.rmtree(os.path.join(under_way, entry), ignore_errors=True)
     for folder in sorted(made, key=len, reverse=True):  # a folder's own before it
       with contextlib.suppress(OSError):  # not empty: something else was put there
         os.rmdir(folder)
