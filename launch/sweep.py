@@ -27,6 +27,7 @@ refused, --dry-run too, before anything is written; the same flags resume that s
 """
 import argparse
 import ast
+import contextlib
 import csv
 import hashlib
 import io
@@ -378,11 +379,30 @@ def run_local(argv, log_path, env=None):
     return status
 
 
+@contextlib.contextmanager
+def held(workdir):
+  """DIR/lock (vit-train's WorkdirLock) while a local sweep, or vit-vtab, runs its points: a
+  second one started in the same DIR had run on beside the first, recorded the point the
+  first was running as failed (its vit-train refused by the point's lock), and each had then
+  reported failures that were not."""
+  # pylint: disable-next=g-import-not-at-top  (JAX and TensorFlow: for a local run only)
+  from vit_jax import rundir
+  lock = rundir.WorkdirLock(workdir)
+  try:
+    lock.acquire()
+  except errors.ConfigError as e:
+    raise SweepError(str(e)) from None
+  try:
+    yield
+  finally:
+    lock.release()
+
+
 def run_sweep(config, workdir, sets, points, runner=run_local, out=None):
   """Runs every point in sequence; returns {name: status}. A failure does not stop it."""
   out = out or sys.stdout
   statuses = {}
-  with ctrl_c.terminate_like_ctrl_c():
+  with held(workdir), ctrl_c.terminate_like_ctrl_c():
     for i, (name, _) in enumerate(points):
       statuses[name] = _run_point(config, workdir, sets, points, i, runner, out)
   return statuses

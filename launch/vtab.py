@@ -131,7 +131,7 @@ def run_tasks(args, tasks, overrides, runner=sweep.run_local, out=None):
   """Runs each unfinished task in turn; returns {task: status}."""
   out = out or sys.stdout
   statuses = {}
-  with ctrl_c.terminate_like_ctrl_c():
+  with sweep.held(args.workdir), ctrl_c.terminate_like_ctrl_c():
     for i, task in enumerate(tasks):
       statuses[task] = _run_task(args, tasks, i, overrides, runner, out)
   return statuses

@@ -1,9 +1,11 @@
 """launch/sweep.py: grids, the argv of each point, summaries from event files, a real sweep."""
 import csv
+import json
 import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -847,3 +849,41 @@ def test_a_swept_dataset_not_there_names_the_sweep_flag(tmp_path):
       'vit-sweep: error: point dataset=folder_nope: Folder dataset nope not found: '
       'set --sweep config.dataset=folder:<dir> to where it is, <dir>/<split>/<class>/<image>')
   assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize('command', ['vit-sweep', 'vit-vtab'])
+def test_a_second_sweep_in_the_same_dir_is_refused_before_its_first_point(
+    tmp_path, monkeypatch, command):
+  """Two at once in one DIR: the second had run beside the first, recorded the point the first
+  was running as failed (its vit-train refused by the point's lock) over the first's ok, and
+  each had then reported failures that were not."""
+  # pylint: disable-next=g-import-not-at-top
+  from vit_jax.launch import vtab as vtab_launch
+  monkeypatch.setattr(sweep, 'check_data', lambda *args, **kwargs: None)  # no data: fake points
+  workdir = tmp_path / 'sw'
+  workdir.mkdir()
+  ran = []
+  first = subprocess.Popen(['sleep', '300'])
+  try:
+    (workdir / 'lock').write_text(
+        json.dumps({
+            'host': socket.gethostname(),
+            'pid': first.pid,
+            'started': 'then'
+        }))
+    with pytest.raises(SystemExit) as e:
+      if command == 'vit-sweep':
+        sweep.main([f'--config={FINETUNE}', f'--workdir={workdir}'],
+                   runner=lambda argv, log: ran.append(argv) or 0)
+      else:
+        vtab_launch.main(['--model=ViT-B_16', f'--workdir={workdir}', '--tasks=dtd'],
+                         runner=lambda argv, log: ran.append(argv) or 0)
+  finally:
+    first.kill()
+    first.wait()
+  assert str(e.value) == (
+      f'{command}: error: workdir {workdir} is in use by pid {first.pid} on '
+      f'{socket.gethostname()} (started then, lock {workdir}/lock): wait for that run to end or '
+      'use another --workdir (delete the lock file only if that run is gone)')
+  assert ran == []
+  assert set(os.listdir(workdir)) <= {'lock', 'sweep.json'}  # no point's folder, no summary
