@@ -162,6 +162,25 @@ def test_a_workdir_that_does_not_exist_is_not_called_a_run_without_its_config(tm
       f'vit-evaluate: {tmp_path}/empty has no config.json: pass the --workdir of a vit-train run')
 
 
+def test_a_folder_of_runs_or_a_runs_checkpoints_names_the_workdir_to_pass(tmp_path):
+  """A vit-sweep's DIR, or a run's checkpoints/, had been called only a folder without
+  config.json."""
+  for point in ('base_lr=0.01', 'base_lr=0.03'):
+    (tmp_path / 'sweep' / point / 'checkpoints').mkdir(parents=True)
+    (tmp_path / 'sweep' / point / 'config.json').write_text('{}')
+  (tmp_path / 'sweep' / 'summary.md').write_text('')
+  out = shell(['vit-evaluate', '--workdir', 'sweep'], tmp_path)
+  assert out.stderr.strip().splitlines()[-1] == (
+      f'vit-evaluate: {tmp_path}/sweep has no config.json: pass the --workdir of a vit-train run '
+      f'(this folder holds 2 runs in its folders: {tmp_path}/sweep/base_lr=0.01, '
+      f'{tmp_path}/sweep/base_lr=0.03)'), out.stderr[-2000:]
+  out = shell(['vit-evaluate', '--workdir', 'sweep/base_lr=0.01/checkpoints'], tmp_path)
+  assert out.stderr.strip().splitlines()[-1] == (
+      f'vit-evaluate: {tmp_path}/sweep/base_lr=0.01/checkpoints has no config.json: pass the '
+      f'--workdir of a vit-train run (this is the checkpoints folder of {tmp_path}/sweep/'
+      'base_lr=0.01: pass that, with --step N for one of them)'), out.stderr[-2000:]
+
+
 def test_bmps_of_a_colour_table_predict_as_their_colours(tmp_path):
   """A 1-bit and an 8-bit palette BMP are predicted as the same picture saved as PNG
   (TensorFlow's decoder refused the first and read the second's indices as gray); a 16-bit

@@ -476,6 +476,28 @@ def _training_now(workdir):
   return rundir.WorkdirLock(workdir).training_now()
 
 
+def _runs_near(folder):
+  """Where a local folder without config.json is a run's checkpoints/ or holds runs (a
+  vit-sweep's DIR, a vit-vtab's): which --workdir to pass instead, else ''."""
+  if paths.is_remote(folder):
+    return ''
+  parent = os.path.dirname(folder)
+  if os.path.basename(folder) == 'checkpoints' and os.path.exists(
+      os.path.join(parent, 'config.json')):
+    return (f' (this is the checkpoints folder of {shlex.quote(parent)}: pass that, with --step '
+            'N for one of them)')
+  try:
+    runs = sorted(
+        d for d in os.listdir(folder) if os.path.exists(os.path.join(folder, d, 'config.json')))
+  except OSError:
+    return ''
+  if not runs:
+    return ''
+  named = ', '.join(shlex.quote(os.path.join(folder, d)) for d in runs[:3])
+  named += ', ...' if len(runs) > 3 else ''
+  return f' (this folder holds {errors.count_of(len(runs), "run")} in its folders: {named})'
+
+
 def load_run(workdir, step=None):
   """(config, model, params) of a finished `vit-train` run: its config.json and final.npz;
   with `step`, of its checkpoint of that step instead (a run part-way, or still training),
@@ -512,7 +534,7 @@ def load_run(workdir, step=None):
           f'--checkpoint={shlex.quote(final_path)} with its --model (and --model_overrides)'
       ) from None
     raise ValueError(f'{workdir} has no config.json: pass the --workdir of a vit-train '
-                     'run') from None
+                     f'run{_runs_near(workdir)}') from None
   except ValueError as e:
     raise ValueError(f'{config_path} is damaged ({errors.one_line(e)}): restore it, or run the '
                      'run\'s vit-train command again with --config.resume_changes=\'*\' to write '
