@@ -387,7 +387,8 @@ def held(workdir):
   reported failures that were not."""
   # pylint: disable-next=g-import-not-at-top  (JAX and TensorFlow: for a local run only)
   from vit_jax import rundir
-  lock = rundir.WorkdirLock(workdir)
+  # Not JAX's process_index(): a backend that cannot start is each point's line to say.
+  lock = rundir.WorkdirLock(workdir, process_index=0)
   try:
     lock.acquire()
   except errors.ConfigError as e:

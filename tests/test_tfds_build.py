@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests import data_fixtures
-from tests.conftest import UNREACHABLE_GCS, console_script
+from tests.conftest import CTRL_C_AS_IN_A_TERMINAL, UNREACHABLE_GCS, console_script
 
 CATALOG = 'see https://www.tensorflow.org/datasets/catalog'
 
@@ -147,7 +147,7 @@ def _tree(folder):
 def test_a_preparation_cut_off_leaves_nothing(tmp_path):
   """Ctrl-C as the examples are written: the folders TFDS had made for it are gone with its
   incomplete.* (d/downloads/extracted and d/vit_jax_test_digits had been left, empty)."""
-  code = _WITH_A_DATASET_OF_OUR_OWN.replace(
+  code = CTRL_C_AS_IN_A_TERMINAL + _WITH_A_DATASET_OF_OUR_OWN.replace(
       "      yield i, {", "      open('writing', 'w').close()\n"
       "      __import__('time').sleep(60)\n"
       "      yield i, {").replace(

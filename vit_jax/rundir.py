@@ -333,9 +333,12 @@ class WorkdirLock:
   locks.
   """
 
-  def __init__(self, workdir):
+  def __init__(self, workdir, process_index=None):
+    """process_index: the caller's among JAX's processes (None: jax.process_index()); a
+    command that runs others (vit-sweep), one process without JAX, passes 0."""
     self.path = os.path.join(workdir, 'lock')
     self.held = False
+    self._process_index = process_index
     self._stop_touching = threading.Event()
 
   def _info(self):
@@ -396,7 +399,7 @@ class WorkdirLock:
             f'{holder.get("started")}, lock {self.path})')
 
   def acquire(self):
-    if jax.process_index() != 0:
+    if (jax.process_index() if self._process_index is None else self._process_index) != 0:
       return
     data = json.dumps(self._info())
     try:
