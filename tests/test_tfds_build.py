@@ -162,7 +162,11 @@ def test_a_preparation_cut_off_leaves_nothing(tmp_path):
       time.sleep(0.2)
     assert (tmp_path / 'd' / 'vit_jax_test_digits').exists()
     command.send_signal(signal.SIGINT)
-    stderr = command.communicate(timeout=120)[1]
+    try:
+      stderr = command.communicate(timeout=120)[1]
+    except subprocess.TimeoutExpired:  # Ctrl-C not taken: not 30 minutes of examples more
+      command.kill()
+      raise
   assert (command.returncode, stderr.strip().splitlines()[-1]) == (
       130, 'vit-tfds-build: interrupted (Ctrl-C)'), stderr[-2000:]
   assert not (tmp_path / 'd').exists(), (_tree(tmp_path / 'd'), stderr[-2000:])
