@@ -29,6 +29,7 @@ import argparse
 import ast
 import contextlib
 import csv
+import ctypes
 import hashlib
 import io
 import itertools
@@ -36,9 +37,11 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 from vit_jax import cli_help
 from vit_jax import console_scripts
@@ -347,7 +350,7 @@ def run_local(argv, log_path, env=None):
   with paths.open_file(log_path, 'a' if live else 'w') as log:
     log.write(f'== {shlex.join(argv)}\n')
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
+                            env=env, preexec_fn=_terminated_with_this_process())
 
     def stream():
       shown = True
@@ -379,12 +382,60 @@ def run_local(argv, log_path, env=None):
     return status
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _terminated_with_this_process():
+  """A preexec_fn (Linux; None elsewhere) that has the kernel send the point SIGTERM once
+  this process is gone, however it went (kill -9, the OOM killer): the point saves a
+  checkpoint and exits, as on the sweep's own SIGTERM. Left running, it had trained on
+  unwatched, and the sweep run again had found that point's workdir locked and marked the
+  point failed."""
+  if not sys.platform.startswith('linux'):
+    return None
+  prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded here: the child only calls it
+  sweep_pid = os.getpid()
+
+  def preexec():
+    prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    if os.getppid() != sweep_pid:  # gone before the request was made: it would never come
+      os._exit(128 + signal.SIGTERM)  # pylint: disable=protected-access
+
+  return preexec
+
+
+# How long a sweep run again after it was killed waits for the point it had been running to
+# save and exit (it was sent SIGTERM as the sweep died), before running that point anyway.
+STOPPING_POINT_WAIT_S = 300
+
+
+def wait_for_a_stopping_run(run_dir, out, killed='vit-sweep', timeout_s=STOPPING_POINT_WAIT_S):
+  """Waits while a run on this host holds `run_dir`'s lock, up to `timeout_s`: in a sweep or
+  vit-vtab that took over the lock of one killed outright (held), the run that one had
+  started may still be saving; started beside it, the point's vit-train was refused and the
+  point marked failed. `killed`: the command that was killed."""
+  # pylint: disable-next=g-import-not-at-top  (JAX and TensorFlow: for a local run only)
+  from vit_jax import rundir
+  lock = rundir.WorkdirLock(run_dir, process_index=0)
+  holder = lock.training_now(this_host_only=True)
+  if holder is None:
+    return
+  print(
+      f'== waiting up to {timeout_s // 60} minutes for {holder} to save and exit: the '
+      f'{killed} before this one was killed, and its run there was sent SIGTERM', file=out,
+      flush=True)
+  deadline = time.monotonic() + timeout_s
+  while lock.training_now(this_host_only=True) and time.monotonic() < deadline:
+    time.sleep(1)
+
+
 @contextlib.contextmanager
 def held(workdir):
   """DIR/lock (vit-train's WorkdirLock) while a local sweep, or vit-vtab, runs its points: a
   second one started in the same DIR had run on beside the first, recorded the point the
   first was running as failed (its vit-train refused by the point's lock), and each had then
-  reported failures that were not."""
+  reported failures that were not. Yields whether it took over the lock of one that was
+  killed outright (its running point may still be saving: wait_for_a_stopping_run)."""
   # pylint: disable-next=g-import-not-at-top  (JAX and TensorFlow: for a local run only)
   from vit_jax import rundir
   # Not JAX's process_index(): a backend that cannot start is each point's line to say.
@@ -394,7 +445,7 @@ def held(workdir):
   except errors.ConfigError as e:
     raise SweepError(str(e)) from None
   try:
-    yield
+    yield lock.took_over is not None
   finally:
     lock.release()
 
@@ -403,13 +454,14 @@ def run_sweep(config, workdir, sets, points, runner=run_local, out=None):
   """Runs every point in sequence; returns {name: status}. A failure does not stop it."""
   out = out or sys.stdout
   statuses = {}
-  with held(workdir), ctrl_c.terminate_like_ctrl_c():
+  with held(workdir) as after_a_killed_sweep, ctrl_c.terminate_like_ctrl_c():
     for i, (name, _) in enumerate(points):
-      statuses[name] = _run_point(config, workdir, sets, points, i, runner, out)
+      statuses[name] = _run_point(config, workdir, sets, points, i, runner, out,
+                                  after_a_killed_sweep)
   return statuses
 
 
-def _run_point(config, workdir, sets, points, i, runner, out):
+def _run_point(config, workdir, sets, points, i, runner, out, after_a_killed_sweep=False):
   """Runs point `i` of `points`; returns its status (also written to its sweep_status)."""
   name, assignments = points[i]
   argv = point_argv(config, workdir, sets, name, assignments)
@@ -424,6 +476,8 @@ def _run_point(config, workdir, sets, points, i, runner, out):
     paths.make_workdir(point_dir, flag='--workdir')
   except ValueError as e:  # a full disk, a file of the point's name in the way
     raise SweepError(f'point {name}: {e}') from None
+  if after_a_killed_sweep:
+    wait_for_a_stopping_run(point_dir, out)
   try:
     rc = runner(argv, join(point_dir, 'sweep.log'))
   except OSError as e:

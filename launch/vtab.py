@@ -131,13 +131,13 @@ def run_tasks(args, tasks, overrides, runner=sweep.run_local, out=None):
   """Runs each unfinished task in turn; returns {task: status}."""
   out = out or sys.stdout
   statuses = {}
-  with sweep.held(args.workdir), ctrl_c.terminate_like_ctrl_c():
+  with sweep.held(args.workdir) as after_a_killed_run, ctrl_c.terminate_like_ctrl_c():
     for i, task in enumerate(tasks):
-      statuses[task] = _run_task(args, tasks, i, overrides, runner, out)
+      statuses[task] = _run_task(args, tasks, i, overrides, runner, out, after_a_killed_run)
   return statuses
 
 
-def _run_task(args, tasks, i, overrides, runner, out):
+def _run_task(args, tasks, i, overrides, runner, out, after_a_killed_run=False):
   """Runs task `i` of `tasks` unless it finished; returns its status."""
   task = tasks[i]
   task_dir = sweep.join(args.workdir, task)
@@ -148,6 +148,8 @@ def _run_task(args, tasks, i, overrides, runner, out):
   argv = task_argv(args.model, task, args.dev, args.workdir, overrides)
   print(f'== vtab task {i + 1}/{len(tasks)}: {task}\n{shlex.join(argv)}', file=out, flush=True)
   paths.makedirs(task_dir)
+  if after_a_killed_run:
+    sweep.wait_for_a_stopping_run(task_dir, out, killed='vit-vtab')
   try:
     rc = runner(argv, sweep.join(task_dir, 'vtab.log'))
   except OSError as e:

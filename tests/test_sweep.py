@@ -887,3 +887,86 @@ def test_a_second_sweep_in_the_same_dir_is_refused_before_its_first_point(
       'use another --workdir (delete the lock file only if that run is gone)')
   assert ran == []
   assert set(os.listdir(workdir)) <= {'lock', 'sweep.json'}  # no point's folder, no summary
+
+
+def _until(condition, what, timeout=180):
+  deadline = time.time() + timeout
+  while not condition():
+    assert time.time() < deadline, f'no {what} in {timeout} s'
+    time.sleep(0.2)
+
+
+def _holder_pid(workdir):
+  try:
+    return json.loads((workdir / 'lock').read_text())['pid']
+  except (OSError, ValueError, KeyError):
+    return None
+
+
+def _gone(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return True
+  return False
+
+
+def test_a_sweep_killed_outright_stops_its_point_and_the_rerun_resumes_it(tmp_path):
+  """kill -9 of vit-sweep (or the OOM killer) had left its point's vit-train training on,
+  unwatched; the same command run again had found that point's workdir locked and marked
+  the point failed. Now the point is sent SIGTERM as the sweep dies, saves and exits, and
+  the sweep run again waits for that save, then resumes the point from it."""
+  data = data_fixtures.write_idx(str(tmp_path / 'data'), num_train=64, num_test=32)
+  argv = [
+      os.path.join(os.path.dirname(sys.executable), 'vit-sweep'), '--config=quickstart',
+      '--workdir=sw', '--sweep', 'config.base_lr=[0.001]', '--set', 'config.total_steps=100000',
+      '--set', 'config.batch_size=16', '--set', f'config.data_dir={data}', '--set',
+      'config.model.num_layers=1', '--set', 'config.cpu_devices=1'
+  ]
+  point = tmp_path / 'sw' / 'base_lr=0.001'
+  with open(tmp_path / 'first.out', 'w') as out:
+    first = subprocess.Popen(argv, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+  rerun = None
+  try:
+    _until(lambda: 'Compiled the train step' in _read(point / 'train.INFO'), 'first step')
+    orphan = _holder_pid(point)
+    os.kill(orphan, signal.SIGSTOP)  # held where it is: the rerun meets it still running
+    first.kill()
+    first.wait()
+    with open(tmp_path / 'rerun.out', 'w') as out:
+      rerun = subprocess.Popen(argv, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    _until(lambda: '== waiting up to 5 minutes for pid' in _read(tmp_path / 'rerun.out'),
+           "the rerun's wait")
+    assert not _gone(orphan)
+    os.kill(orphan, signal.SIGCONT)  # the SIGTERM sent as the first sweep died is delivered
+    _until(lambda: _gone(orphan), 'exit of the killed sweep\'s point', timeout=60)
+    _until(lambda: 'Compiled the train step' in _read(tmp_path / 'rerun.out'), 'resumed step')
+    rerun.send_signal(signal.SIGTERM)
+    rerun.wait(timeout=60)
+  finally:
+    for p in (first, rerun):
+      if p is not None and p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+  said = _read(tmp_path / 'rerun.out')
+  stopped = [l for l in _read_logs(point) if 'vit-train: preempted (SIGTERM) at step' in l]
+  assert len(stopped) == 2, stopped  # the orphan's save, then the rerun's
+  first_step = int(re.search(r'at step (\d+):', stopped[0]).group(1))
+  assert f'Resuming from the checkpoint of step {first_step} ' in said, said[-3000:]
+  assert 'in use by' not in said and 'failed' not in said, said[-3000:]
+  assert rerun.returncode == 128 + signal.SIGTERM, said[-2000:]
+
+
+def _read(path):
+  try:
+    return path.read_text()
+  except OSError:
+    return ''
+
+
+def _read_logs(run_dir):
+  """The lines of every vit-train log in `run_dir` (one per run: train.INFO is the last's),
+  in the order the runs started."""
+  names = sorted(n for n in os.listdir(run_dir) if '.log.INFO.' in n)
+  return [l for n in names for l in (run_dir / n).read_text().splitlines()]

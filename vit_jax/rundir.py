@@ -340,6 +340,7 @@ class WorkdirLock:
     self.held = False
     self._process_index = process_index
     self._stop_touching = threading.Event()
+    self.took_over = None  # the holder of a stale lock acquire removed, if it did
 
   def _info(self):
     return {
@@ -483,15 +484,19 @@ class WorkdirLock:
           logging.warning('Taking over the stale lock of %s: that process is gone',
                           self._holder_text(holder))
         os.unlink(self.path)
+        self.took_over = holder or {}
     finally:
       os.unlink(guard)
 
-  def training_now(self):
-    """'pid N on HOST (started ..., lock ...)' where a live run holds the lock, else None
-    (also on gs://, where a preempted run's lock stays and cannot be told stale)."""
+  def training_now(self, this_host_only=False):
+    """'pid N on HOST (started ..., lock ...)' where a live run (on this host only, if
+    `this_host_only`) holds the lock, else None (also on gs://, where a preempted run's lock
+    stays and cannot be told stale)."""
     if paths.is_remote(self.path) or not os.path.exists(self.path):
       return None
     holder = self._read()
+    if this_host_only and (holder or {}).get('host') != socket.gethostname():
+      return None
     return None if self._stale(holder) else self._holder_text(holder)
 
   def lost(self):
