@@ -3,6 +3,7 @@ name (TFDS's `tfds build` does not start without apache-beam)."""
 import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -181,3 +182,67 @@ def test_a_data_dir_that_cannot_be_read_is_one_line(tmp_path):
   assert last.startswith('vit-tfds-build: error: cifar10: cannot read data_dir '
                          'gs://vit-jax-test/tfds: '), last
   assert 'Could not connect' in last and 'Traceback' not in out.stderr, out.stderr[-2000:]
+
+
+# The dataset of our own, whose examples wait for a file 'go' (each command says it began
+# writing them in 'writing.<pid>'), run as the console script is.
+_WAITING_FOR_GO = CTRL_C_AS_IN_A_TERMINAL + _WITH_A_DATASET_OF_OUR_OWN.replace(
+    "      yield i, {", "      import os, time\n"
+    "      open(f'writing.{os.getpid()}', 'w').close()\n"
+    "      while not os.path.exists('go'):\n"
+    "        time.sleep(0.1)\n"
+    "      yield i, {").replace(
+        'tfds_build.main(sys.argv[1:])', 'from vit_jax import console_scripts\n'
+        "console_scripts.run_as_main(tfds_build.main, 'vit-tfds-build')")
+
+
+def _until(condition, what):
+  deadline = time.time() + 300
+  while not condition():
+    assert time.time() < deadline, f'no {what} in 300 s'
+    time.sleep(0.2)
+
+
+@pytest.mark.parametrize('first_ends', ['prepared', 'cut off'])
+def test_two_preparations_of_one_dataset_at_once_prepare_it_once(tmp_path, first_ends):
+  """A second command for a dataset the first is preparing: both had written it, and the
+  second to finish had failed (`Cannot rename ... Destination ... already exists`); one
+  that failed had removed the other's downloads under way. The second waits, then leaves
+  the first's as it is, or prepares it where the first was cut off."""
+  run = [sys.executable, '-c', _WAITING_FOR_GO, 'vit_jax_test_digits', '--data_dir=d']
+  commands = []
+  try:
+    for name in ('first', 'second'):
+      with open(tmp_path / f'{name}.out', 'w') as out:
+        commands.append(
+            subprocess.Popen(run, cwd=tmp_path, stdout=out, stderr=subprocess.PIPE, text=True))
+      if name == 'first':
+        _until(lambda: any(f.startswith('writing.') for f in os.listdir(tmp_path)), 'first example')
+    first, second = commands
+    _until(lambda: 'waiting for it to end' in (tmp_path / 'second.out').read_text(),
+           'wait of the second')
+    assert (tmp_path / 'second.out').read_text() == (
+        f'vit_jax_test_digits: pid {first.pid} on {socket.gethostname()} is preparing it in d: '
+        'waiting for it to end\n')
+    if first_ends == 'cut off':
+      first.send_signal(signal.SIGINT)
+      assert first.wait(timeout=120) == 130
+    (tmp_path / 'go').touch()
+    outs = [c.communicate(timeout=300)[1] for c in commands]
+  finally:
+    for c in commands:
+      c.kill()
+  assert second.returncode == 0, outs[1][-2000:]
+  lines = (tmp_path / 'second.out').read_text().splitlines()
+  writers = sorted(int(f.split('.')[1]) for f in os.listdir(tmp_path) if f.startswith('writing.'))
+  if first_ends == 'prepared':
+    assert first.returncode == 0, outs[0][-2000:]
+    assert lines[-1] == ('vit_jax_test_digits: prepared in d/vit_jax_test_digits/1.0.0 by the '
+                         'command it waited for, left as it is')
+    assert writers == [first.pid]
+  else:
+    assert lines[-1] == ('vit_jax_test_digits: prepared in d/vit_jax_test_digits/1.0.0 (train: '
+                         '20, test: 10 examples)')
+    assert writers == sorted([first.pid, second.pid])
+  assert os.path.exists(tmp_path / 'd' / 'vit_jax_test_digits' / '1.0.0' / 'dataset_info.json')
+  assert not os.path.exists(tmp_path / 'd' / 'downloads' / 'vit_jax_test_digits')  # its lock

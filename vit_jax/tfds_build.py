@@ -15,14 +15,17 @@ that cannot be prepared stops the command with one line. DIR defaults to TFDS's
 (~/tensorflow_datasets) and may be gs://. Datasets whose files TFDS cannot download
 (imagenet2012) read them from --manual_dir (default DIR/downloads/manual), as the TFDS
 catalog says. A preparation that fails or is cut off (Ctrl-C) leaves nothing of its own in a
-local DIR (see _tidied_on_failure); the same command starts that dataset again.
+local DIR (see _tidied_on_failure); the same command starts that dataset again. Two
+commands for one dataset in one local DIR take turns (_one_preparation_at_a_time).
 """
 import argparse
 import contextlib
 import difflib
+import fcntl
 import os
 import re
 import shutil
+import socket
 import sys
 
 from vit_jax import cli_help
@@ -109,6 +112,64 @@ def _tidied_on_failure(builder):
     raise
 
 
+_LOCK = 'vit-tfds-build.lock'  # in DIR/downloads/<name>, while one command prepares it
+
+
+@contextlib.contextmanager
+def _one_preparation_at_a_time(builder, name, out):
+  """Holds DIR/downloads/<dataset>/vit-tfds-build.lock (flock: released by the kernel however
+  its holder ends) while the dataset is prepared in a local data_dir, waiting for another
+  command that holds it; yields whether it waited. Two at once had downloaded and written
+  the dataset twice, and the one that finished second had failed ('Cannot rename ...
+  Destination ... already exists'); a failing one had removed the other's downloads under
+  way. The lock is per dataset, not per config: their configs share its downloads."""
+  # pylint: disable-next=g-import-not-at-top  (TensorFlow: imported by prepare)
+  from vit_jax import data_sources
+  root = data_sources.data_dir_root(builder)
+  if paths.is_remote(root):  # object stores have no locks: the user's part
+    yield False
+    return
+  folder = os.path.join(root, 'downloads', builder.name)
+  path = os.path.join(folder, _LOCK)
+  made, waited = [], False
+  try:
+    while True:
+      # Again each time: a holder that failed removed the folders it had made.
+      made += [f for f in (root, os.path.dirname(folder), folder) if not os.path.isdir(f)]
+      os.makedirs(folder, exist_ok=True)
+      fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        try:
+          fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+          if not waited:
+            holder = os.read(fd, 200).decode(errors='replace').strip()
+            print(
+                f'{name}: {holder or "another vit-tfds-build"} is preparing it in {root}: '
+                'waiting for it to end', file=out, flush=True)
+            waited = True
+          fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_ino == os.stat(path).st_ino:
+          break
+      except FileNotFoundError:
+        pass
+      except BaseException:  # Ctrl-C while waiting
+        os.close(fd)
+        raise
+      os.close(fd)  # removed by its holder as it ended, after this one opened it: open anew
+    os.ftruncate(fd, 0)
+    os.write(fd, f'pid {os.getpid()} on {socket.gethostname()}'.encode())
+    try:
+      yield waited
+    finally:
+      os.unlink(path)  # before the lock is let go: a waiter on this file then opens anew
+      os.close(fd)
+  finally:
+    for f in sorted(set(made), key=len, reverse=True):  # a folder's own before it
+      with contextlib.suppress(OSError):  # not empty: TFDS's files are there
+        os.rmdir(f)
+
+
 def prepare(name, data_dir, manual_dir, out):
   """Prepares dataset `name` in `data_dir` (None: TFDS's default), saying what it did."""
   # pylint: disable=g-import-not-at-top  (TensorFlow: after the arguments are checked)
@@ -137,7 +198,11 @@ def prepare(name, data_dir, manual_dir, out):
     return
   config = tfds.download.DownloadConfig(manual_dir=manual_dir)
   try:
-    with _tidied_on_failure(builder):
+    with _one_preparation_at_a_time(builder, name, out) as waited, _tidied_on_failure(builder):
+      if waited and data_sources.has_prepared_files(builder):
+        print(f'{name}: prepared in {where} by the command it waited for, left as it is', file=out,
+              flush=True)
+        return
       builder.download_and_prepare(download_config=config)
   except requests.exceptions.RequestException as e:
     raise BuildError(f'{name}: cannot download its files ({_why_not_downloaded(e)}): check this '
