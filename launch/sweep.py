@@ -485,13 +485,35 @@ def _run_point(config, workdir, sets, points, i, runner, out, after_a_killed_swe
   except KeyboardInterrupt as e:
     raise interrupted(e, 'point', i, len(points), name,
                       'the sweep, each point from its last checkpoint') from None
-  status = 'ok' if rc == 0 else f'failed (exit {rc})'
+  status = point_status(rc)
   with paths.open_file(join(point_dir, 'sweep_status'), 'w') as f:
     f.write(status + '\n')
-  print(f'== {name}: {status}', file=out, flush=True)
+  print(f'== {name}: {status}{why_killed(rc)}', file=out, flush=True)
   if rc != 0:
     stop_if_every_point_would_fail(join(point_dir, 'sweep.log'), 'point', name)
   return status
+
+
+def point_status(rc):
+  """'ok', 'failed (exit N)', or for a point a signal killed (runner's -N) 'failed (SIGKILL)';
+  an OSError's text where it could not start."""
+  if rc == 0:
+    return 'ok'
+  if isinstance(rc, int) and rc < 0:
+    with contextlib.suppress(ValueError):
+      return f'failed ({signal.Signals(-rc).name})'
+  return f'failed (exit {rc})'
+
+
+def why_killed(rc, config_flag='in another --workdir, --set config.'):
+  """What a point's status line adds where SIGKILL ended it: its own log ends mid-run,
+  without a line, and the sweep's had said only 'exit -9'. `config_flag`: how the command
+  sets a field of every point (a sweep's DIR keeps its --set flags: another DIR)."""
+  if rc != -signal.SIGKILL:
+    return ''
+  return (': the kernel\'s out-of-memory killer ends processes with SIGKILL (`dmesg | grep -i '
+          f'killed` tells whether it did); {config_flag}accum_steps=0 (the fewest micro-batches '
+          f'that fit) or {config_flag.split(", ")[-1]}remat=True trains in less memory')
 
 
 def stop_if_every_point_would_fail(log_path, what, name):

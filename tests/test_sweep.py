@@ -970,3 +970,21 @@ def _read_logs(run_dir):
   in the order the runs started."""
   names = sorted(n for n in os.listdir(run_dir) if '.log.INFO.' in n)
   return [l for n in names for l in (run_dir / n).read_text().splitlines()]
+
+
+def test_a_point_killed_by_sigkill_is_named_with_what_sends_it(tmp_path):
+  """A point the out-of-memory killer ended (its log stops mid-run, without a line) had been
+  recorded as 'failed (exit -9)' and said nothing more."""
+  point = 'import os, signal\nprint("step 1", flush=True)\nos.kill(os.getpid(), signal.SIGKILL)'
+  p = subprocess.run(_sweep_of_two_points(tmp_path, point), cwd=tmp_path, capture_output=True,
+                     text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=300)
+  assert p.returncode == 1, p.stderr[-2000:]
+  said = [l for l in p.stdout.splitlines() if l.startswith('== base_lr=')]
+  assert said == [
+      f'== base_lr={lr}: failed (SIGKILL): the kernel\'s out-of-memory killer ends processes '
+      'with SIGKILL (`dmesg | grep -i killed` tells whether it did); in another --workdir, '
+      '--set config.accum_steps=0 (the fewest micro-batches that fit) or --set '
+      'config.remat=True trains in less memory' for lr in ('0.1', '0.2')
+  ], p.stdout[-3000:]
+  with open(tmp_path / 'sw' / 'summary.csv') as f:
+    assert [r['status'] for r in csv.DictReader(f)] == ['failed (SIGKILL)'] * 2
