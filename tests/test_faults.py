@@ -636,6 +636,9 @@ def test_stale_lock_is_taken_over(tmp_path, caplog):
   with caplog.at_level(logging.WARNING):
     lock.acquire()
   assert f'Taking over the stale lock of pid {dead.pid} on ' in caplog.text
+  # The process ended without its last line: what ends one so.
+  assert ("that process ended without removing it (killed outright: kill -9, or the kernel's "
+          'out-of-memory killer, which `dmesg | grep -i killed` tells; or a crash)') in caplog.text
   lock.release()
   # An unreadable lock over 10 s old (its writer killed mid-write): said as such; it had
   # read 'the stale lock of an unreadable lock'.

@@ -481,8 +481,10 @@ class WorkdirLock:
               '%d s), that run is gone', self._holder_text(holder),
               self._untouched_s() // 60, HEARTBEAT_S)
         else:
-          logging.warning('Taking over the stale lock of %s: that process is gone',
-                          self._holder_text(holder))
+          logging.warning(
+              'Taking over the stale lock of %s: that process ended without removing it (killed '
+              'outright: kill -9, or the kernel\'s out-of-memory killer, which `dmesg | grep -i '
+              'killed` tells; or a crash)', self._holder_text(holder))
         os.unlink(self.path)
         self.took_over = holder or {}
     finally:
