@@ -988,3 +988,49 @@ def test_a_point_killed_by_sigkill_is_named_with_what_sends_it(tmp_path):
   ], p.stdout[-3000:]
   with open(tmp_path / 'sw' / 'summary.csv') as f:
     assert [r['status'] for r in csv.DictReader(f)] == ['failed (SIGKILL)'] * 2
+
+
+@pytest.mark.parametrize('command', ['vit-sweep', 'vit-vtab'])
+def test_after_a_killed_sweep_its_point_still_saving_is_waited_for(tmp_path, monkeypatch, capsys,
+                                                                   command):
+  """The same command run again after a kill -9 takes over the sweep's lock; the point the
+  killed one ran may still be saving (sent SIGTERM as it died): started beside it, the
+  point's vit-train had been refused and the point marked failed."""
+  # pylint: disable-next=g-import-not-at-top
+  from vit_jax.launch import vtab as vtab_launch
+  monkeypatch.setattr(sweep, 'check_data', lambda *args, **kwargs: None)  # no data: fake points
+  workdir = tmp_path / 'sw'
+  first = 'base_lr=0.001' if command == 'vit-sweep' else 'dtd'
+  (workdir / first).mkdir(parents=True)
+  gone = subprocess.Popen(['true'])
+  gone.wait()
+  # Started by a shell that exits at once, as the killed sweep's point is, so that its end is
+  # reaped by another (a child of this test would stay a zombie, a process still there).
+  saving = int(
+      subprocess.run(['sh', '-c', 'sleep 3 >/dev/null & echo $!'], capture_output=True, text=True,
+                     check=True).stdout)
+  for folder, pid in ((workdir, gone.pid), (workdir / first, saving)):
+    (folder / 'lock').write_text(
+        json.dumps({
+            'host': socket.gethostname(),
+            'pid': pid,
+            'started': 'then'
+        }))
+  started = []
+
+  def runner(argv, log):
+    started.append((os.path.basename(os.path.dirname(log)), _gone(saving)))
+    return 0
+
+  try:
+    if command == 'vit-sweep':
+      sweep.main([f'--config={FINETUNE}', f'--workdir={workdir}'], runner=runner)
+    else:
+      vtab_launch.main(['--model=ViT-B_16', f'--workdir={workdir}', '--tasks=dtd'], runner=runner)
+  except SystemExit:  # no accuracy from the fake points
+    pass
+  said = capsys.readouterr().out
+  assert (f'== waiting up to 5 minutes for pid {saving} on {socket.gethostname()} (started '
+          f'then, lock {workdir / first}/lock) to save and exit: the {command} before this one '
+          'was killed, and its run there was sent SIGTERM') in said, said
+  assert started[0] == (first, True)  # run once the one saving there had ended
