@@ -246,3 +246,22 @@ def test_two_preparations_of_one_dataset_at_once_prepare_it_once(tmp_path, first
     assert writers == sorted([first.pid, second.pid])
   assert os.path.exists(tmp_path / 'd' / 'vit_jax_test_digits' / '1.0.0' / 'dataset_info.json')
   assert not os.path.exists(tmp_path / 'd' / 'downloads' / 'vit_jax_test_digits')  # its lock
+
+
+def test_a_data_dir_on_a_filesystem_without_locks_is_prepared_unlocked(tmp_path):
+  """A mount whose flock fails (ENOSYS: a FUSE filesystem without locks, as a bucket mounted
+  as a folder may be): the lock that keeps two commands apart must not stop the one there is
+  (it had: `cannot prepare it in ...: Function not implemented`)."""
+  no_locks = ('import errno, fcntl\n'
+              'def flock(fd, op):\n'
+              '  raise OSError(errno.ENOSYS, "Function not implemented")\n'
+              'fcntl.flock = flock\n')
+  run = [
+      sys.executable, '-c', no_locks + _WITH_A_DATASET_OF_OUR_OWN, 'vit_jax_test_digits',
+      '--data_dir=d'
+  ]
+  out = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.splitlines()[-1].startswith('vit_jax_test_digits: prepared in '
+                                                'd/vit_jax_test_digits/1.0.0 (train: 20')
+  assert not os.path.exists(tmp_path / 'd' / 'downloads' / 'vit_jax_test_digits')

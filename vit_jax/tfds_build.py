@@ -21,6 +21,7 @@ commands for one dataset in one local DIR take turns (_one_preparation_at_a_time
 import argparse
 import contextlib
 import difflib
+import errno
 import fcntl
 import os
 import re
@@ -113,6 +114,47 @@ def _tidied_on_failure(builder):
 
 
 _LOCK = 'vit-tfds-build.lock'  # in DIR/downloads/<name>, while one command prepares it
+# flock's errors where a filesystem has no locks (a FUSE mount: ENOSYS; NFS without lockd: ENOLCK)
+_NO_LOCKS_HERE = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)
+
+
+def _locked(path, name, root, out, made):
+  """(fd, waited): `path` opened and flocked, once another holder lets go of it; fd None
+  where the filesystem has no locks (see _NO_LOCKS_HERE): prepared unlocked. Adds
+  to `made` the folders from `root` to `path` it makes."""
+  waited = False
+  folders = [root, os.path.join(root, 'downloads'), os.path.dirname(path)]
+  while True:
+    # Each time: a holder that failed removed the folders it had made.
+    made.update(f for f in folders if not os.path.isdir(f))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        if not waited:
+          holder = os.read(fd, 200).decode(errors='replace').strip()
+          print(
+              f'{name}: {holder or "another vit-tfds-build"} is preparing it in {root}: '
+              'waiting for it to end', file=out, flush=True)
+          waited = True
+        fcntl.flock(fd, fcntl.LOCK_EX)
+      if os.fstat(fd).st_ino == os.stat(path).st_ino:
+        return fd, waited
+    except FileNotFoundError:
+      pass  # removed by its holder as it ended, after this one opened it: open anew
+    except OSError as e:
+      os.close(fd)
+      if e.errno not in _NO_LOCKS_HERE:
+        raise
+      with contextlib.suppress(OSError):
+        os.unlink(path)
+      return None, False
+    except BaseException:  # Ctrl-C while waiting
+      os.close(fd)
+      raise
+    os.close(fd)
 
 
 @contextlib.contextmanager
@@ -129,34 +171,13 @@ def _one_preparation_at_a_time(builder, name, out):
   if paths.is_remote(root):  # object stores have no locks: the user's part
     yield False
     return
-  folder = os.path.join(root, 'downloads', builder.name)
-  path = os.path.join(folder, _LOCK)
-  made, waited = [], False
+  path = os.path.join(root, 'downloads', builder.name, _LOCK)
+  made = set()
   try:
-    while True:
-      # Again each time: a holder that failed removed the folders it had made.
-      made += [f for f in (root, os.path.dirname(folder), folder) if not os.path.isdir(f)]
-      os.makedirs(folder, exist_ok=True)
-      fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-      try:
-        try:
-          fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-          if not waited:
-            holder = os.read(fd, 200).decode(errors='replace').strip()
-            print(
-                f'{name}: {holder or "another vit-tfds-build"} is preparing it in {root}: '
-                'waiting for it to end', file=out, flush=True)
-            waited = True
-          fcntl.flock(fd, fcntl.LOCK_EX)
-        if os.fstat(fd).st_ino == os.stat(path).st_ino:
-          break
-      except FileNotFoundError:
-        pass
-      except BaseException:  # Ctrl-C while waiting
-        os.close(fd)
-        raise
-      os.close(fd)  # removed by its holder as it ended, after this one opened it: open anew
+    fd, waited = _locked(path, name, root, out, made)
+    if fd is None:
+      yield False
+      return
     os.ftruncate(fd, 0)
     os.write(fd, f'pid {os.getpid()} on {socket.gethostname()}'.encode())
     try:
@@ -165,7 +186,7 @@ def _one_preparation_at_a_time(builder, name, out):
       os.unlink(path)  # before the lock is let go: a waiter on this file then opens anew
       os.close(fd)
   finally:
-    for f in sorted(set(made), key=len, reverse=True):  # a folder's own before it
+    for f in sorted(made, key=len, reverse=True):  # a folder's own before it
       with contextlib.suppress(OSError):  # not empty: TFDS's files are there
         os.rmdir(f)
 
