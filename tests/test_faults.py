@@ -628,6 +628,25 @@ def test_a_held_lock_is_touched_until_released(tmp_path, monkeypatch):
   assert os.path.getmtime(tmp_path / 'lock') == then
 
 
+def test_the_lock_of_a_run_ended_but_not_yet_reaped_is_taken_over(tmp_path):
+  """A run killed outright whose parent (a notebook's subprocess.Popen, say) has not waited
+  for it is a zombie: kill(pid, 0) finds it, and its lock had refused the same command."""
+  zombie = subprocess.Popen(['sh', '-c', 'kill -9 $$'])
+  for _ in range(200):
+    with open(f'/proc/{zombie.pid}/stat') as f:
+      if f.read().rsplit(')', 1)[1].split()[0] == 'Z':
+        break
+    time.sleep(0.05)
+  try:
+    (tmp_path / 'lock').write_text(json.dumps({'host': socket.gethostname(), 'pid': zombie.pid}))
+    lock = rundir.WorkdirLock(str(tmp_path))
+    lock.acquire()
+    assert json.loads((tmp_path / 'lock').read_text())['pid'] == os.getpid()
+    lock.release()
+  finally:
+    zombie.wait()
+
+
 def test_stale_lock_is_taken_over(tmp_path, caplog):
   dead = subprocess.Popen(['true'])
   dead.wait()

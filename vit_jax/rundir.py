@@ -282,13 +282,27 @@ def _check_polyak_kept(old, new, workdir):
         f'--config.pretrained_path={shlex.quote(os.path.join(workdir, "final.npz"))}')
 
 
+def _proc_stat(pid):
+  """The fields of /proc/<pid>/stat after the command's name (state first), or []."""
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rsplit(')', 1)[1].split()
+  except (OSError, IndexError):
+    return []
+
+
 def _proc_start(pid):
   """The start time of process `pid` in clock ticks (tells a reused pid apart), or None."""
   try:
-    with open(f'/proc/{pid}/stat') as f:
-      return int(f.read().rsplit(')', 1)[1].split()[19])
-  except (OSError, ValueError, IndexError):
+    return int(_proc_stat(pid)[19])
+  except (ValueError, IndexError):
     return None
+
+
+def _ended(pid):
+  """Whether process `pid` has ended but is not yet reaped (a zombie): kill(pid, 0) still
+  finds it, and its lock had kept the same command out until its parent waited for it."""
+  return _proc_stat(pid)[:1] == ['Z']
 
 
 def leave_at_once(workdir, line):
@@ -372,6 +386,8 @@ class WorkdirLock:
       return True
     except PermissionError:
       pass
+    if _ended(pid):
+      return True
     start = holder.get('proc_start')
     return start is not None and _proc_start(pid) not in (None, start)
 
