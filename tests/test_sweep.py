@@ -904,11 +904,13 @@ def _holder_pid(workdir):
 
 
 def _gone(pid):
+  """Whether process `pid` has ended: gone, or a zombie (an orphan's new parent, PID 1 of a
+  container, may never reap it)."""
   try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rsplit(')', 1)[1].split()[0] == 'Z'
+  except FileNotFoundError:
     return True
-  return False
 
 
 def test_a_sweep_killed_outright_stops_its_point_and_the_rerun_resumes_it(tmp_path):
@@ -941,10 +943,10 @@ def test_a_sweep_killed_outright_stops_its_point_and_the_rerun_resumes_it(tmp_pa
            "the rerun's wait")
     assert not _gone(orphan)
     os.kill(orphan, signal.SIGCONT)  # the SIGTERM sent as the first sweep died is delivered
-    _until(lambda: _gone(orphan), 'exit of the killed sweep\'s point', timeout=60)
+    _until(lambda: _gone(orphan), 'exit of the killed sweep\'s point', timeout=180)
     _until(lambda: 'Compiled the train step' in _read(tmp_path / 'rerun.out'), 'resumed step')
     rerun.send_signal(signal.SIGTERM)
-    rerun.wait(timeout=60)
+    rerun.wait(timeout=180)
   finally:
     for p in (first, rerun):
       if p is not None and p.poll() is None:
