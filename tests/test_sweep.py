@@ -1006,11 +1006,15 @@ def test_after_a_killed_sweep_its_point_still_saving_is_waited_for(tmp_path, mon
   (workdir / first).mkdir(parents=True)
   gone = subprocess.Popen(['true'])
   gone.wait()
-  # Started by a shell that exits at once, as the killed sweep's point is, so that its end is
-  # reaped by another (a child of this test would stay a zombie, a process still there).
+  # Saving until the file `saved` appears, which the sweep's first second of waiting makes;
+  # started by a shell that exits at once, as the killed sweep's point is an orphan.
+  saved = tmp_path / 'saved'
   saving = int(
-      subprocess.run(['sh', '-c', 'sleep 3 >/dev/null & echo $!'], capture_output=True, text=True,
-                     check=True).stdout)
+      subprocess.run(
+          ['sh', '-c', f'(while [ ! -e {saved} ]; do sleep 0.05; done) >/dev/null 2>&1 & echo $!'],
+          capture_output=True, text=True, check=True).stdout)
+  real_sleep = time.sleep
+  monkeypatch.setattr(time, 'sleep', lambda s: saved.touch() or real_sleep(s))
   for folder, pid in ((workdir, gone.pid), (workdir / first, saving)):
     (folder / 'lock').write_text(
         json.dumps({
@@ -1031,6 +1035,8 @@ def test_after_a_killed_sweep_its_point_still_saving_is_waited_for(tmp_path, mon
       vtab_launch.main(['--model=ViT-B_16', f'--workdir={workdir}', '--tasks=dtd'], runner=runner)
   except SystemExit:  # no accuracy from the fake points
     pass
+  finally:
+    saved.touch()
   said = capsys.readouterr().out
   assert (f'== waiting up to 5 minutes for pid {saving} on {socket.gethostname()} (started '
           f'then, lock {workdir / first}/lock) to save and exit: the {command} before this one '
