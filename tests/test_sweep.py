@@ -929,7 +929,7 @@ def test_a_sweep_killed_outright_stops_its_point_and_the_rerun_resumes_it(tmp_pa
   with open(tmp_path / 'first.out', 'w') as out:
     first = subprocess.Popen(argv, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
                              start_new_session=True)
-  rerun = None
+  rerun = orphan = None
   try:
     _until(lambda: 'Compiled the train step' in _read(point / 'train.INFO'), 'first step')
     orphan = _holder_pid(point)
@@ -951,6 +951,8 @@ def test_a_sweep_killed_outright_stops_its_point_and_the_rerun_resumes_it(tmp_pa
     for p in (first, rerun):
       if p is not None and p.poll() is None:
         os.killpg(p.pid, signal.SIGKILL)
+    if orphan is not None and not _gone(orphan):  # a failure above: not left stopped
+      os.kill(orphan, signal.SIGKILL)
   said = _read(tmp_path / 'rerun.out')
   stopped = [l for l in _read_logs(point) if 'vit-train: preempted (SIGTERM) at step' in l]
   assert len(stopped) == 2, stopped  # the orphan's save, then the rerun's
