@@ -505,15 +505,17 @@ def point_status(rc):
   return f'failed (exit {rc})'
 
 
-def why_killed(rc, config_flag='in another --workdir, --set config.'):
+def why_killed(rc, flag='--set config.', in_another_workdir=True):
   """What a point's status line adds where SIGKILL ended it: its own log ends mid-run,
-  without a line, and the sweep's had said only 'exit -9'. `config_flag`: how the command
-  sets a field of every point (a sweep's DIR keeps its --set flags: another DIR)."""
+  without a line, and the sweep's had said only 'exit -9'. `flag`: how the command sets a
+  field of every point; `in_another_workdir`: whether that takes another DIR (a sweep's DIR
+  keeps its --set flags)."""
   if rc != -signal.SIGKILL:
     return ''
+  where = 'in another --workdir, ' if in_another_workdir else ''
   return (': the kernel\'s out-of-memory killer ends processes with SIGKILL (`dmesg | grep -i '
-          f'killed` tells whether it did); {config_flag}accum_steps=0 (the fewest micro-batches '
-          f'that fit) or {config_flag.split(", ")[-1]}remat=True trains in less memory')
+          f'killed` tells whether it did); {where}{flag}accum_steps=0 (the fewest micro-batches '
+          f'that fit) or {flag}remat=True trains in less memory')
 
 
 def stop_if_every_point_would_fail(log_path, what, name):

@@ -159,7 +159,7 @@ def _run_task(args, tasks, i, overrides, runner, out, after_a_killed_run=False):
         e, 'task', i, len(tasks), task,
         'the tasks: finished ones are skipped, this one resumes from its last checkpoint') from None
   status = sweep.point_status(rc)
-  why = sweep.why_killed(rc, config_flag='--config.')
+  why = sweep.why_killed(rc, flag='--config.', in_another_workdir=False)
   print(f'== {task}: {status}{why}', file=out, flush=True)
   if rc != 0:
     sweep.stop_if_every_point_would_fail(sweep.join(task_dir, 'vtab.log'), 'task', task)
