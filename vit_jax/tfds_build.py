@@ -185,6 +185,9 @@ def _one_preparation_at_a_time(builder, name, out):
     finally:
       os.unlink(path)  # before the lock is let go: a waiter on this file then opens anew
       os.close(fd)
+      # Its folder too, where empty, whoever made it: a holder that ended as this one took
+      # over could not remove it, this one's lock being inside.
+      made.add(os.path.dirname(path))
   finally:
     for f in sorted(made, key=len, reverse=True):  # a folder's own before it
       with contextlib.suppress(OSError):  # not empty: TFDS's files are there
