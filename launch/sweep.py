@@ -29,7 +29,6 @@ import argparse
 import ast
 import contextlib
 import csv
-import ctypes
 import hashlib
 import io
 import itertools
@@ -49,6 +48,7 @@ from vit_jax import configs
 from vit_jax import ctrl_c
 from vit_jax import errors
 from vit_jax import jax_backend
+from vit_jax import parent_death
 from vit_jax import paths
 from vit_jax.launch import tpu_vm
 
@@ -350,7 +350,7 @@ def run_local(argv, log_path, env=None):
   with paths.open_file(log_path, 'a' if live else 'w') as log:
     log.write(f'== {shlex.join(argv)}\n')
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, preexec_fn=_terminated_with_this_process())
+                            env=parent_death.environment_for_run(env))
 
     def stream():
       shown = True
@@ -380,28 +380,6 @@ def run_local(argv, log_path, env=None):
     finally:
       copy.join()
     return status
-
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _terminated_with_this_process():
-  """A preexec_fn (Linux; None elsewhere) that has the kernel send the point SIGTERM once
-  this process is gone, however it went (kill -9, the OOM killer): the point saves a
-  checkpoint and exits, as on the sweep's own SIGTERM. Left running, it had trained on
-  unwatched, and the sweep run again had found that point's workdir locked and marked the
-  point failed."""
-  if not sys.platform.startswith('linux'):
-    return None
-  prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded here: the child only calls it
-  sweep_pid = os.getpid()
-
-  def preexec():
-    prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-    if os.getppid() != sweep_pid:  # gone before the request was made: it would never come
-      os._exit(128 + signal.SIGTERM)  # pylint: disable=protected-access
-
-  return preexec
 
 
 # How long a sweep run again after it was killed waits for the point it had been running to

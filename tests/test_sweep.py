@@ -10,9 +10,11 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 
+from vit_jax import parent_death
 from vit_jax import tensorboard_events
 from vit_jax.launch import sweep
 from tests import data_fixtures
@@ -974,6 +976,34 @@ def _read_logs(run_dir):
   in the order the runs started."""
   names = sorted(n for n in os.listdir(run_dir) if '.log.INFO.' in n)
   return [l for n in names for l in (run_dir / n).read_text().splitlines()]
+
+
+def test_a_point_whose_sweep_is_already_gone_stops_before_it_starts(tmp_path):
+  """A sweep killed between starting its point and the point asking for the kernel's SIGTERM
+  would never send it: the point (here vit-train, named a starter that is not its parent)
+  stops at once with SIGTERM's one line, before it writes anything. Before, it ran on."""
+  p = console_script('vit-train', tmp_path, '--config=quickstart', '--workdir=w',
+                     '--config.total_steps=2', timeout=120,
+                     **{parent_death.STARTER_PID: str(os.getppid())})
+  assert p.returncode == 128 + signal.SIGTERM, p.stderr
+  assert p.stderr.splitlines()[-1].startswith('vit-train: preempted (SIGTERM) outside the '
+                                              'training steps'), p.stderr
+  assert not (tmp_path / 'w').exists()
+
+
+def test_a_point_is_started_without_fork_hooks_and_named_its_sweep(tmp_path):
+  """The point learns which process started it from its environment. It had been started
+  through a preexec_fn, which runs Python's at-fork hooks: in a process where JAX had
+  started (a sweep run from Python), JAX's hook warned 'os.fork() was called ... will likely
+  lead to a deadlock'."""
+  jax = pytest.importorskip('jax')
+  jax.devices()  # a started backend installs JAX's at-fork hook
+  point = [sys.executable, '-c', f'import os; print(os.environ.get("{parent_death.STARTER_PID}"))']
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    assert sweep.run_local(point, str(tmp_path / 'sweep.log')) == 0
+  assert [str(w.message) for w in caught if 'fork' in str(w.message)] == []
+  assert (tmp_path / 'sweep.log').read_text().splitlines()[-1] == str(os.getpid())
 
 
 def test_a_point_killed_by_sigkill_is_named_with_what_sends_it(tmp_path):

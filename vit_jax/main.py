@@ -32,6 +32,7 @@ from vit_jax import ctrl_c
 from vit_jax import errors
 from vit_jax import host_allocator
 from vit_jax import jax_backend
+from vit_jax import parent_death
 from vit_jax import paths
 from vit_jax import xla_cpu_flags
 
@@ -520,6 +521,7 @@ def run():
   console_scripts.prepare_the_process()  # again for `python -m vit_jax.main`
   try:
     _stop_while_starting()
+    parent_death.stop_with_the_starter()  # a SIGTERM from here on ends it with its one line
     try:
       host_allocator.reexec_with_jemalloc()  # before JAX starts: see host_allocator.py
     except ValueError as e:  # a bad VIT_JAX_HOST_ALLOCATOR value
