@@ -978,19 +978,6 @@ def _read_logs(run_dir):
   return [l for n in names for l in (run_dir / n).read_text().splitlines()]
 
 
-def test_a_point_whose_sweep_is_already_gone_stops_before_it_starts(tmp_path):
-  """A sweep killed between starting its point and the point asking for the kernel's SIGTERM
-  would never send it: the point (here vit-train, named a starter that is not its parent)
-  stops at once with SIGTERM's one line, before it writes anything. Before, it ran on."""
-  p = console_script('vit-train', tmp_path, '--config=quickstart', '--workdir=w',
-                     '--config.total_steps=2', timeout=120,
-                     **{parent_death.STARTER_PID: str(os.getppid())})
-  assert p.returncode == 128 + signal.SIGTERM, p.stderr
-  assert p.stderr.splitlines()[-1].startswith('vit-train: preempted (SIGTERM) outside the '
-                                              'training steps'), p.stderr
-  assert not (tmp_path / 'w').exists()
-
-
 def test_a_point_is_started_without_fork_hooks_and_named_its_sweep(tmp_path):
   """The point learns which process started it from its environment. It had been started
   through a preexec_fn, which runs Python's at-fork hooks: in a process where JAX had
