@@ -387,24 +387,54 @@ def run_local(argv, log_path, env=None):
 STOPPING_POINT_WAIT_S = 300
 
 
-def wait_for_a_stopping_run(run_dir, out, killed='vit-sweep', timeout_s=STOPPING_POINT_WAIT_S):
+def wait_for_a_stopping_run(run_dir, log_name, out, killed='vit-sweep',
+                            timeout_s=STOPPING_POINT_WAIT_S):
   """Waits while a run on this host holds `run_dir`'s lock, up to `timeout_s`: in a sweep or
   vit-vtab that took over the lock of one killed outright (held), the run that one had
   started may still be saving; started beside it, the point's vit-train was refused and the
-  point marked failed. `killed`: the command that was killed."""
+  point marked failed. `killed`: the command that was killed. What it says goes to `out` and
+  to the point's log `log_name` in `run_dir`, which the killed command had been writing: that
+  log then says how its run ended."""
   # pylint: disable-next=g-import-not-at-top  (JAX and TensorFlow: for a local run only)
   from vit_jax import rundir
   lock = rundir.WorkdirLock(run_dir, process_index=0)
   holder = lock.training_now(this_host_only=True)
   if holder is None:
     return
-  print(
-      f'== waiting up to {timeout_s // 60} minutes for {holder} to save and exit: the '
-      f'{killed} before this one was killed, and its run there was sent SIGTERM', file=out,
-      flush=True)
+
+  def say(line):
+    print(line, file=out, flush=True)
+    with open(os.path.join(run_dir, log_name), 'a') as log:
+      log.write(line + '\n')
+
+  say(f'== waiting up to {timeout_s // 60} minutes for {holder} to save and exit: the {killed} '
+      'before this one was killed, and its run there was sent SIGTERM')
   deadline = time.monotonic() + timeout_s
-  while lock.training_now(this_host_only=True) and time.monotonic() < deadline:
-    time.sleep(1)
+  try:
+    while lock.training_now(this_host_only=True) and time.monotonic() < deadline:
+      time.sleep(1)
+  except KeyboardInterrupt as e:
+    raise SweepInterrupted(
+        f'{ctrl_c.what(e)} while waiting for {holder} to save and exit (it goes on): run the '
+        'same command to resume, once it has exited', ctrl_c.status(e)) from None
+  if lock.training_now(this_host_only=True):
+    say(f'== {holder} still runs after {timeout_s // 60} minutes: the point is started anyway')
+  else:
+    say(f'== it exited; its log ends: {last_logged_line(run_dir)}')
+
+
+def last_logged_line(run_dir, tail_bytes=65536):
+  """The last line of the log in `run_dir` (a local run's train.INFO), without absl's
+  prefix: what a run said last, read from the file's last `tail_bytes`."""
+  path = os.path.join(run_dir, 'train.INFO')
+  try:
+    with open(path, 'rb') as log:
+      log.seek(max(0, os.fstat(log.fileno()).st_size - tail_bytes))
+      lines = log.read().decode(errors='replace').splitlines()
+  except OSError as e:
+    return f'(cannot read {path}: {e.strerror})'
+  last = next((line for line in reversed(lines) if line.strip()), '(nothing)')
+  return re.sub(r'^[IWEF]\d{4} [\d:.]+ +\d+ [^\]]*\] ', '', last)
 
 
 @contextlib.contextmanager
@@ -455,7 +485,7 @@ def _run_point(config, workdir, sets, points, i, runner, out, after_a_killed_swe
   except ValueError as e:  # a full disk, a file of the point's name in the way
     raise SweepError(f'point {name}: {e}') from None
   if after_a_killed_sweep:
-    wait_for_a_stopping_run(point_dir, out)
+    wait_for_a_stopping_run(point_dir, 'sweep.log', out)
   try:
     rc = runner(argv, join(point_dir, 'sweep.log'))
   except OSError as e:

@@ -149,7 +149,7 @@ def _run_task(args, tasks, i, overrides, runner, out, after_a_killed_run=False):
   print(f'== vtab task {i + 1}/{len(tasks)}: {task}\n{shlex.join(argv)}', file=out, flush=True)
   paths.makedirs(task_dir)
   if after_a_killed_run:
-    sweep.wait_for_a_stopping_run(task_dir, out, killed='vit-vtab')
+    sweep.wait_for_a_stopping_run(task_dir, 'vtab.log', out, killed='vit-vtab')
   try:
     rc = runner(argv, sweep.join(task_dir, 'vtab.log'))
   except OSError as e:

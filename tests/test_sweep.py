@@ -960,6 +960,8 @@ def test_a_sweep_killed_outright_stops_its_point_and_the_rerun_resumes_it(tmp_pa
   assert len(stopped) == 2, stopped  # the orphan's save, then the rerun's
   first_step = int(re.search(r'at step (\d+):', stopped[0]).group(1))
   assert f'Resuming from the checkpoint of step {first_step} ' in said, said[-3000:]
+  assert (f'== it exited; its log ends: vit-train: preempted (SIGTERM) at step {first_step}: '
+          'checkpoint saved in') in said, said[-3000:]
   assert 'in use by' not in said and 'failed' not in said, said[-3000:]
   assert rerun.returncode == 128 + signal.SIGTERM, said[-2000:]
 
@@ -1041,6 +1043,10 @@ def test_after_a_killed_sweep_its_point_still_saving_is_waited_for(tmp_path, mon
             'pid': pid,
             'started': 'then'
         }))
+  (workdir / first / 'train.INFO').write_text(
+      'I1206 23:58:01.534337 1397 train.py:669] step 800/3000  loss 0.5824\n'
+      'E1206 23:58:02.049764 1397 main.py:488] vit-train: preempted (SIGTERM) at step 813: '
+      'checkpoint saved\n')
   started = []
 
   def runner(argv, log):
@@ -1061,3 +1067,40 @@ def test_after_a_killed_sweep_its_point_still_saving_is_waited_for(tmp_path, mon
           f'then, lock {workdir / first}/lock) to save and exit: the {command} before this one '
           'was killed, and its run there was sent SIGTERM') in said, said
   assert started[0] == (first, True)  # run once the one saving there had ended
+  # How it ended, which the killed command never wrote to the point's log: there too.
+  ended = '== it exited; its log ends: vit-train: preempted (SIGTERM) at step 813: checkpoint saved'
+  assert ended in said.splitlines(), said
+  log = (workdir / first / ('sweep.log' if command == 'vit-sweep' else 'vtab.log')).read_text()
+  assert ended in log.splitlines(), log
+
+
+def test_ctrl_c_while_waiting_for_a_killed_sweeps_point_says_it_goes_on(
+    tmp_path, monkeypatch, capsys):
+  """Ctrl-C while the sweep waits for the killed one's point to save had said only
+  'vit-sweep: interrupted (Ctrl-C)': that run is still saving, outside this terminal's Ctrl-C."""
+  monkeypatch.setattr(sweep, 'check_data', lambda *args, **kwargs: None)
+  workdir = tmp_path / 'sw'
+  (workdir / 'base_lr=0.001').mkdir(parents=True)
+  gone = subprocess.Popen(['true'])
+  gone.wait()
+  for folder, pid in ((workdir, gone.pid), (workdir / 'base_lr=0.001', os.getppid())):
+    (folder / 'lock').write_text(
+        json.dumps({
+            'host': socket.gethostname(),
+            'pid': pid,
+            'started': 'then'
+        }))
+
+  def ctrl_c(seconds):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(time, 'sleep', ctrl_c)
+  with pytest.raises(SystemExit) as stop:
+    sweep.main([f'--config={FINETUNE}', f'--workdir={workdir}'], runner=lambda argv, log: 0)
+  assert stop.value.code == 130
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      f'vit-sweep: interrupted (Ctrl-C) while waiting for pid {os.getppid()} on '
+      f'{socket.gethostname()} (started then, lock {workdir}/base_lr=0.001/lock) to save and '
+      'exit (it goes on): run the same command to resume, once it has exited')
+  assert (workdir / 'base_lr=0.001' / 'lock').exists()  # the other run's, left to it
+  assert not (workdir / 'lock').exists()  # the sweep's own, removed
