@@ -107,10 +107,16 @@ def _tidied_on_failure(builder):
     for entry in _listing(under_way) - before:
       if _DOWNLOAD_UNDER_WAY.search(entry):
         shutil.rmtree(os.path.join(under_way, entry), ignore_errors=True)
-    for folder in sorted(made, key=len, reverse=True):  # a folder's own before it
-      with contextlib.suppress(OSError):  # not empty: something else was put there
-        os.rmdir(folder)
+    _remove_where_empty(made)
     raise
+
+
+def _remove_where_empty(folders):
+  """Removes each of `folders` that is empty, a folder's own before it (one that is not
+  empty holds what another put there)."""
+  for folder in sorted(folders, key=len, reverse=True):
+    with contextlib.suppress(OSError):
+      os.rmdir(folder)
 
 
 _LOCK = 'vit-tfds-build.lock'  # in DIR/downloads/<name>, while one command prepares it
@@ -189,9 +195,7 @@ def _one_preparation_at_a_time(builder, name, out):
       # over could not remove it, this one's lock being inside.
       made.add(os.path.dirname(path))
   finally:
-    for f in sorted(made, key=len, reverse=True):  # a folder's own before it
-      with contextlib.suppress(OSError):  # not empty: TFDS's files are there
-        os.rmdir(f)
+    _remove_where_empty(made)  # not empty: TFDS's files are there
 
 
 def prepare(name, data_dir, manual_dir, out):
