@@ -404,8 +404,9 @@ def wait_for_a_stopping_run(run_dir, log_name, out, killed='vit-sweep',
 
   def say(line):
     print(line, file=out, flush=True)
-    with open(os.path.join(run_dir, log_name), 'a') as log:
-      log.write(line + '\n')
+    with contextlib.suppress(OSError):  # a full disk: the point's own run then says so
+      with open(os.path.join(run_dir, log_name), 'a') as log:
+        log.write(line + '\n')
 
   say(f'== waiting up to {timeout_s // 60} minutes for {holder} to save and exit: the {killed} '
       'before this one was killed, and its run there was sent SIGTERM')

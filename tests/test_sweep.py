@@ -1074,6 +1074,22 @@ def test_after_a_killed_sweep_its_point_still_saving_is_waited_for(tmp_path, mon
   assert ended in log.splitlines(), log
 
 
+def test_a_point_still_running_after_the_wait_is_started_anyway_and_said(tmp_path, capsys):
+  """Past the wait the point is run (its vit-train names what holds the workdir), and the
+  sweep says why; a point log it cannot write (here a folder) does not stop the sweep."""
+  (tmp_path / 'lock').write_text(
+      json.dumps({
+          'host': socket.gethostname(),
+          'pid': os.getppid(),
+          'started': 'then'
+      }))
+  (tmp_path / 'sweep.log').mkdir()
+  sweep.wait_for_a_stopping_run(str(tmp_path), 'sweep.log', sys.stdout, timeout_s=0)
+  assert capsys.readouterr().out.splitlines()[-1] == (
+      f'== pid {os.getppid()} on {socket.gethostname()} (started then, lock {tmp_path}/lock) '
+      'still runs after 0 minutes: the point is started anyway')
+
+
 def test_ctrl_c_while_waiting_for_a_killed_sweeps_point_says_it_goes_on(
     tmp_path, monkeypatch, capsys):
   """Ctrl-C while the sweep waits for the killed one's point to save had said only
